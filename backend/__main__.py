@@ -1,0 +1,3 @@
+from backend.cli.main import main
+
+main()

@@ -1,0 +1,1 @@
+"""The `esp32-bridge` command line."""

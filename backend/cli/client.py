@@ -1,0 +1,77 @@
+"""A small client for the admin API, used by the CLI. Every failure becomes `AdminError` with
+one line for the user."""
+
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+
+class AdminError(Exception):
+    """A failed admin request; the message is one line for the user."""
+
+
+class AdminClient:
+    def __init__(self, base_url: str, token: str | None, timeout_s: float = 10.0) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s)
+
+    def __enter__(self) -> "AdminClient":
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._http.close()
+
+    def devices(self) -> list[dict[str, Any]]:
+        return self._request("GET", "/api/devices")
+
+    def device(self, device_id: str) -> dict[str, Any]:
+        return self._request("GET", f"/api/devices/{quote(device_id, safe='')}")
+
+    def tools(self, device_id: str, *, include_user_only: bool = True) -> list[dict[str, Any]]:
+        params = {"user": "true" if include_user_only else "false"}
+        return self._request("GET", f"/api/devices/{quote(device_id, safe='')}/tools", params)
+
+    def call(
+        self,
+        device_id: str,
+        name: str,
+        arguments: dict[str, Any],
+        timeout_s: float | None = None,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"name": name, "arguments": arguments}
+        if timeout_s is not None:
+            body["timeout_s"] = timeout_s
+        path = f"/api/devices/{quote(device_id, safe='')}/tools/call"
+        # The HTTP wait must outlast the tool's own timeout, so the server's 504 reaches us.
+        wait = (timeout_s or 30.0) + 5.0
+        return self._request("POST", path, json=body, timeout=wait)
+
+    def _request(
+        self, method: str, path: str, params: dict[str, str] | None = None, **kwargs: Any
+    ) -> Any:
+        try:
+            response = self._http.request(method, path, params=params, **kwargs)
+        except httpx.ConnectError:
+            raise AdminError(
+                f"cannot reach the bridge at {self.base_url} (is it running?)"
+            ) from None
+        except httpx.TimeoutException:
+            raise AdminError(f"the bridge at {self.base_url} did not answer in time") from None
+        except httpx.HTTPError as exc:
+            raise AdminError(f"request to {self.base_url} failed: {exc}") from None
+        if response.is_success:
+            return response.json()
+        raise AdminError(_error_message(response))
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        error = response.json()["error"]
+        message = f"{error['message']} ({error['code']})"
+    except (ValueError, KeyError, TypeError):
+        message = response.text.strip()[:200] or response.reason_phrase
+    if response.status_code == 401:
+        return f"{message}: check --token or BRIDGE_ADMIN_TOKEN"
+    return f"HTTP {response.status_code}: {message}"

@@ -1,0 +1,272 @@
+"""`esp32-bridge`: run the bridge, a simulated fleet or the demo; list and call device tools."""
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from backend.auth import ADMIN_TOKEN_FILE, DEVICE_TOKEN_FILE, read_token
+from backend.cli.client import AdminClient, AdminError
+from backend.config import ConfigError, Settings, load_settings
+
+app = typer.Typer(
+    help="Bridge for xiaozhi-compatible ESP32 devices: each device's tools over MCP.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+ConfigOpt = Annotated[Path | None, typer.Option("--config", help="TOML config file.")]
+DataDirOpt = Annotated[
+    Path | None, typer.Option("--data-dir", help="Where tokens and runtime files live.")
+]
+WsPortOpt = Annotated[int | None, typer.Option("--ws-port", help="Device WebSocket port.")]
+HttpPortOpt = Annotated[int | None, typer.Option("--http-port", help="Admin API port.")]
+ServerOpt = Annotated[
+    str | None, typer.Option("--server", help="Admin API URL [env: BRIDGE_SERVER].")
+]
+TokenOpt = Annotated[
+    str | None, typer.Option("--token", help="Admin token [env: BRIDGE_ADMIN_TOKEN].")
+]
+
+
+def fail(message: str, code: int = 1) -> typer.Exit:
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    return typer.Exit(code)
+
+
+def _settings(config: Path | None = None, **overrides: Any) -> Settings:
+    try:
+        return load_settings(config, **overrides)
+    except ConfigError as exc:
+        raise fail(str(exc), 2) from None
+
+
+# ---- serve / demo / simulate ------------------------------------------------------------------
+
+
+@app.command()
+def serve(
+    config: ConfigOpt = None,
+    data_dir: DataDirOpt = None,
+    ws_port: WsPortOpt = None,
+    http_port: HttpPortOpt = None,
+) -> None:
+    """Run the bridge: device WebSocket endpoint and admin API, until Ctrl-C."""
+    from backend.runner import run_bridge
+
+    settings = _settings(config, data_dir=data_dir, ws_port=ws_port, http_port=http_port)
+    _run(run_bridge(settings))
+
+
+@app.command()
+def demo(
+    config: ConfigOpt = None,
+    data_dir: DataDirOpt = None,
+    ws_port: WsPortOpt = None,
+    http_port: HttpPortOpt = None,
+) -> None:
+    """Start the bridge and one simulated device, call two tools, keep serving until Ctrl-C."""
+    from backend.runner import run_demo
+
+    settings = _settings(config, data_dir=data_dir, ws_port=ws_port, http_port=http_port)
+    _run(run_demo(settings, console))
+
+
+@app.command()
+def simulate(
+    url: Annotated[str | None, typer.Option("--url", help="Device endpoint ws:// URL.")] = None,
+    devices: Annotated[int, typer.Option("--devices", min=1, help="Simulated devices.")] = 1,
+    tools: Annotated[int, typer.Option("--tools", min=0, help="Extra synthetic tools.")] = 0,
+    token: Annotated[str | None, typer.Option("--token", help="Device token.")] = None,
+    data_dir: DataDirOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Connect N simulated devices (the real firmware code on a fake HAL) to a bridge."""
+    from backend.runner import run_simulator
+
+    settings = _settings(config, data_dir=data_dir)
+    url = url or _runtime_value(settings, "ws_url") or _default_ws_url(settings)
+    token = (
+        token
+        or os.environ.get("BRIDGE_DEVICE_TOKEN")
+        or read_token(settings.data_dir, DEVICE_TOKEN_FILE)
+    )
+    if token is None and settings.device_auth:
+        raise fail(
+            f"no device token: pass --token or run `serve` once to create "
+            f"{settings.data_dir / DEVICE_TOKEN_FILE}"
+        )
+    _run(run_simulator(url, token, devices, tools, console))
+
+
+# ---- admin commands ---------------------------------------------------------------------------
+
+
+@app.command("devices")
+def list_devices(
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+    data_dir: DataDirOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """List connected devices."""
+    with _admin(server, token, data_dir, config) as admin:
+        rows = _admin_call(admin.devices)
+    table = Table("device_id", "state", "transport", "tools", "server", "connected_at")
+    for device in rows:
+        info = device.get("server_info") or {}
+        table.add_row(
+            device["device_id"],
+            device["state"],
+            device["transport"],
+            str(device["tool_count"]),
+            " ".join(str(info.get(k, "")) for k in ("name", "version")).strip(),
+            device["connected_at"],
+        )
+    console.print(table if rows else "no devices connected")
+
+
+@app.command("tools")
+def list_tools(
+    device: Annotated[str, typer.Argument(help="Device id, e.g. a4:cf:12:34:56:78.")],
+    user: Annotated[bool, typer.Option("--user/--no-user", help="Include user-only tools.")] = True,
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+    data_dir: DataDirOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """List one device's tools."""
+    with _admin(server, token, data_dir, config) as admin:
+        tools = _admin_call(admin.tools, device, include_user_only=user)
+    table = Table("name", "arguments", "description", "audience")
+    for tool in tools:
+        table.add_row(
+            tool["name"],
+            _describe_arguments(tool.get("inputSchema") or {}),
+            tool.get("description") or "",
+            ",".join((tool.get("annotations") or {}).get("audience", [])),
+        )
+    console.print(table)
+
+
+@app.command("call")
+def call_tool(
+    device: Annotated[str, typer.Argument(help="Device id.")],
+    tool: Annotated[str, typer.Argument(help="Tool name, e.g. self.audio_speaker.set_volume.")],
+    arguments: Annotated[
+        str | None, typer.Argument(help="Arguments as a JSON object, e.g. '{\"volume\": 42}'.")
+    ] = None,
+    arg: Annotated[
+        list[str] | None, typer.Option("--arg", help="One argument as key=value (JSON value).")
+    ] = None,
+    timeout: Annotated[float | None, typer.Option("--timeout", help="Seconds.")] = None,
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+    data_dir: DataDirOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Call one tool on one device and print its result."""
+    args = _parse_arguments(arguments, arg or [])
+    with _admin(server, token, data_dir, config) as admin:
+        result = _admin_call(admin.call, device, tool, args, timeout)
+    for item in result["content"]:
+        text = item.get("text") if item.get("type") == "text" else json.dumps(item)
+        console.print(text, highlight=False, markup=False, soft_wrap=True)
+    if result["isError"]:
+        raise fail(f"{tool} reported an error ({result['duration_ms']:.1f} ms)")
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+
+def _admin(
+    server: str | None, token: str | None, data_dir: Path | None, config: Path | None
+) -> AdminClient:
+    settings = _settings(config, data_dir=data_dir)
+    url = (
+        server
+        or os.environ.get("BRIDGE_SERVER")
+        or _runtime_value(settings, "api_url")
+        or f"http://{_local(settings.http_host)}:{settings.http_port}"
+    )
+    admin_token = (
+        token
+        or (settings.admin_token.get_secret_value() if settings.admin_token else None)
+        or read_token(settings.data_dir, ADMIN_TOKEN_FILE)
+    )
+    if admin_token is None:
+        raise fail("no admin token: pass --token, set BRIDGE_ADMIN_TOKEN, or run `serve` once")
+    return AdminClient(url, admin_token)
+
+
+def _admin_call(method: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return method(*args, **kwargs)
+    except AdminError as exc:
+        raise fail(str(exc)) from None
+
+
+def _parse_arguments(raw: str | None, pairs: list[str]) -> dict[str, Any]:
+    arguments: dict[str, Any] = {}
+    if raw:
+        try:
+            arguments = json.loads(raw)
+        except ValueError as exc:
+            raise fail(f"arguments are not valid JSON: {exc}", 2) from None
+        if not isinstance(arguments, dict):
+            raise fail("arguments must be a JSON object", 2)
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise fail(f"--arg expects key=value, got {pair!r}", 2)
+        try:
+            arguments[key] = json.loads(value)
+        except ValueError:
+            arguments[key] = value  # a bare word is a string
+    return arguments
+
+
+def _describe_arguments(schema: dict[str, Any]) -> str:
+    required = set(schema.get("required") or [])
+    parts = []
+    for name, prop in (schema.get("properties") or {}).items():
+        kind = prop.get("type", "any") if isinstance(prop, dict) else "any"
+        parts.append(f"{name}: {kind}" + ("" if name in required else "?"))
+    return ", ".join(parts)
+
+
+def _runtime_value(settings: Settings, key: str) -> str | None:
+    from backend.server import read_runtime_file
+
+    info = read_runtime_file(settings.data_dir) or {}
+    value = info.get(key)
+    return value if isinstance(value, str) else None
+
+
+def _local(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def _default_ws_url(settings: Settings) -> str:
+    return f"ws://{_local(settings.ws_host)}:{settings.ws_port}{settings.ws_path}"
+
+
+def _run(coro: Any) -> None:
+    try:
+        asyncio.run(coro)
+    except KeyboardInterrupt:
+        pass
+    except OSError as exc:
+        raise fail(str(exc)) from None
+
+
+def main() -> None:
+    app()

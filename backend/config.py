@@ -1,0 +1,106 @@
+"""Bridge settings: one TOML file plus `BRIDGE_*` environment overrides.
+
+Precedence, highest first: command-line flags, environment (`BRIDGE_WS_PORT=9000`), the TOML
+file (`--config` or `BRIDGE_CONFIG`), the defaults below. Every default is listed in the README.
+"""
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+
+class ConfigError(Exception):
+    """The configuration cannot be loaded; the message is one line for the user."""
+
+
+def default_data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(base) / "esp32-bridge"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="BRIDGE_", extra="forbid")
+
+    data_dir: Path = Field(default_factory=default_data_dir)
+    # Device endpoint (WebSocket). Devices live on the LAN, so it listens on every interface.
+    ws_host: str = "0.0.0.0"
+    ws_port: int = Field(8000, ge=0, le=65535)
+    ws_path: str = "/xiaozhi/v1/"
+    # Admin API: localhost only unless explicitly changed.
+    http_host: str = "127.0.0.1"
+    http_port: int = Field(8003, ge=0, le=65535)
+    # Tokens; when unset, `serve` creates them in data_dir (mode 0600).
+    admin_token: SecretStr | None = None
+    device_token: SecretStr | None = None
+    device_auth: bool = True
+    # Limits and timeouts.
+    max_message_bytes: int = Field(65536, ge=1024)
+    max_queue: int = Field(16, ge=1)
+    max_pending_calls: int = Field(256, ge=1)
+    hello_timeout_s: float = Field(10.0, gt=0)
+    init_timeout_s: float = Field(10.0, gt=0)
+    call_timeout_s: float = Field(10.0, gt=0)
+    tool_timeouts: dict[str, float] = Field(
+        default_factory=lambda: {"self.camera.take_photo": 30.0}
+    )
+    ping_interval_s: float | None = Field(20.0, gt=0)
+    list_user_tools: bool = True
+    # Sent to devices in initialize as capabilities.vision (used by self.camera.take_photo).
+    vision_url: str | None = None
+    vision_token: SecretStr | None = None
+    # Downlink audio parameters announced in the server hello.
+    audio_sample_rate: int = 24000
+    audio_frame_duration: int = 60
+    log_level: str = "info"
+    log_format: str = Field("auto", pattern="^(auto|json|console)$")
+
+    @field_validator("ws_path")
+    @classmethod
+    def _path_has_slash(cls, value: str) -> str:
+        return value if value.startswith("/") else "/" + value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls))
+
+    @property
+    def ws_url_path(self) -> str:
+        return self.ws_path
+
+    def timeout_for(self, tool_name: str) -> float:
+        return self.tool_timeouts.get(tool_name, self.call_timeout_s)
+
+
+def load_settings(config_file: Path | str | None = None, **overrides: Any) -> Settings:
+    """Load settings; `overrides` are command-line flags (None means "not given")."""
+    path = config_file or os.environ.get("BRIDGE_CONFIG")
+    if path is not None and not Path(path).is_file():
+        raise ConfigError(f"config file not found: {path}")
+
+    class _FileSettings(Settings):
+        model_config = SettingsConfigDict(toml_file=path)
+
+    given = {key: value for key, value in overrides.items() if value is not None}
+    try:
+        return _FileSettings(**given)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        where = ".".join(str(part) for part in error["loc"])
+        raise ConfigError(f"invalid setting {where!r}: {error['msg']}") from None
+    except ValueError as exc:  # TOML syntax errors
+        raise ConfigError(f"cannot read config {path}: {exc}") from None

@@ -1,0 +1,38 @@
+"""Errors of the device layer; the MCP-level ones live in backend.mcp_session.errors."""
+
+
+class DeviceLayerError(Exception):
+    """Base class: the message is one line for an operator."""
+
+
+class UnknownDevice(DeviceLayerError):
+    def __init__(self, device_id: str) -> None:
+        super().__init__(f"unknown device {device_id!r}")
+        self.device_id = device_id
+
+
+class UnknownTool(DeviceLayerError):
+    def __init__(self, device_id: str, tool: str) -> None:
+        super().__init__(f"device {device_id!r} has no tool {tool!r}")
+        self.device_id = device_id
+        self.tool = tool
+
+
+class DeviceNotReady(DeviceLayerError):
+    def __init__(self, device_id: str, state: str) -> None:
+        super().__init__(f"device {device_id!r} is not ready (state: {state})")
+        self.device_id = device_id
+        self.state = state
+
+
+class DeviceBusy(DeviceLayerError):
+    def __init__(self, device_id: str, limit: int) -> None:
+        super().__init__(f"device {device_id!r} already has {limit} calls in flight")
+        self.device_id = device_id
+
+
+class InvalidArguments(DeviceLayerError):
+    def __init__(self, tool: str, reason: str) -> None:
+        super().__init__(f"invalid arguments for {tool!r}: {reason}")
+        self.tool = tool
+        self.reason = reason

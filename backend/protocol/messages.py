@@ -1,0 +1,175 @@
+"""JSON control messages of the xiaozhi protocol (reference §1.2, §2.2, §3).
+
+Parsing is tolerant, as devices differ: unknown fields are kept (``extra="allow"``), the device's
+`session_id` is never required or checked, and anything unusable raises `ParseError` with a reason
+that the caller logs once before dropping the frame. The link stays up either way.
+"""
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+
+class ParseError(ValueError):
+    """A device frame that cannot be used; the message says why, in one line."""
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    # Stock firmware echoes the server's session_id, other clients send "" or nothing.
+    session_id: Any = None
+
+
+class AudioParams(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    format: str = "opus"
+    sample_rate: int = 16000
+    channels: int = 1
+    frame_duration: int = 60
+
+
+class Features(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    mcp: bool = False
+    aec: bool = False
+    glyph_push: bool = False
+
+
+# ---- device -> server -------------------------------------------------------------------------
+
+
+class DeviceHello(_Message):
+    type: Literal["hello"]
+    version: int = 1
+    transport: str = "websocket"
+    # Firmware older than 1.6 omits `features`; such devices have no MCP server.
+    features: Features = Field(default_factory=Features)
+    audio_params: AudioParams = Field(default_factory=AudioParams)
+
+
+class Listen(_Message):
+    type: Literal["listen"]
+    state: Literal["start", "stop", "detect"]
+    mode: Literal["auto", "manual", "realtime"] | None = None
+    text: str | None = None
+
+
+class Abort(_Message):
+    type: Literal["abort"]
+    reason: str | None = None
+
+
+class McpEnvelope(_Message):
+    type: Literal["mcp"]
+    payload: Any
+
+
+class Goodbye(_Message):
+    type: Literal["goodbye"]
+
+
+DeviceMessage = Annotated[
+    DeviceHello | Listen | Abort | McpEnvelope | Goodbye, Field(discriminator="type")
+]
+_device_message = TypeAdapter(DeviceMessage)
+DEVICE_TYPES = frozenset({"hello", "listen", "abort", "mcp", "goodbye"})
+
+
+def parse_device_message(text: str | bytes) -> DeviceHello | Listen | Abort | McpEnvelope | Goodbye:
+    """Parse one text frame from a device; raises ParseError with a one-line reason."""
+    try:
+        data = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ParseError(f"invalid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ParseError(f"expected a JSON object, got {type(data).__name__}")
+    kind = data.get("type")
+    if not isinstance(kind, str):
+        raise ParseError("message has no string 'type'")
+    if kind not in DEVICE_TYPES:
+        raise ParseError(f"unknown message type {kind!r}")
+    if kind == "mcp":
+        return _parse_mcp(data)
+    try:
+        return _device_message.validate_python(data)
+    except ValidationError as exc:
+        raise ParseError(f"invalid {kind!r} message: {_first_error(exc)}") from None
+
+
+def _parse_mcp(data: dict[str, Any]) -> McpEnvelope:
+    # Hot path of every tool call: skip model validation, the payload is any JSON value and the
+    # MCP session checks it.
+    if "payload" not in data:
+        raise ParseError("invalid 'mcp' message: missing 'payload'")
+    return McpEnvelope.model_construct(**data)
+
+
+def _first_error(exc: ValidationError) -> str:
+    error = exc.errors(include_url=False)[0]
+    where = ".".join(str(part) for part in error["loc"]) or "message"
+    return f"{where}: {error['msg']}"
+
+
+# ---- server -> device -------------------------------------------------------------------------
+
+
+class _ServerMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    def to_json(self) -> str:
+        return self.model_dump_json(exclude_none=True)
+
+
+class ServerHello(_ServerMessage):
+    type: Literal["hello"] = "hello"
+    # Must be present and exactly "websocket": a missing transport crashes stock firmware.
+    transport: Literal["websocket", "udp"] = "websocket"
+    session_id: str
+    audio_params: AudioParams = Field(default_factory=lambda: AudioParams(sample_rate=24000))
+
+
+class Stt(_ServerMessage):
+    type: Literal["stt"] = "stt"
+    session_id: str | None = None
+    text: str
+
+
+class Tts(_ServerMessage):
+    type: Literal["tts"] = "tts"
+    session_id: str | None = None
+    state: Literal["start", "sentence_start", "stop"]
+    text: str | None = None
+
+
+class Llm(_ServerMessage):
+    type: Literal["llm"] = "llm"
+    session_id: str | None = None
+    emotion: str
+    text: str | None = None
+
+
+class System(_ServerMessage):
+    type: Literal["system"] = "system"
+    session_id: str | None = None
+    command: str
+
+
+class Alert(_ServerMessage):
+    type: Literal["alert"] = "alert"
+    session_id: str | None = None
+    status: str
+    message: str
+    emotion: str
+
+
+def mcp_envelope(session_id: str, payload: Any) -> str:
+    """Serialise one JSON-RPC payload for the device, compact as the firmware sends it."""
+    return json.dumps(
+        {"session_id": session_id, "type": "mcp", "payload": payload},
+        separators=(",", ":"),
+        ensure_ascii=False,
+    )

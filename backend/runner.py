@@ -1,0 +1,87 @@
+"""Long-running entry points behind `serve`, `demo` and `simulate`."""
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from backend.config import Settings
+from backend.logs import configure_logging
+from backend.server import Bridge
+
+
+async def run_bridge(settings: Settings) -> None:
+    configure_logging(settings.log_level, settings.log_format)
+    bridge = Bridge(settings)
+    for path in bridge.tokens.created:
+        print(f"created token file {path} (mode 0600)", flush=True)
+    await bridge.start()
+    print(f"bridge ready: devices at {bridge.ws_url}, admin API at {bridge.api_url}", flush=True)
+    await bridge.serve_forever()
+
+
+async def run_demo(settings: Settings, console: Console) -> None:
+    """The bridge plus one simulated device in one process: list, call, keep serving."""
+    from simulator import SimulatedDevice
+
+    configure_logging("warning", settings.log_format)
+    bridge = Bridge(settings)
+    await bridge.start()
+    device = SimulatedDevice(bridge.ws_url, bridge.tokens.device, index=1)
+    device.hal.on_change = lambda what, value: console.print(f"[dim]  device: {what} = {value}")
+    device.start()
+    try:
+        console.print(f"bridge: devices at {bridge.ws_url}, admin API at {bridge.api_url}")
+        await bridge.registry.wait_for_state(device.device_id, timeout_s=10)
+        await _demo_calls(bridge, device.device_id, console)
+        console.print(
+            "\nServing until Ctrl-C. From another terminal try:\n"
+            f"  esp32-bridge devices --data-dir {settings.data_dir}\n"
+            f"  esp32-bridge call {device.device_id} self.audio_speaker.set_volume "
+            f"--arg volume=70 --data-dir {settings.data_dir}"
+        )
+        await bridge.serve_forever()
+    finally:
+        await device.stop()
+        await bridge.stop()
+
+
+async def _demo_calls(bridge: Bridge, device_id: str, console: Console) -> None:
+    headers = {"Authorization": f"Bearer {bridge.tokens.admin}"}
+    async with httpx.AsyncClient(base_url=bridge.api_url, headers=headers) as api:
+        tools = (await api.get(f"/api/devices/{device_id}/tools")).json()
+        table = Table("tool", "description", title=f"device {device_id}: {len(tools)} tools")
+        for tool in tools:
+            table.add_row(tool["name"], tool["description"])
+        console.print(table)
+        for name, arguments in (
+            ("self.audio_speaker.set_volume", {"volume": 42}),
+            ("self.get_device_status", {}),
+        ):
+            response = await api.post(
+                f"/api/devices/{device_id}/tools/call",
+                json={"name": name, "arguments": arguments},
+            )
+            result = response.json()
+            console.print(f"\ncall {name} {json.dumps(arguments)} → HTTP {response.status_code}")
+            console.print_json(json.dumps(result))
+
+
+async def run_simulator(
+    url: str, token: str | None, count: int, extra_tools: int, console: Console
+) -> None:
+    from simulator import run_fleet
+
+    def log(*parts: Any) -> None:
+        if count <= 10:
+            console.print("[dim]" + " ".join(str(p) for p in parts), highlight=False)
+
+    devices = await run_fleet(url, token, count, extra_tools=extra_tools, log=log)
+    console.print(f"{count} simulated device(s) connecting to {url}; Ctrl-C stops them")
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await asyncio.gather(*(device.stop() for device in devices))

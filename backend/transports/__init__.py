@@ -1,0 +1,1 @@
+"""Device transports: bytes and envelopes in, `DeviceSession` calls out. No MCP here."""

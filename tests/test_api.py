@@ -1,0 +1,84 @@
+"""Admin API surface: auth, health, error format."""
+
+import httpx
+import pytest
+
+from tests.conftest import wait_state
+
+
+async def test_healthz_needs_no_token(bridge):
+    async with httpx.AsyncClient(base_url=bridge.api_url) as client:
+        response = await client.get("/healthz")
+    assert response.status_code == 200 and response.json()["status"] == "ok"
+
+
+@pytest.mark.parametrize("authorization", [None, "Bearer wrong", "device-secret-token-for-tests"])
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/api/devices"),
+        ("GET", "/api/devices/x"),
+        ("GET", "/api/devices/x/tools"),
+        ("POST", "/api/devices/x/tools/call"),
+    ],
+)
+async def test_admin_routes_need_the_admin_token(bridge, authorization, method, path):
+    headers = {"Authorization": authorization} if authorization else {}
+    async with httpx.AsyncClient(base_url=bridge.api_url, headers=headers) as client:
+        response = await client.request(method, path, json={"name": "x"})
+    assert response.status_code == 401
+    assert response.json() == {
+        "error": {"code": "unauthorized", "message": "missing or invalid admin token"}
+    }
+
+
+async def test_api_listens_on_localhost_only(bridge):
+    assert bridge.settings.http_host == "127.0.0.1"
+    assert bridge.api_url.startswith("http://127.0.0.1:")
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ({}, "name"),
+        ({"name": ""}, "name"),
+        ({"name": "t", "arguments": [1]}, "arguments"),
+        ({"name": "t", "timeout_s": -1}, "timeout_s"),
+    ],
+)
+async def test_malformed_call_request_is_422(bridge, api, wire_devices, body, fragment):
+    device = wire_devices()
+    await device.connect()
+    await wait_state(bridge, device.device_id)
+    response = await api.post(f"/api/devices/{device.device_id}/tools/call", json=body)
+    assert response.status_code == 422
+    assert response.json()["error"]["code"] == "invalid_request"
+    assert fragment in response.json()["error"]["message"]
+
+
+async def test_unknown_route_is_json_404(api):
+    response = await api.get("/api/nothing")
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "http_error"
+
+
+async def test_tools_of_unknown_device_is_404(api):
+    response = await api.get("/api/devices/ff:ff:ff:ff:ff:ff/tools")
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "unknown_device"
+
+
+async def test_call_while_initializing_is_409(bridge, api, wire_devices):
+    device = wire_devices()
+
+    async def stall(dev, payload):
+        return None
+
+    device.handlers["tools/list"] = stall
+    await device.connect()
+    await device.wait_for_method("tools/list")
+    response = await api.post(
+        f"/api/devices/{device.device_id}/tools/call", json={"name": "self.get_device_status"}
+    )
+    assert response.status_code == 409
+    assert response.json()["error"]["code"] == "device_not_ready"

@@ -1,0 +1,166 @@
+"""Bad input from devices: each case has a defined outcome, one log line, no harm to others."""
+
+import asyncio
+import json
+
+import pytest
+from structlog.testing import capture_logs
+
+from backend.devices import DeviceState
+from tests.conftest import eventually, wait_state
+from tests.wire_device import STOCK_HELLO, WireDevice, ok
+
+
+async def healthy_call(device) -> None:
+    """The bridge still serves this device: a real tools/call round trip."""
+    live = device  # registry Device
+    result = await live.call_tool("self.audio_speaker.set_volume", {"volume": 33})
+    assert result.content == [{"type": "text", "text": "true"}]
+
+
+@pytest.mark.parametrize(
+    ("frame", "reason"),
+    [
+        ("{not json", "invalid JSON"),
+        ("[1,2,3]", "expected a JSON object"),
+        ('{"type":"listen","state":42}', "invalid 'listen' message"),
+        ('{"type":"hello","features":"yes"}', "invalid 'hello' message"),
+        ('{"type":"teleport"}', "unknown message type"),
+        ('{"session_id":"s"}', "no string 'type'"),
+        ('{"type":"mcp"}', "missing 'payload'"),
+    ],
+)
+async def test_bad_text_frames_are_logged_once_and_dropped(bridge, wire_devices, frame, reason):
+    device = wire_devices()
+    # Session loggers bind at connect time, so capture from before the connection.
+    with capture_logs() as logs:
+        await device.connect()
+        live = await wait_state(bridge, device.device_id)
+        await device.send(frame)
+        await eventually(lambda: any(e["event"] == "dropped device message" for e in logs))
+    dropped = [entry for entry in logs if entry["event"] == "dropped device message"]
+    assert len(dropped) == 1 and reason in dropped[0]["reason"]
+    assert dropped[0]["device_id"] == device.device_id
+    await healthy_call(live)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        "just a string",
+        42,
+        None,
+        [],
+        [{"jsonrpc": "2.0", "id": 12345, "result": {}}],
+        {"jsonrpc": "2.0", "id": "abc", "result": {}},
+        {"jsonrpc": "2.0", "id": 999999, "result": {}},
+        {"jsonrpc": "2.0", "id": 1.5, "error": "bad"},
+        {"jsonrpc": "2.0"},
+        {"id": {"nested": True}, "result": None},
+    ],
+)
+async def test_garbage_mcp_payloads_do_not_break_the_link(bridge, wire_devices, payload):
+    device = wire_devices()
+    await device.connect()
+    live = await wait_state(bridge, device.device_id)
+    await device.reply(payload)
+    await asyncio.sleep(0.02)
+    await healthy_call(live)
+
+
+async def test_binary_junk_is_ignored(bridge, wire_devices):
+    device = wire_devices()
+    await device.connect()
+    live = await wait_state(bridge, device.device_id)
+    await device.send(b"\x00\xff" * 100)
+    await device.send(b"")
+    await healthy_call(live)
+
+
+async def test_oversize_frame_closes_with_1009_and_others_unaffected(bridge, wire_devices):
+    victim = wire_devices("a4:cf:00:00:00:0a")
+    bystander = wire_devices("a4:cf:00:00:00:0b")
+    with capture_logs() as logs:
+        await victim.connect()
+        await bystander.connect()
+        await wait_state(bridge, victim.device_id)
+        other = await wait_state(bridge, bystander.device_id)
+        await victim.send(json.dumps({"type": "listen", "state": "detect", "text": "x" * 70_000}))
+        await victim.ws.wait_closed()
+        await eventually(lambda: bridge.registry.get(victim.device_id) is None)
+    assert victim.ws.close_code == 1009
+    disconnects = [e for e in logs if e["event"] == "device disconnected"]
+    assert len(disconnects) == 1 and "1009" in disconnects[0]["reason"]
+    await healthy_call(other)
+
+
+async def test_device_that_never_answers_initialize_fails_but_stays_connected(bridge_factory):
+    impatient = await bridge_factory(init_timeout_s=0.3)
+    silent = WireDevice(impatient.ws_url, "device-secret-token-for-tests", "a4:cf:00:00:00:0c")
+    healthy = WireDevice(impatient.ws_url, "device-secret-token-for-tests", "a4:cf:00:00:00:0d")
+
+    async def ignore(dev, payload):
+        return None
+
+    silent.handlers["initialize"] = ignore
+    try:
+        with capture_logs() as logs:
+            await silent.connect()
+            await healthy.connect()
+            failed = await wait_state(impatient, silent.device_id, DeviceState.FAILED)
+        assert "initialize" in failed.error and "timed out" in failed.error.lower()
+        assert [e["event"] for e in logs if e.get("device_id") == silent.device_id].count(
+            "MCP handshake failed; device stays connected"
+        ) == 1
+        # initialize is never cancelled (MCP forbids it), the link stays up.
+        assert "notifications/cancelled" not in silent.methods()
+        assert impatient.registry.get(silent.device_id) is failed
+        await healthy_call(await wait_state(impatient, healthy.device_id))
+    finally:
+        await silent.close()
+        await healthy.close()
+
+
+async def test_device_answering_garbage_to_tools_list_fails_cleanly(bridge, wire_devices):
+    device = wire_devices()
+
+    async def garbage(dev, payload):
+        return ok(payload, "this is not a tools object")
+
+    device.handlers["tools/list"] = garbage
+    await device.connect()
+    failed = await wait_state(bridge, device.device_id, DeviceState.FAILED)
+    assert failed.error
+
+
+async def test_device_that_never_sends_hello_is_closed(bridge_factory):
+    strict = await bridge_factory(hello_timeout_s=0.2)
+    device = WireDevice(strict.ws_url, "device-secret-token-for-tests")
+    await device.connect(send_hello=False)
+    await device.ws.wait_closed()
+    assert device.ws.close_code == 1008
+    await eventually(lambda: len(strict.registry) == 0)
+
+
+async def test_tolerant_of_other_clients_pretty_json_empty_session(bridge, wire_devices):
+    device = wire_devices(compact=False)
+    await device.connect()
+    live = await wait_state(bridge, device.device_id)
+    # The device never echoes the session id: nothing depends on it.
+    device.session_id = ""
+    await device.send({"type": "listen", "state": "start", "mode": "auto"})
+    await device.send({"session_id": "", "type": "listen", "state": "detect", "text": "hi"})
+    await healthy_call(live)
+
+
+async def test_repeated_hello_gets_same_session_and_no_reinit(bridge, wire_devices):
+    device = wire_devices()
+    first = await device.connect()
+    await wait_state(bridge, device.device_id)
+    inits = device.methods().count("initialize")
+    await device.stop_reader()
+    await device.send(STOCK_HELLO)
+    again = json.loads(await device.ws.recv())
+    assert again["session_id"] == first["session_id"]
+    await asyncio.sleep(0.05)
+    assert device.methods().count("initialize") == inits == 1

@@ -1,0 +1,149 @@
+"""The `esp32-bridge` CLI against a running bridge, as a real subprocess."""
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from backend.config import Settings
+from backend.server import Bridge
+from tests.conftest import wait_state
+from tests.wire_device import WireDevice
+
+CLI = [sys.executable, "-m", "backend.cli"]
+
+
+async def run_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        *CLI,
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "COLUMNS": "200", "NO_COLOR": "1", **(env or {})},
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 60)
+    return process.returncode, out.decode(), err.decode()
+
+
+@pytest.fixture
+async def self_configured_bridge(tmp_path: Path):
+    """A bridge that created its own tokens in its data dir, as `serve` does."""
+    settings = Settings(data_dir=tmp_path / "data", ws_host="127.0.0.1", ws_port=0, http_port=0)
+    async with Bridge(settings) as bridge:
+        device = WireDevice(bridge.ws_url, bridge.tokens.device)
+        await device.connect()
+        await wait_state(bridge, device.device_id)
+        yield bridge, device
+        await device.close()
+
+
+async def test_devices_tools_and_call_find_server_and_token_in_data_dir(self_configured_bridge):
+    bridge, device = self_configured_bridge
+    data_dir = str(bridge.settings.data_dir)
+
+    code, out, err = await run_cli("devices", "--data-dir", data_dir)
+    assert code == 0, err
+    assert device.device_id in out and "ready" in out
+
+    code, out, err = await run_cli("tools", device.device_id, "--data-dir", data_dir)
+    assert code == 0, err
+    assert "self.audio_speaker.set_volume" in out and "volume: integer" in out
+
+    code, out, err = await run_cli(
+        "call",
+        device.device_id,
+        "self.audio_speaker.set_volume",
+        '{"volume": 61}',
+        "--data-dir",
+        data_dir,
+    )
+    assert (code, out.strip()) == (0, "true"), err
+    assert device.volume == 61
+
+    code, out, err = await run_cli(
+        "call",
+        device.device_id,
+        "self.audio_speaker.set_volume",
+        "--arg",
+        "volume=62",
+        "--data-dir",
+        data_dir,
+    )
+    assert code == 0 and device.volume == 62, err
+
+    code, out, err = await run_cli(
+        "call", device.device_id, "self.get_device_status", "--data-dir", data_dir
+    )
+    assert code == 0 and json.loads(out)["audio_speaker"]["volume"] == 62
+
+
+async def test_explicit_server_and_token_flags(self_configured_bridge):
+    bridge, device = self_configured_bridge
+    code, out, _ = await run_cli(
+        "devices",
+        "--server",
+        bridge.api_url,
+        "--token",
+        bridge.tokens.admin,
+        "--data-dir",
+        "/nonexistent-dir",
+    )
+    assert code == 0 and device.device_id in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["call", "ff:ff:ff:ff:ff:ff", "self.x"], "unknown device 'ff:ff:ff:ff:ff:ff'"),
+        (["call", "{device}", "self.nope"], "has no tool 'self.nope'"),
+        (
+            ["call", "{device}", "self.audio_speaker.set_volume", "--arg", "volume=500"],
+            "invalid arguments",
+        ),
+        (["call", "{device}", "self.audio_speaker.set_volume", "[1]"], "must be a JSON object"),
+        (["call", "{device}", "self.audio_speaker.set_volume", "{bad"], "not valid JSON"),
+        (["tools", "ff:ff:ff:ff:ff:ff"], "unknown device"),
+    ],
+)
+async def test_errors_are_one_line_without_traceback(self_configured_bridge, args, message):
+    bridge, device = self_configured_bridge
+    args = [a.replace("{device}", device.device_id) for a in args]
+    code, out, err = await run_cli(*args, "--data-dir", str(bridge.settings.data_dir))
+    assert code != 0
+    assert message in err
+    assert "Traceback" not in err + out
+    assert len(err.strip().splitlines()) == 1
+
+
+async def test_bad_token_is_a_clear_error(self_configured_bridge):
+    bridge, _ = self_configured_bridge
+    code, _, err = await run_cli("devices", "--server", bridge.api_url, "--token", "nope")
+    assert code == 1
+    assert "invalid admin token" in err and "--token" in err
+    assert "Traceback" not in err
+
+
+async def test_unreachable_server(tmp_path):
+    code, _, err = await run_cli(
+        "devices", "--server", "http://127.0.0.1:9", "--token", "x", "--data-dir", str(tmp_path)
+    )
+    assert code == 1
+    assert "cannot reach the bridge at http://127.0.0.1:9" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+async def test_no_token_anywhere(tmp_path):
+    code, _, err = await run_cli(
+        "devices", "--data-dir", str(tmp_path), env={"BRIDGE_ADMIN_TOKEN": ""}
+    )
+    assert code == 1 and "no admin token" in err
+
+
+async def test_bad_config_file(tmp_path):
+    config = tmp_path / "bad.toml"
+    config.write_text("ws_port = 'x'\n")
+    code, _, err = await run_cli("serve", "--config", str(config))
+    assert code == 2 and "invalid setting 'ws_port'" in err and "Traceback" not in err

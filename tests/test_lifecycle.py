@@ -1,0 +1,85 @@
+"""`esp32-bridge serve` as a real process: token files, runtime file, graceful SIGTERM/SIGINT."""
+
+import asyncio
+import json
+import os
+import signal
+import stat
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import eventually
+from tests.wire_device import WireDevice
+
+
+async def start_serve(data_dir: Path) -> asyncio.subprocess.Process:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "backend.cli",
+        "serve",
+        "--data-dir",
+        str(data_dir),
+        "--ws-port",
+        "0",
+        "--http-port",
+        "0",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "BRIDGE_ADMIN_TOKEN": "", "BRIDGE_DEVICE_TOKEN": ""},
+    )
+    await eventually(lambda: (data_dir / "bridge.json").exists(), timeout_s=30)
+    return process
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+async def test_signal_stops_gracefully(tmp_path, sig):
+    data_dir = tmp_path / "data"
+    process = await start_serve(data_dir)
+    runtime = json.loads((data_dir / "bridge.json").read_text())
+    admin = (data_dir / "admin.token").read_text().strip()
+    device_token = (data_dir / "device.token").read_text().strip()
+    for name in ("admin.token", "device.token"):
+        assert stat.S_IMODE((data_dir / name).stat().st_mode) == 0o600
+
+    device = WireDevice(runtime["ws_url"], device_token)
+    hung = asyncio.Event()
+
+    async def hang(dev, payload):
+        hung.set()
+
+    device.handlers["tools/call"] = hang
+    await device.connect()
+    async with httpx.AsyncClient(
+        base_url=runtime["api_url"], headers={"Authorization": f"Bearer {admin}"}, timeout=30
+    ) as api:
+        for _ in range(200):
+            listing = (await api.get("/api/devices")).json()
+            if listing and listing[0]["state"] == "ready":
+                break
+            await asyncio.sleep(0.02)
+        pending = asyncio.create_task(
+            api.post(
+                f"/api/devices/{device.device_id}/tools/call",
+                json={"name": "self.get_device_status", "timeout_s": 30},
+            )
+        )
+        await hung.wait()
+        process.send_signal(sig)
+        response = await pending
+
+    assert response.status_code == 503
+    assert "shutting down" in response.json()["error"]["message"]
+    await device.ws.wait_closed()
+    assert device.ws.close_code == 1001
+    out, err = await asyncio.wait_for(process.communicate(), 15)
+    assert process.returncode == 0, err.decode()
+    assert not (data_dir / "bridge.json").exists()
+    logs = err.decode()
+    assert admin not in logs + out.decode() and device_token not in logs + out.decode()
+    events = [json.loads(line)["event"] for line in logs.splitlines() if line.startswith("{")]
+    assert "bridge stopping" in events and "bridge stopped" in events
+    assert "created token file" in out.decode()
