@@ -1,0 +1,126 @@
+"""N simulated devices in one asyncio process.
+
+Each device is the real firmware (`app.App`, `transport_ws`, `mcp_server`, `tools_stock`) over an
+in-memory HAL, so it connects exactly like the stock firmware: same headers, same hello, same MCP
+replies. `extra_tools` adds synthetic tools so `tools/list` spans several 8000-byte pages; they
+also take a `delay_ms` argument, which makes slow calls (timeouts, cancellation) easy to test.
+"""
+
+import asyncio
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from simulator.firmware import firmware_module
+
+BOARD_NAME = "sim-device"
+FIRMWARE_VERSION = "2.4.2-sim"
+_SYNTHETIC_DESCRIPTION = (
+    "Synthetic tool {index} of the simulator. Echoes `value` back after `delay_ms` "
+    "milliseconds; it exists to exercise paginated tools/list and slow tool calls."
+)
+
+
+def device_id_for(index: int) -> str:
+    """A locally administered MAC address, stable per index, like a stock Device-Id."""
+    return "02:00:" + ":".join(f"{byte:02x}" for byte in index.to_bytes(4, "big"))
+
+
+def client_id_for(index: int) -> str:
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"esp32-mcp-bridge-simulator/{index}"))
+
+
+class SimulatedDevice:
+    def __init__(
+        self,
+        url: str,
+        token: str | None,
+        index: int = 1,
+        *,
+        extra_tools: int = 0,
+        device_id: str | None = None,
+        log: Callable[..., None] | None = None,
+        reconnect_min_s: float = 1.0,
+    ) -> None:
+        app_module = firmware_module("app")
+        hal_module = firmware_module("hal_fake")
+        mcp_module = firmware_module("mcp_server")
+        tools_module = firmware_module("tools_stock")
+        transport_module = firmware_module("transport_ws")
+
+        self.device_id = device_id or device_id_for(index)
+        self.hal = hal_module.HalFake(board_name=BOARD_NAME, firmware_version=FIRMWARE_VERSION)
+        self.server = mcp_module.McpServer(BOARD_NAME, FIRMWARE_VERSION)
+        tools_module.register(self.server, self.hal)
+        add_synthetic_tools(self.server, extra_tools)
+        config = {
+            "url": url,
+            "token": token or "",
+            "device_id": self.device_id,
+            "client_id": client_id_for(index),
+            "protocol_version": 1,
+            "reconnect_min_s": reconnect_min_s,
+        }
+        self.app = app_module.App(
+            config, self.hal, self.server, transport_module.WsTransport, log=log or _quiet
+        )
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> asyncio.Task[None]:
+        self._task = asyncio.create_task(self.app.run(), name=f"sim {self.device_id}")
+        return self._task
+
+    async def stop(self) -> None:
+        self.app.stop()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+
+def add_synthetic_tools(server: Any, count: int) -> None:
+    mcp = firmware_module("mcp_server")
+    properties = [
+        mcp.integer("value", default=0, minimum=0, maximum=1_000_000),
+        mcp.integer("delay_ms", default=0, minimum=0, maximum=600_000),
+    ]
+    for index in range(count):
+        name = f"sim.synthetic_{index:03d}"
+        server.add_tool(
+            name,
+            _SYNTHETIC_DESCRIPTION.format(index=index),
+            properties,
+            _synthetic_handler(name),
+        )
+
+
+def _synthetic_handler(name: str) -> Callable[[dict[str, Any]], Any]:
+    async def handler(args: dict[str, Any]) -> dict[str, Any]:
+        if args["delay_ms"]:
+            await asyncio.sleep(args["delay_ms"] / 1000)
+        return {"tool": name, "value": args["value"]}
+
+    return handler
+
+
+async def run_fleet(
+    url: str,
+    token: str | None,
+    count: int,
+    *,
+    extra_tools: int = 0,
+    first_index: int = 1,
+    log: Callable[..., None] | None = None,
+) -> list[SimulatedDevice]:
+    """Create and start `count` devices; they keep running (and reconnecting) until stopped."""
+    devices = [
+        SimulatedDevice(url, token, first_index + i, extra_tools=extra_tools, log=log)
+        for i in range(count)
+    ]
+    for device in devices:
+        device.start()
+        await asyncio.sleep(0)  # let each handshake start before the next
+    return devices
+
+
+def _quiet(*_args: Any) -> None:
+    pass
