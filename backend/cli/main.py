@@ -2,17 +2,17 @@
 
 import asyncio
 import json
-import os
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from backend.auth import ADMIN_TOKEN_FILE, DEVICE_TOKEN_FILE, read_token
+from backend.auth import DEVICE_TOKEN_FILE
 from backend.cli.client import AdminClient, AdminError
-from backend.config import ConfigError, Settings, load_settings
+from backend.cli.firmware import firmware_app
+from backend.cli.local import admin_token, api_url, cli_settings, device_token, device_url
+from backend.cli.output import console, fail
 
 app = typer.Typer(
     help="Bridge for xiaozhi-compatible ESP32 devices: each device's tools over MCP.",
@@ -20,8 +20,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-console = Console()
-err_console = Console(stderr=True)
+app.add_typer(firmware_app, name="firmware")
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", help="TOML config file.")]
 DataDirOpt = Annotated[
@@ -37,18 +36,6 @@ TokenOpt = Annotated[
 ]
 
 
-def fail(message: str, code: int = 1) -> typer.Exit:
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
-    return typer.Exit(code)
-
-
-def _settings(config: Path | None = None, **overrides: Any) -> Settings:
-    try:
-        return load_settings(config, **overrides)
-    except ConfigError as exc:
-        raise fail(str(exc), 2) from None
-
-
 # ---- serve / demo / simulate ------------------------------------------------------------------
 
 
@@ -62,7 +49,7 @@ def serve(
     """Run the bridge: device WebSocket endpoint and admin API, until Ctrl-C."""
     from backend.runner import run_bridge
 
-    settings = _settings(config, data_dir=data_dir, ws_port=ws_port, http_port=http_port)
+    settings = cli_settings(config, data_dir=data_dir, ws_port=ws_port, http_port=http_port)
     _run(run_bridge(settings))
 
 
@@ -76,7 +63,7 @@ def demo(
     """Start the bridge and one simulated device, call two tools, keep serving until Ctrl-C."""
     from backend.runner import run_demo
 
-    settings = _settings(config, data_dir=data_dir, ws_port=ws_port, http_port=http_port)
+    settings = cli_settings(config, data_dir=data_dir, ws_port=ws_port, http_port=http_port)
     _run(run_demo(settings, console))
 
 
@@ -92,13 +79,9 @@ def simulate(
     """Connect N simulated devices (the real firmware code on a fake HAL) to a bridge."""
     from backend.runner import run_simulator
 
-    settings = _settings(config, data_dir=data_dir)
-    url = url or _runtime_value(settings, "ws_url") or _default_ws_url(settings)
-    token = (
-        token
-        or os.environ.get("BRIDGE_DEVICE_TOKEN")
-        or read_token(settings.data_dir, DEVICE_TOKEN_FILE)
-    )
+    settings = cli_settings(config, data_dir=data_dir)
+    url = url or device_url(settings)
+    token = token or device_token(settings)
     if token is None and settings.device_auth:
         raise fail(
             f"no device token: pass --token or run `serve` once to create "
@@ -190,21 +173,12 @@ def call_tool(
 def _admin(
     server: str | None, token: str | None, data_dir: Path | None, config: Path | None
 ) -> AdminClient:
-    settings = _settings(config, data_dir=data_dir)
-    url = (
-        server
-        or os.environ.get("BRIDGE_SERVER")
-        or _runtime_value(settings, "api_url")
-        or f"http://{_local(settings.http_host)}:{settings.http_port}"
-    )
-    admin_token = (
-        token
-        or (settings.admin_token.get_secret_value() if settings.admin_token else None)
-        or read_token(settings.data_dir, ADMIN_TOKEN_FILE)
-    )
-    if admin_token is None:
+    settings = cli_settings(config, data_dir=data_dir)
+    url = server or api_url(settings)
+    token = token or admin_token(settings)
+    if token is None:
         raise fail("no admin token: pass --token, set BRIDGE_ADMIN_TOKEN, or run `serve` once")
-    return AdminClient(url, admin_token)
+    return AdminClient(url, token)
 
 
 def _admin_call(method: Any, *args: Any, **kwargs: Any) -> Any:
@@ -241,22 +215,6 @@ def _describe_arguments(schema: dict[str, Any]) -> str:
         kind = prop.get("type", "any") if isinstance(prop, dict) else "any"
         parts.append(f"{name}: {kind}" + ("" if name in required else "?"))
     return ", ".join(parts)
-
-
-def _runtime_value(settings: Settings, key: str) -> str | None:
-    from backend.server import read_runtime_file
-
-    info = read_runtime_file(settings.data_dir) or {}
-    value = info.get(key)
-    return value if isinstance(value, str) else None
-
-
-def _local(host: str) -> str:
-    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-
-
-def _default_ws_url(settings: Settings) -> str:
-    return f"ws://{_local(settings.ws_host)}:{settings.ws_port}{settings.ws_path}"
 
 
 def _run(coro: Any) -> None:

@@ -1,0 +1,55 @@
+"""How commands find a bridge on this machine: settings, its runtime file, its token files."""
+
+import os
+from pathlib import Path
+from typing import Any
+
+from backend.auth import ADMIN_TOKEN_FILE, DEVICE_TOKEN_FILE, read_token
+from backend.cli.output import fail
+from backend.config import ConfigError, Settings, load_settings
+from backend.server import read_runtime_file
+
+
+def cli_settings(config: Path | None = None, **overrides: Any) -> Settings:
+    try:
+        return load_settings(config, **overrides)
+    except ConfigError as exc:
+        raise fail(str(exc), 2) from None
+
+
+def local_host(host: str) -> str:
+    """A wildcard listen address is reached on loopback."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def device_url(settings: Settings) -> str:
+    """The running bridge's device endpoint, else the configured one."""
+    return _runtime_value(settings, "ws_url") or (
+        f"ws://{local_host(settings.ws_host)}:{settings.ws_port}{settings.ws_path}"
+    )
+
+
+def api_url(settings: Settings) -> str:
+    """The running bridge's admin API, else the configured one."""
+    return (
+        os.environ.get("BRIDGE_SERVER")
+        or _runtime_value(settings, "api_url")
+        or f"http://{local_host(settings.http_host)}:{settings.http_port}"
+    )
+
+
+def device_token(settings: Settings) -> str | None:
+    return _secret(settings.device_token) or read_token(settings.data_dir, DEVICE_TOKEN_FILE)
+
+
+def admin_token(settings: Settings) -> str | None:
+    return _secret(settings.admin_token) or read_token(settings.data_dir, ADMIN_TOKEN_FILE)
+
+
+def _secret(value: Any) -> str | None:
+    return value.get_secret_value() or None if value is not None else None
+
+
+def _runtime_value(settings: Settings, key: str) -> str | None:
+    value = (read_runtime_file(settings.data_dir) or {}).get(key)
+    return value if isinstance(value, str) else None

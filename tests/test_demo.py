@@ -1,0 +1,64 @@
+"""`esp32-bridge demo` as a real process: it calls two tools, then serves the CLI until SIGINT."""
+
+import asyncio
+import json
+import os
+import signal
+import sys
+
+from tests.conftest import eventually
+from tests.test_cli import run_cli
+
+
+async def test_demo_calls_tools_then_serves_cli_until_sigint(tmp_path):
+    data_dir = tmp_path / "data"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "backend.cli",
+        "demo",
+        "--data-dir",
+        str(data_dir),
+        "--ws-port",
+        "0",
+        "--http-port",
+        "0",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "COLUMNS": "200", "BRIDGE_ADMIN_TOKEN": "", "BRIDGE_DEVICE_TOKEN": ""},
+    )
+    try:
+        output = b""
+        async with asyncio.timeout(60):
+            while b"Serving until Ctrl-C" not in output:
+                line = await process.stdout.readline()
+                assert line, f"demo exited early: {output.decode()}"
+                output += line
+        text = output.decode()
+        assert "self.audio_speaker.set_volume" in text and "self.get_device_status" in text
+        assert "device: volume = 42" in text
+        assert text.count("→ HTTP 200") == 2
+        status_json = text[text.index('{\n  "content"', text.index("self.get_device_status {}")) :]
+        status = json.loads(status_json[: status_json.index("\n}\n") + 2])
+        assert json.loads(status["content"][0]["text"])["audio_speaker"]["volume"] == 42
+
+        # From another terminal: the CLI finds the demo through the data directory.
+        code, out, err = await run_cli("devices", "--data-dir", str(data_dir))
+        assert code == 0 and "02:00:00:00:00:01" in out and "ready" in out, err
+        code, out, err = await run_cli(
+            "call",
+            "02:00:00:00:00:01",
+            "self.audio_speaker.set_volume",
+            "--arg",
+            "volume=70",
+            "--data-dir",
+            str(data_dir),
+        )
+        assert (code, out.strip()) == (0, "true"), err
+    finally:
+        process.send_signal(signal.SIGINT)
+        rest, err = await asyncio.wait_for(process.communicate(), 30)
+    assert process.returncode == 0, err.decode()
+    assert "device: volume = 70" in rest.decode()
+    assert "Traceback" not in err.decode()
+    await eventually(lambda: not (data_dir / "bridge.json").exists())
