@@ -3,6 +3,8 @@
 Same duck-typed interface as hal_esp32.HalEsp32. Every state change is appended to `changes` as
 `(what, value)` and passed to the optional `on_change(what, value)` callback. Setters reject
 values the MCP layer should never pass (ValueError), so a contract slip shows up in tests.
+`changes` and `shown` keep the latest HISTORY entries: on the unix port main.py runs this HAL for
+as long as the device runs, and an unbounded list ran a 175 KB heap out of memory.
 """
 
 from protocol import wifi_signal
@@ -10,6 +12,13 @@ from protocol import wifi_signal
 ALL_FEATURES = ("speaker", "backlight", "theme", "led")
 THEMES = ("light", "dark")
 ROLES = ("user", "assistant", "alert", "system")
+HISTORY = 64
+
+
+def _keep(items, item):
+    if len(items) >= HISTORY:
+        del items[0]
+    items.append(item)
 
 
 def _check_percent(what, value):
@@ -54,7 +63,7 @@ class HalFake:
         return feature in self.features
 
     def _record(self, what, value):
-        self.changes.append((what, value))
+        _keep(self.changes, (what, value))
         if self.on_change is not None:
             self.on_change(what, value)
 
@@ -131,5 +140,5 @@ class HalFake:
     def show(self, role, text):
         if role not in ROLES:
             raise ValueError("unknown display role: " + repr(role))
-        self.shown.append((role, text))
+        _keep(self.shown, (role, text))
         self._record("show", (role, text))

@@ -7,8 +7,8 @@ outgoing frames limited to 65 535 bytes. Unlike stock it checks `Sec-WebSocket-A
 hashlib.sha1 exists (CPython, unix port, ESP32), so a non-WebSocket server is caught at once.
 ws:// only: TLS needs a CA bundle and ~20 KB of IDF heap on the device, so wss:// raises.
 
-The framing is pure functions (frame_parts/build_frame, header_size/parse_header, parse_frame,
-parse_url, handshake_request) so it can be tested without sockets on every runtime.
+The framing is pure functions (frame_parts/frame_chunks/build_frame, header_size/parse_header,
+parse_frame, parse_url, handshake_request) so it can be tested without sockets on every runtime.
 """
 
 import asyncio
@@ -31,6 +31,7 @@ CLOSE_INVALID_DATA = const(1007)
 CLOSE_TOO_BIG = const(1009)
 
 MAX_SEND = const(65535)  # stock client limit; larger sends fail rather than fragment
+JOIN_MAX = const(4096)  # frames with a body up to this size go out in one write (frame_chunks)
 MAX_FRAME = const(65536)
 _MAX_RESPONSE_LINES = const(64)
 _CLOSE_TIMEOUT_S = 2
@@ -172,6 +173,20 @@ def frame_parts(opcode, payload, mask_key=None):
     if mask_key is None:
         return head, payload
     return head + mask_key, mask(payload, mask_key)
+
+
+def frame_chunks(opcode, payload, mask_key=None):
+    """The writes that send one frame: (frame,) up to JOIN_MAX bytes of body, else (head, body).
+
+    MicroPython's stream writer sends every write at once, so a small body written after its
+    header is held back by Nagle until the peer ACKs the header, which a Linux peer delays by
+    ~40 ms: every reply would wait that long. A larger body is not copied (RAM); it spans
+    several full TCP segments, which Nagle does not hold back.
+    """
+    head, body = frame_parts(opcode, payload, mask_key)
+    if len(body) <= JOIN_MAX:
+        return (head + body,)
+    return head, body
 
 
 def build_frame(opcode, payload, mask_key=None) -> bytes:
@@ -336,15 +351,14 @@ class WsTransport:
         await self._write_frame(opcode, data)
 
     async def _write_frame(self, opcode, payload):
-        head, body = frame_parts(opcode, payload, random_bytes(4))
+        chunks = frame_chunks(opcode, payload, random_bytes(4))
         async with self._send_lock:
             writer = self._writer
             if writer is None:
                 raise OSError("WebSocket is closed")
-            # Two writes, no copy of the payload; no await in between, so frames never interleave.
-            writer.write(head)
-            if body:
-                writer.write(body)
+            # No await between the writes, so frames never interleave.
+            for chunk in chunks:
+                writer.write(chunk)
             await writer.drain()
 
     async def receive(self):

@@ -1,4 +1,4 @@
-from hal_fake import ALL_FEATURES, HalFake
+from hal_fake import ALL_FEATURES, HISTORY, HalFake
 from tinytest import TestCase
 
 
@@ -65,6 +65,17 @@ class StateChangesTest(TestCase):
         hal = HalFake()
         hal.set_volume(1)
         self.assertEqual(hal.changes, [("volume", 1)])
+
+    def test_history_keeps_only_the_latest_entries(self):
+        hal = HalFake()
+        for step in range(HISTORY + 5):
+            hal.set_volume(step)
+        self.assertEqual(hal.changes, [("volume", step) for step in range(5, HISTORY + 5)])
+        for step in range(HISTORY + 3):
+            hal.show("system", str(step))
+        self.assertEqual(hal.shown, [("system", str(step)) for step in range(3, HISTORY + 3)])
+        self.assertEqual(len(hal.changes), HISTORY)
+        self.assertEqual(hal.get_volume(), HISTORY + 4)
 
 
 class ReadoutsTest(TestCase):

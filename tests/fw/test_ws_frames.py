@@ -15,6 +15,22 @@ RFC_HELLO_MASKED = b"\x81\x85\x37\xfa\x21\x3d\x7f\x9f\x4d\x51\x58"
 RFC_KEY = b"\x37\xfa\x21\x3d"
 
 
+class FrameChunksTest(TestCase):
+    def test_a_frame_with_a_small_body_is_one_write(self):
+        for size in (0, 5, 126, ws.JOIN_MAX):
+            payload = b"x" * size
+            chunks = ws.frame_chunks(ws.OP_TEXT, payload, RFC_KEY)
+            self.assertEqual(len(chunks), 1, size)
+            self.assertEqual(chunks[0], ws.build_frame(ws.OP_TEXT, payload, RFC_KEY))
+
+    def test_a_larger_body_is_written_after_its_header_uncopied(self):
+        payload = b"y" * (ws.JOIN_MAX + 1)
+        head, body = ws.frame_chunks(ws.OP_BINARY, payload, RFC_KEY)
+        self.assertEqual(len(head), 2 + 2 + 4)
+        self.assertEqual(len(body), len(payload))
+        self.assertEqual(head + body, ws.build_frame(ws.OP_BINARY, payload, RFC_KEY))
+
+
 class FrameBuildTest(TestCase):
     def test_rfc_unmasked_text_frame(self):
         self.assertEqual(ws.build_frame(ws.OP_TEXT, b"Hello"), RFC_HELLO_UNMASKED)
