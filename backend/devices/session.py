@@ -25,12 +25,10 @@ from backend.protocol import (
     DeviceHello,
     Goodbye,
     Listen,
-    McpEnvelope,
     ParseError,
     ServerHello,
-    parse_device_message,
 )
-from backend.protocol.messages import mcp_envelope
+from backend.protocol.messages import decode_device_message, device_message, mcp_envelope
 from backend.transports.base import DeviceLink
 
 log = structlog.get_logger("device")
@@ -94,13 +92,16 @@ class DeviceSession:
 
     async def on_text(self, text: str) -> None:
         try:
-            message = parse_device_message(text)
+            data = decode_device_message(text)
+            if data["type"] == "mcp" and "payload" in data:
+                # Every tool reply: straight to the MCP client, no model built on this path.
+                self.device.mcp.feed(data["payload"])
+                return
+            message = device_message(data)
         except ParseError as exc:
             self._log.warning("dropped device message", reason=str(exc), size=len(text))
             return
-        if isinstance(message, McpEnvelope):
-            self.device.mcp.feed(message.payload)
-        elif isinstance(message, DeviceHello):
+        if isinstance(message, DeviceHello):
             await self._on_hello(message)
         elif isinstance(message, Listen):
             self._log.info("listen", state=message.state, mode=message.mode, text=message.text)

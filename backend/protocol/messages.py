@@ -81,6 +81,15 @@ DEVICE_TYPES = frozenset({"hello", "listen", "abort", "mcp", "goodbye"})
 
 def parse_device_message(text: str | bytes) -> DeviceHello | Listen | Abort | McpEnvelope | Goodbye:
     """Parse one text frame from a device; raises ParseError with a one-line reason."""
+    return device_message(decode_device_message(text))
+
+
+def decode_device_message(text: str | bytes) -> dict[str, Any]:
+    """The frame as a JSON object whose `type` is a known device type; raises ParseError.
+
+    The session feeds an `mcp` payload straight from here (every tool reply), so the hot path
+    builds no model; everything else goes on to `device_message`.
+    """
     try:
         data = json.loads(text)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -92,6 +101,14 @@ def parse_device_message(text: str | bytes) -> DeviceHello | Listen | Abort | Mc
         raise ParseError("message has no string 'type'")
     if kind not in DEVICE_TYPES:
         raise ParseError(f"unknown message type {kind!r}")
+    return data
+
+
+def device_message(
+    data: dict[str, Any],
+) -> DeviceHello | Listen | Abort | McpEnvelope | Goodbye:
+    """The typed message of a `decode_device_message` result; raises ParseError."""
+    kind = data["type"]
     if kind == "mcp":
         return _parse_mcp(data)
     try:
@@ -166,10 +183,10 @@ class Alert(_ServerMessage):
     emotion: str
 
 
+# Built once: `json.dumps` with options builds a new encoder on every call (every tool call).
+_COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+
+
 def mcp_envelope(session_id: str, payload: Any) -> str:
     """Serialise one JSON-RPC payload for the device, compact as the firmware sends it."""
-    return json.dumps(
-        {"session_id": session_id, "type": "mcp", "payload": payload},
-        separators=(",", ":"),
-        ensure_ascii=False,
-    )
+    return _COMPACT.encode({"session_id": session_id, "type": "mcp", "payload": payload})

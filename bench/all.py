@@ -1,0 +1,26 @@
+"""Run every benchmark in sequence, each in a fresh process: `python -m bench.all [--quick]`."""
+
+import subprocess
+import sys
+
+from bench.common import REPO, parse_args
+
+# The bridge-core benchmarks, then the firmware's heap benchmark (needs the MicroPython unix port).
+BENCHMARKS = ("tool_call", "sdk_compare", "hello_ready", "fleet", "firmware_memory")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(__doc__ or "all benchmarks", argv)
+    extra = ["--quick"] if args.quick else []
+    failed = []
+    for name in BENCHMARKS:
+        print(f"\n==> python -m bench.{name} {' '.join(extra)}".rstrip(), flush=True)
+        done = subprocess.run([sys.executable, "-m", f"bench.{name}", *extra], cwd=REPO)
+        if done.returncode != 0:
+            failed.append(name)
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()

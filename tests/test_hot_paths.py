@@ -1,0 +1,62 @@
+"""The per-call fast paths give the same answers as the general code they short-cut."""
+
+import copy
+import json
+
+import pytest
+
+from backend.devices.validation import argument_error
+from backend.protocol import McpEnvelope, ParseError, parse_device_message
+from backend.protocol.messages import decode_device_message, device_message, mcp_envelope
+
+VOLUME_SCHEMA = {
+    "type": "object",
+    "properties": {"volume": {"type": "integer", "minimum": 0, "maximum": 100}},
+    "required": ["volume"],
+}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"session_id":"s","type":"mcp","payload":{"jsonrpc":"2.0","id":1,"result":{}}}',
+        '{"type":"mcp","payload":[1,2]}',
+        '{"type":"listen","state":"detect","text":"hi"}',
+        '{"type":"hello","version":1,"features":{"mcp":true}}',
+    ],
+)
+def test_decode_then_type_equals_parse(text: str) -> None:
+    data = decode_device_message(text)
+    assert data == json.loads(text)
+    assert device_message(data) == parse_device_message(text)
+
+
+def test_mcp_without_payload_is_still_rejected() -> None:
+    data = decode_device_message('{"type":"mcp"}')
+    with pytest.raises(ParseError, match="missing 'payload'"):
+        device_message(data)
+
+
+def test_mcp_envelope_is_compact_and_keeps_unicode() -> None:
+    payload = {"jsonrpc": "2.0", "id": 3, "params": {"text": "xin chào ü\u2028"}}
+    text = mcp_envelope("ab", payload)
+    expected = {"session_id": "ab", "type": "mcp", "payload": payload}
+    assert text == json.dumps(expected, separators=(",", ":"), ensure_ascii=False)
+    assert isinstance(parse_device_message(text), McpEnvelope)
+
+
+def test_validation_answers_the_same_for_the_same_and_an_equal_schema() -> None:
+    equal = copy.deepcopy(VOLUME_SCHEMA)
+    for schema in (VOLUME_SCHEMA, equal, VOLUME_SCHEMA):
+        assert argument_error(schema, {"volume": 42}) is None
+        assert (
+            argument_error(schema, {"volume": 101})
+            == "volume: 101 is greater than the maximum of 100"
+        )
+        assert argument_error(schema, {}) == "'volume' is a required property"
+
+
+def test_validation_of_different_schemas_is_not_mixed_up() -> None:
+    strings = {"type": "object", "properties": {"volume": {"type": "string"}}}
+    assert argument_error(VOLUME_SCHEMA, {"volume": "loud"}) is not None
+    assert argument_error(strings, {"volume": "loud"}) is None
