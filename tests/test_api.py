@@ -82,3 +82,29 @@ async def test_call_while_initializing_is_409(bridge, api, wire_devices):
     )
     assert response.status_code == 409
     assert response.json()["error"]["code"] == "device_not_ready"
+
+
+async def test_api_connections_have_tcp_nodelay():
+    """Without TCP_NODELAY each kept-alive API response waited ~40 ms for a delayed ACK."""
+    import asyncio
+    import socket
+
+    from backend.server import _bind
+
+    accepted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+    class Probe(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            sock = transport.get_extra_info("socket")
+            accepted.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            transport.close()
+
+    listening = _bind("127.0.0.1", 0)
+    server = await asyncio.get_running_loop().create_server(Probe, sock=listening)
+    try:
+        _reader, writer = await asyncio.open_connection(*listening.getsockname())
+        assert await asyncio.wait_for(accepted, 5) != 0
+        writer.close()
+    finally:
+        server.close()
+        await server.wait_closed()
