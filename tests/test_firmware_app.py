@@ -5,10 +5,8 @@ firmware/main.py as a subprocess under the MicroPython unix port."""
 import asyncio
 import gc
 import json
-import os
 import re
 import secrets
-import shutil
 import socket
 import uuid
 from collections.abc import AsyncIterator
@@ -16,12 +14,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from websockets.asyncio.server import ServerConnection, serve
+from websockets.asyncio.server import ServerConnection
 from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request
 
 from simulator.firmware import firmware_dir, firmware_module
+from tests.firmware_helpers import (
+    needs_micropython,
+    run_micropython,
+    running_firmware,
+    serving,
+)
 
 app_module = firmware_module("app")
 hal_fake = firmware_module("hal_fake")
@@ -32,7 +36,6 @@ transport_ws = firmware_module("transport_ws")
 TOKEN = "device-token"
 DEVICE_ID = "a4:cf:12:34:56:78"
 CLIENT_ID = "3b8f3e52-5c1a-4d3e-9f55-2f4a8c6d7e90"
-MICROPYTHON = shutil.which("micropython")
 SERVER_AUDIO = {"format": "opus", "sample_rate": 24000, "channels": 1, "frame_duration": 60}
 
 
@@ -52,8 +55,12 @@ class DeviceLink:
             message if isinstance(message, str | bytes) else json.dumps(message)
         )
 
+    def message(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """A message of this session: what the bridge sends, and what the device must send."""
+        return {"session_id": self.session_id, "type": kind, **fields}
+
     async def mcp(self, payload: dict[str, Any]) -> None:
-        await self.send({"session_id": self.session_id, "type": "mcp", "payload": payload})
+        await self.send(self.message("mcp", payload=payload))
 
     async def call(
         self, request_id: int, name: str, arguments: dict[str, Any] | None = None
@@ -124,16 +131,7 @@ class FakeBridge:
 
 @pytest.fixture
 async def bridge() -> AsyncIterator[FakeBridge]:
-    fake = FakeBridge()
-    async with serve(
-        fake.handler,
-        "127.0.0.1",
-        0,
-        process_request=fake.process_request,
-        compression=None,
-        ping_interval=None,
-    ) as server:
-        fake.port = server.sockets[0].getsockname()[1]
+    async with serving(FakeBridge()) as fake:
         yield fake
 
 
@@ -231,12 +229,7 @@ async def test_tool_call_reply_carries_session_and_id(bridge: FakeBridge) -> Non
     async with Device(bridge.url) as device:
         link = await bridge.next_link()
         await link.call(7, "self.audio_speaker.set_volume", {"volume": 42})
-        reply = await link.next_json()
-        assert reply == {
-            "session_id": link.session_id,
-            "type": "mcp",
-            "payload": ok_reply(7, "true"),
-        }
+        assert await link.next_json() == link.message("mcp", payload=ok_reply(7, "true"))
         assert device.hal.volume == 42
         await link.call(8, "self.audio_speaker.set_volume", {"volume": 101})
         error = (await link.next_json())["payload"]
@@ -398,12 +391,7 @@ async def test_text_input_is_sent_as_listen_detect(bridge: FakeBridge) -> None:
         reader.feed_eof()
         await app_module.console_input(device.app, reader)
         first, second = await link.next_json(), await link.next_json()
-        assert first == {
-            "session_id": link.session_id,
-            "type": "listen",
-            "state": "detect",
-            "text": "turn on the light",
-        }
+        assert first == link.message("listen", state="detect", text="turn on the light")
         assert second["text"] == "and the fan"
         assert "console: input is not UTF-8; line ignored" in device.logs
 
@@ -492,65 +480,13 @@ async def test_unreachable_bridge_is_retried_with_backoff() -> None:
 # ---- MicroPython unix port: firmware/main.py as a process --------------------------------------
 
 
-def micropython_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["MICROPYPATH"] = f"{firmware_dir() / 'lib'}:.frozen"
-    return env
-
-
-class MicroPythonDevice:
-    def __init__(self, config_path: Path) -> None:
-        self.config_path = config_path
-        self.process: asyncio.subprocess.Process | None = None
-        self.lines: list[str] = []
-        self.new_line = asyncio.Event()
-        self._reader: asyncio.Task[None] | None = None
-
-    async def start(self) -> None:
-        assert MICROPYTHON is not None
-        self.process = await asyncio.create_subprocess_exec(
-            MICROPYTHON,
-            str(firmware_dir() / "main.py"),
-            str(self.config_path),
-            env=micropython_env(),
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-        )
-        self._reader = asyncio.create_task(self._collect())
-
-    async def _collect(self) -> None:
-        assert self.process is not None and self.process.stdout is not None
-        async for raw in self.process.stdout:
-            self.lines.append(raw.decode(errors="replace").rstrip("\n"))
-            self.new_line.set()
-
-    async def wait_for_line(self, text: str) -> None:
-        await wait_until(lambda: text in self.lines)
-
-    async def type_line(self, text: str) -> None:
-        assert self.process is not None and self.process.stdin is not None
-        self.process.stdin.write(text.encode() + b"\n")
-        await self.process.stdin.drain()
-
-    async def stop(self) -> None:
-        assert self.process is not None
-        if self.process.returncode is None:
-            self.process.terminate()
-        await self.process.wait()
-        if self._reader is not None:
-            await self._reader
-
-
 @pytest.mark.micropython
-@pytest.mark.skipif(MICROPYTHON is None, reason="MicroPython unix port not installed")
+@needs_micropython
 async def test_micropython_main_against_the_bridge(bridge: FakeBridge, tmp_path: Path) -> None:
     config = {"url": bridge.url, "token": TOKEN, "hal": "fake", "reconnect_min_s": 0.05}
     config_path = tmp_path / "config.json"
     config_path.write_text(json.dumps(config))
-    device = MicroPythonDevice(config_path)
-    await device.start()
-    try:
+    async with running_firmware(config_path, piped_stdin=True) as device:
         link = await bridge.next_link()
         client_id = (tmp_path / "client_id").read_text()
         assert uuid.UUID(client_id).version == 4
@@ -560,13 +496,8 @@ async def test_micropython_main_against_the_bridge(bridge: FakeBridge, tmp_path:
         assert link.hello["features"]["mcp"] is True
 
         await link.call(1, "self.audio_speaker.set_volume", {"volume": 42})
-        reply = await link.next_json()
-        assert reply == {
-            "session_id": link.session_id,
-            "type": "mcp",
-            "payload": ok_reply(1, "true"),
-        }
-        await device.wait_for_line("[hal] volume = 42")
+        assert await link.next_json() == link.message("mcp", payload=ok_reply(1, "true"))
+        await device.wait_for_line("[hal] volume = 42", timeout_s=10)
 
         await link.mcp({"jsonrpc": "2.0", "id": 2, "method": "tools/list"})
         names = [tool["name"] for tool in (await link.next_json())["payload"]["result"]["tools"]]
@@ -575,16 +506,11 @@ async def test_micropython_main_against_the_bridge(bridge: FakeBridge, tmp_path:
         await link.send("garbage that is not JSON")
         await link.send(b"\x00" * 500)
         await link.send({"type": "tts", "state": "sentence_start", "text": "Hello there"})
-        await device.wait_for_line("[assistant] Hello there")
+        await device.wait_for_line("[assistant] Hello there", timeout_s=10)
 
         await device.type_line("what is the weather")
         detect = await link.next_json()
-        assert detect == {
-            "session_id": link.session_id,
-            "type": "listen",
-            "state": "detect",
-            "text": "what is the weather",
-        }
+        assert detect == link.message("listen", state="detect", text="what is the weather")
 
         await link.connection.close()
         second = await bridge.next_link()
@@ -595,16 +521,12 @@ async def test_micropython_main_against_the_bridge(bridge: FakeBridge, tmp_path:
         await wait_until(lambda: any(line.startswith(prefix) for line in device.lines))
         led_line = next(line for line in device.lines if line.startswith(prefix))
         assert json.loads(led_line[len(prefix) :]) == {"on": True, "brightness": 30}
-    finally:
-        await device.stop()
-        print("\n".join(device.lines))  # shown by pytest when the test fails
-    output = "\n".join(device.lines)
-    assert "link: ignored invalid message: 'garbage that is not JSON'" in output
-    assert "Traceback" not in output
+    assert "link: ignored invalid message: 'garbage that is not JSON'" in device.output
+    assert "Traceback" not in device.output
 
 
 @pytest.mark.micropython
-@pytest.mark.skipif(MICROPYTHON is None, reason="MicroPython unix port not installed")
+@needs_micropython
 @pytest.mark.parametrize(
     ("content", "message"),
     [
@@ -621,18 +543,11 @@ async def test_micropython_main_refuses_a_bad_config(
     config_path = tmp_path / "config.json"
     if content is not None:
         config_path.write_text(content)
-    assert MICROPYTHON is not None
-    process = await asyncio.create_subprocess_exec(
-        MICROPYTHON,
-        str(firmware_dir() / "main.py"),
-        str(config_path),
-        env=micropython_env(),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
+    code, stdout, stderr = await run_micropython(
+        firmware_dir() / "main.py", str(config_path), timeout_s=30
     )
-    stdout, stderr = await asyncio.wait_for(process.communicate(), 30)
-    lines = stdout.decode().splitlines()
-    assert process.returncode == 2
+    lines = stdout.splitlines()
+    assert code == 2
     assert len(lines) == 1 and lines[0].startswith("config error: ")
     assert message in lines[0]
-    assert stderr == b""
+    assert stderr == ""

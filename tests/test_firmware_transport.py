@@ -6,8 +6,6 @@ import asyncio
 import base64
 import hashlib
 import json
-import os
-import shutil
 import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -16,11 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from websockets.asyncio.server import ServerConnection, serve
+from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request
 
-from simulator.firmware import firmware_dir, firmware_module
+from simulator.firmware import firmware_module
+from tests.firmware_helpers import needs_micropython, run_micropython, serving
 
 ws = firmware_module("transport_ws")
 
@@ -31,7 +30,6 @@ DEVICE_HEADERS = {
     "Client-Id": "7f0c1c8e-3d7e-4f5e-9a43-0d2b1e6c9a10",
 }
 GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
-MICROPYTHON = shutil.which("micropython")
 
 
 class Peer:
@@ -82,16 +80,7 @@ class Peer:
 
 @pytest.fixture
 async def peer() -> AsyncIterator[Peer]:
-    peer = Peer()
-    async with serve(
-        peer.handler,
-        "127.0.0.1",
-        0,
-        process_request=peer.process_request,
-        compression=None,
-        ping_interval=None,
-    ) as server:
-        peer.port = server.sockets[0].getsockname()[1]
+    async with serving(Peer()) as peer:
         yield peer
 
 
@@ -472,36 +461,17 @@ asyncio.run(main(sys.argv[1]))
 """
 
 
-def micropython_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["MICROPYPATH"] = f"{firmware_dir() / 'lib'}:.frozen"
-    return env
-
-
-async def run_micropython(script: Path, *args: str) -> tuple[int, str, str]:
-    assert MICROPYTHON is not None
-    process = await asyncio.create_subprocess_exec(
-        MICROPYTHON,
-        str(script),
-        *args,
-        env=micropython_env(),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    stdout, stderr = await asyncio.wait_for(process.communicate(), 60)
-    assert process.returncode is not None
-    return process.returncode, stdout.decode(), stderr.decode()
-
-
 @pytest.mark.micropython
-@pytest.mark.skipif(MICROPYTHON is None, reason="MicroPython unix port not installed")
+@needs_micropython
 async def test_micropython_client_against_websockets_server(peer: Peer, tmp_path: Path) -> None:
     script = tmp_path / "mpy_client.py"
     script.write_text(MPY_CLIENT)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         refused_url = f"ws://127.0.0.1:{probe.getsockname()[1]}/"
-    code, out, err = await run_micropython(script, f"ws://127.0.0.1:{peer.port}", refused_url)
+    code, out, err = await run_micropython(
+        script, f"ws://127.0.0.1:{peer.port}", refused_url, timeout_s=60
+    )
     assert code == 0, err
     steps = {item["step"]: item["value"] for item in map(json.loads, out.splitlines())}
     assert steps["echo"] == "hello from micropython"

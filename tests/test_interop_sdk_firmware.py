@@ -20,6 +20,8 @@ from mcp import ClientSession
 from mcp.shared.exceptions import MCPError
 from mcp.shared.message import SessionMessage
 
+from tests.fw.fw_support import MODEL_TOOLS, USER_TOOLS
+
 FIRMWARE_LIB = Path(__file__).resolve().parents[1] / "firmware" / "lib"
 if str(FIRMWARE_LIB) not in sys.path:
     sys.path.insert(0, str(FIRMWARE_LIB))
@@ -29,13 +31,6 @@ from hal_fake import HalFake  # noqa: E402
 from mcp_server import McpServer, integer  # noqa: E402
 
 SYNTHETIC_TOOLS = 40
-STOCK_TOOLS = [
-    "self.get_device_status",
-    "self.audio_speaker.set_volume",
-    "self.screen.set_brightness",
-    "self.screen.set_theme",
-    "self.led.set",
-]
 
 
 class Wire:
@@ -111,7 +106,7 @@ async def test_initialize_accepts_our_2024_11_05_answer(wire: Wire, hal: HalFake
 
 
 async def test_every_page_of_list_tools(wire: Wire) -> None:
-    user_only = {"self.get_system_info", "self.reboot"}
+    user_only = set(USER_TOOLS)
     visible = [name for name in wire.server.tool_names() if name not in user_only]
     async with sdk_session(wire) as session:
         await session.initialize()
@@ -129,7 +124,7 @@ async def test_every_page_of_list_tools(wire: Wire) -> None:
             assert cursor == visible[len(names)]
     assert pages >= 3
     assert names == visible
-    assert names[: len(STOCK_TOOLS)] == STOCK_TOOLS
+    assert names[: len(MODEL_TOOLS)] == MODEL_TOOLS
     for request in wire.sent:
         if request.get("method") == "tools/list":
             assert len(json.dumps(request)) < 200

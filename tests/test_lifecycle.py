@@ -2,35 +2,20 @@
 
 import asyncio
 import json
-import os
 import signal
 import stat
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.conftest import eventually
+from tests.test_cli import start_cli
 from tests.wire_device import WireDevice
 
 
 async def start_serve(data_dir: Path) -> asyncio.subprocess.Process:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "backend.cli",
-        "serve",
-        "--data-dir",
-        str(data_dir),
-        "--ws-port",
-        "0",
-        "--http-port",
-        "0",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "BRIDGE_ADMIN_TOKEN": "", "BRIDGE_DEVICE_TOKEN": ""},
-    )
+    process = await start_cli("serve", data_dir)
     await eventually(lambda: (data_dir / "bridge.json").exists(), timeout_s=30)
     return process
 

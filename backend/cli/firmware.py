@@ -7,7 +7,6 @@ in one `error: ...` line and a non-zero exit; the tools' tracebacks are never sh
 
 import importlib.util
 import json
-import os
 import re
 import shlex
 import shutil
@@ -28,6 +27,7 @@ from rich.table import Table
 
 from backend.cli.local import cli_settings, device_token, device_url
 from backend.cli.output import console, fail, say, warn
+from simulator.micropython import find_tool, micropython_env
 
 firmware_app = typer.Typer(
     help="Build, deploy, flash and host-run the MicroPython firmware (firmware/).",
@@ -67,10 +67,7 @@ OutOpt = Annotated[Path, typer.Option("--out", help="Build folder.")]
 
 def _tool(name: str) -> str:
     """The tool installed beside this interpreter (the venv), else the one on PATH."""
-    beside = Path(sys.executable).parent / name
-    if beside.is_file():
-        return str(beside)
-    found = shutil.which(name)
+    found = find_tool(name)
     if found is None:
         raise fail(f"{name} not found: install the firmware tools with {INSTALL_HINT}")
     return found
@@ -556,7 +553,7 @@ def run_host(
     micropython = _tool("micropython")
     firmware = _firmware_source(None)
     device_config = _host_config(config, url, token, data_dir)
-    env = {**os.environ, "MICROPYPATH": f"{firmware / 'lib'}:.frozen"}
+    env = micropython_env(firmware / "lib")
     say(f"running {firmware / 'main.py'} on the MicroPython unix port (fake HAL); Ctrl-C stops it")
     with tempfile.TemporaryDirectory(prefix="esp32-bridge-run-host-") as folder:
         config_file = Path(folder) / "config.json"

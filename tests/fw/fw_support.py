@@ -1,6 +1,17 @@
-"""Helpers shared by the firmware test modules (not a test module itself)."""
+"""Helpers shared by the firmware test modules (not a test module itself), and the stock tool
+names, which the CPython tests of the same firmware import as tests.fw.fw_support."""
 
 import json
+
+# The stock tools with a full HAL, in registration order: those the model sees, then user-only.
+MODEL_TOOLS = [
+    "self.get_device_status",
+    "self.audio_speaker.set_volume",
+    "self.screen.set_brightness",
+    "self.screen.set_theme",
+    "self.led.set",
+]
+USER_TOOLS = ["self.get_system_info", "self.reboot"]
 
 
 def request(method, params=None, request_id=1) -> dict:

@@ -1,19 +1,19 @@
 import json
 
 import tools_stock
-from fw_support import all_tool_names, call_tool, error_of, list_page, tool_text
+from fw_support import (
+    MODEL_TOOLS,
+    USER_TOOLS,
+    all_tool_names,
+    call_tool,
+    error_of,
+    list_page,
+    tool_text,
+)
 from hal_fake import HalFake
 from mcp_server import INVALID_PARAMS, McpServer
 from tinytest import TestCase
 
-AI_TOOLS = [
-    "self.get_device_status",
-    "self.audio_speaker.set_volume",
-    "self.screen.set_brightness",
-    "self.screen.set_theme",
-    "self.led.set",
-]
-USER_TOOLS = ["self.get_system_info", "self.reboot"]
 TOOL_OF_FEATURE = {
     "speaker": "self.audio_speaker.set_volume",
     "backlight": "self.screen.set_brightness",
@@ -38,8 +38,8 @@ def _schema_of(server, name):
 class RegistrationTest(TestCase):
     def test_full_hal_in_stock_order(self):
         server = _registered(HalFake())
-        self.assertEqual(all_tool_names(server), AI_TOOLS)
-        self.assertEqual(all_tool_names(server, True), AI_TOOLS + USER_TOOLS)
+        self.assertEqual(all_tool_names(server), MODEL_TOOLS)
+        self.assertEqual(all_tool_names(server, True), MODEL_TOOLS + USER_TOOLS)
 
     def test_user_tools_are_annotated(self):
         tools = list_page(_registered(HalFake()), with_user_tools=True)["tools"]
