@@ -78,10 +78,6 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls))
 
-    @property
-    def ws_url_path(self) -> str:
-        return self.ws_path
-
     def timeout_for(self, tool_name: str) -> float:
         return self.tool_timeouts.get(tool_name, self.call_timeout_s)
 
