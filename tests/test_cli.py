@@ -167,3 +167,13 @@ async def test_bad_config_file(tmp_path):
     config.write_text("ws_port = 'x'\n")
     code, _, err = await run_cli("serve", "--config", str(config))
     assert code == 2 and "invalid setting 'ws_port'" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", [["simulate"], ["firmware", "run-host"]])
+async def test_device_commands_without_a_device_token(tmp_path, command):
+    code, _, err = await run_cli(
+        *command, "--data-dir", str(tmp_path), env={"BRIDGE_DEVICE_TOKEN": ""}
+    )
+    assert code == 1
+    assert "no device token: pass --token" in err and str(tmp_path / "device.token") in err
+    assert "Traceback" not in err

@@ -25,7 +25,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 from rich.table import Table
 
-from backend.cli.local import cli_settings, device_token, device_url
+from backend.cli.local import cli_settings, device_endpoint
 from backend.cli.output import console, fail, say, warn
 from simulator.micropython import find_tool, micropython_env
 
@@ -483,14 +483,6 @@ def _host_client_id() -> str:
     return str(uuid.uuid5(uuid.NAMESPACE_DNS, f"run-host.{socket.gethostname()}"))
 
 
-def _bridge_url_and_token(data_dir: Path | None) -> tuple[str, str | None, bool]:
-    """Where a local bridge listens and its device token, as `esp32-bridge simulate` finds them."""
-    settings = cli_settings(None, data_dir=data_dir)
-    url = device_url(settings)
-    token = device_token(settings)
-    return url, token, settings.device_auth
-
-
 def _host_config(
     config: Path | None, url: str | None, token: str | None, data_dir: Path | None
 ) -> dict[str, Any]:
@@ -500,12 +492,10 @@ def _host_config(
     if token:
         device["token"] = token
     if not device.get("url") or not device.get("token"):
-        bridge_url, bridge_token, auth = _bridge_url_and_token(data_dir)
-        device.setdefault("url", bridge_url)
-        if not device.get("token"):
-            if bridge_token is None and auth:
-                raise fail("no device token: pass --token or run `esp32-bridge serve` once")
-            device["token"] = bridge_token or ""
+        # Missing pieces come from the local bridge, as for `esp32-bridge simulate`.
+        settings = cli_settings(None, data_dir=data_dir)
+        endpoint = device_endpoint(settings, device.get("url"), device.get("token"))
+        device["url"], device["token"] = endpoint[0], endpoint[1] or ""
     device["hal"] = "fake"
     device.setdefault("client_id", _host_client_id())
     _check_device_config(str(config or "run-host"), device)

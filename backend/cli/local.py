@@ -38,6 +38,20 @@ def api_url(settings: Settings) -> str:
     )
 
 
+def device_endpoint(
+    settings: Settings, url: str | None = None, token: str | None = None
+) -> tuple[str, str | None]:
+    """The device URL and token to use: the given ones, else the local bridge's."""
+    url = url or device_url(settings)
+    token = token or device_token(settings)
+    if token is None and settings.device_auth:
+        raise fail(
+            "no device token: pass --token or run `esp32-bridge serve` once to create "
+            f"{settings.data_dir / DEVICE_TOKEN_FILE}"
+        )
+    return url, token
+
+
 def device_token(settings: Settings) -> str | None:
     return _secret(settings.device_token) or read_token(settings.data_dir, DEVICE_TOKEN_FILE)
 

@@ -8,10 +8,9 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from backend.auth import DEVICE_TOKEN_FILE
 from backend.cli.client import AdminClient, AdminError
 from backend.cli.firmware import firmware_app
-from backend.cli.local import admin_token, api_url, cli_settings, device_token, device_url
+from backend.cli.local import admin_token, api_url, cli_settings, device_endpoint
 from backend.cli.output import console, fail
 
 app = typer.Typer(
@@ -79,14 +78,7 @@ def simulate(
     """Connect N simulated devices (the real firmware code on a fake HAL) to a bridge."""
     from backend.runner import run_simulator
 
-    settings = cli_settings(config, data_dir=data_dir)
-    url = url or device_url(settings)
-    token = token or device_token(settings)
-    if token is None and settings.device_auth:
-        raise fail(
-            f"no device token: pass --token or run `serve` once to create "
-            f"{settings.data_dir / DEVICE_TOKEN_FILE}"
-        )
+    url, token = device_endpoint(cli_settings(config, data_dir=data_dir), url, token)
     _run(run_simulator(url, token, devices, tools, console))
 
 
