@@ -142,6 +142,7 @@ class WebSocketTransport:
             device_id=device_id.lower() if ":" in device_id else device_id,
             client_id=_field(headers, query, "Client-Id", "client-id"),
             protocol_version=_protocol_version(headers, query),
+            transport="websocket",
             remote=_remote(connection),
         )
 

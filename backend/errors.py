@@ -1,0 +1,12 @@
+"""The root of every error the bridge raises on purpose.
+
+Each layer defines its own subclasses next to its code (`backend.mcp_session.errors`,
+`backend.devices.errors`, ...); all of them derive from `BridgeError`, so a caller that wants "any
+bridge failure" catches one class, and the admin API maps each subclass to one HTTP status and
+one `error.code` in a single table (`backend.api.errors`). Every message is one line that is safe
+to show to an operator: it never echoes a secret and clips what a device sent.
+"""
+
+
+class BridgeError(Exception):
+    """Base class of every error the bridge raises deliberately."""

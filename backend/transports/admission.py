@@ -1,0 +1,108 @@
+"""Who may connect: one place that turns a handshake's fields into a `DeviceIdentity` or a refusal.
+
+Every transport collects the same fields (a credential, Device-Id, Client-Id, Protocol-Version)
+from wherever its handshake carries them (HTTP headers and query on WebSocket, CONNECT fields
+and topics on MQTT) and asks `Admission.admit`. The checks live here once: the credential,
+Device-Id syntax, MAC normalisation (stock firmware sends lower case; some clients do not) and the
+binary protocol version.
+"""
+
+import re
+from dataclasses import dataclass
+from typing import Protocol
+
+from backend.auth import token_matches
+from backend.errors import BridgeError
+from backend.transports.base import DeviceIdentity
+
+_DEVICE_ID = re.compile(r"^[A-Za-z0-9:_.\-]{1,64}$")
+SUPPORTED_PROTOCOL_VERSIONS = ("1", "2", "3")
+
+
+class HandshakeRefused(BridgeError):
+    """A device was refused at the handshake; `status` is the HTTP status a WebSocket answers."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class HandshakeRequest:
+    """The identity fields of one handshake, as the transport found them (None when absent)."""
+
+    transport: str
+    credential: str | None = None
+    device_id: str | None = None
+    client_id: str | None = None
+    protocol_version: str | None = None
+    remote: str | None = None
+
+
+class DeviceCredentials(Protocol):
+    """Decides whether `presented` lets `device_id` in; returns a refusal reason or None."""
+
+    def refusal(self, device_id: str, presented: str | None) -> str | None: ...
+
+
+class SharedDeviceToken:
+    """Every device presents the same token (`Bearer <token>` or the raw token)."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    def refusal(self, device_id: str, presented: str | None) -> str | None:
+        if token_matches(presented, self._token):
+            return None
+        return "missing device token" if not presented else "invalid device token"
+
+
+class NoDeviceAuth:
+    """Device auth switched off (`device_auth = false`): anyone with a valid Device-Id."""
+
+    def refusal(self, device_id: str, presented: str | None) -> str | None:
+        return None
+
+
+class Admission:
+    """Checks handshakes for every transport with the same rules."""
+
+    def __init__(self, credentials: DeviceCredentials) -> None:
+        self.credentials = credentials
+
+    def admit(self, request: HandshakeRequest) -> DeviceIdentity:
+        """The device's identity, or HandshakeRefused (400 malformed fields, 401 credential)."""
+        device_id = normalize_device_id(request.device_id)
+        version = _protocol_version(request.protocol_version)
+        refusal = self.credentials.refusal(device_id, request.credential)
+        if refusal is not None:
+            raise HandshakeRefused(401, refusal)
+        client_id = (request.client_id or "").strip() or None
+        if client_id is not None and len(client_id) > 128:
+            raise HandshakeRefused(400, "Client-Id longer than 128 characters")
+        return DeviceIdentity(
+            device_id=device_id,
+            client_id=client_id,
+            protocol_version=version,
+            transport=request.transport,
+            remote=request.remote,
+        )
+
+
+def normalize_device_id(raw: str | None) -> str:
+    """A valid Device-Id, MAC addresses in lower case; HandshakeRefused(400) otherwise."""
+    device_id = (raw or "").strip()
+    if not device_id:
+        raise HandshakeRefused(400, "missing Device-Id header")
+    if not _DEVICE_ID.match(device_id):
+        raise HandshakeRefused(400, "malformed Device-Id")
+    return device_id.lower() if ":" in device_id else device_id
+
+
+def _protocol_version(raw: str | None) -> int:
+    value = (raw or "1").strip()
+    if value not in SUPPORTED_PROTOCOL_VERSIONS:
+        shown = value if len(value) <= 16 else value[:16] + "…"
+        raise HandshakeRefused(400, f"unsupported Protocol-Version {shown!r}")
+    return int(value)
