@@ -16,8 +16,10 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from backend.errors import BridgeError
 
-class ConfigError(Exception):
+
+class ConfigError(BridgeError):
     """The configuration cannot be loaded; the message is one line for the user."""
 
 

@@ -6,6 +6,7 @@ Values under secret-looking keys are masked, so tokens never reach the logs.
 
 import logging
 import sys
+import time
 from collections.abc import MutableMapping
 from typing import Any
 
@@ -62,3 +63,58 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
     # would duplicate our own request logging.
     logging.getLogger("websockets").setLevel(logging.WARNING)
     logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
+
+
+def clip(text: str, limit: int = 120) -> str:
+    """Device-supplied text as it may appear in a log line: at most `limit` characters."""
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} chars)"
+
+
+class LogBudget:
+    """Bounds what one noisy source (a device) can write to the log.
+
+    The first `burst` lines of an event are written in full; after that the event is only
+    counted, and one summary line with the count is written at most every `interval_s` seconds.
+    A device that sends junk at line rate thus costs a few lines per interval, not one per frame.
+    """
+
+    __slots__ = ("_burst", "_counts", "_interval_s", "_last_summary", "_log", "_suppressed")
+
+    def __init__(self, log: Any, *, burst: int = 3, interval_s: float = 10.0) -> None:
+        self._log = log
+        self._burst = burst
+        self._interval_s = interval_s
+        self._counts: dict[str, int] = {}
+        self._suppressed: dict[str, int] = {}
+        self._last_summary: dict[str, float] = {}
+
+    def warning(self, event: str, **fields: Any) -> None:
+        count = self._counts.get(event, 0) + 1
+        self._counts[event] = count
+        if count <= self._burst:
+            self._log.warning(event, **fields)
+            return
+        self._suppressed[event] = self._suppressed.get(event, 0) + 1
+        now = time.monotonic()
+        last = self._last_summary.get(event)
+        if last is None:
+            self._last_summary[event] = now  # the first summary comes one interval later
+        elif now - last >= self._interval_s:
+            self._flush(event, now)
+
+    def total(self, event: str) -> int:
+        return self._counts.get(event, 0)
+
+    def close(self) -> None:
+        """Write the pending summaries (when the source goes away)."""
+        now = time.monotonic()
+        for event in list(self._suppressed):
+            self._flush(event, now)
+
+    def _flush(self, event: str, now: float) -> None:
+        suppressed = self._suppressed.pop(event, 0)
+        self._last_summary[event] = now
+        if suppressed:
+            self._log.warning(
+                f"{event} (repeated)", repeated=suppressed, total=self._counts.get(event, 0)
+            )

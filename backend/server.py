@@ -1,15 +1,18 @@
-"""The bridge process: device endpoint and admin API in one event loop, stopped gracefully."""
+"""The bridge process: device transports, the admin API and the database in one event loop.
+
+`Bridge` wires the parts together and owns their lifecycle: the database opens first (a bad file
+fails the start with one clear error), the catalogue loads every remembered device into the
+registry, the transports start together and hand their links to one `DeviceGateway`, then the
+admin API. `stop()` takes every device offline (pending calls fail with "bridge shutting down",
+links close with 1001), stops the transports and the API, and writes the catalogue's last changes.
+"""
 
 import asyncio
 import contextlib
-import json
-import os
 import signal
 import socket
 from collections.abc import Iterator
-from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 import structlog
 import uvicorn
@@ -18,12 +21,25 @@ from backend.api import create_app
 from backend.auth import Tokens, ensure_tokens
 from backend.config import Settings
 from backend.devices import DeviceRegistry
-from backend.devices.session import DeviceSession
-from backend.transports.websocket import SHUTDOWN, WebSocketLink, WebSocketTransport
+from backend.devices.catalog import DEVICE_MIGRATIONS, DeviceCatalog
+from backend.devices.conversation import ConversationHub
+from backend.devices.gateway import DeviceGateway
+from backend.devices.registry import SHUTDOWN
+from backend.runtime import remove_runtime_file, write_runtime_file
+from backend.storage import Database, Migration
+from backend.storage.database import DATABASE_FILE
+from backend.transports.admission import (
+    Admission,
+    DeviceCredentials,
+    NoDeviceAuth,
+    SharedDeviceToken,
+)
+from backend.transports.base import Transport
+from backend.transports.websocket import WebSocketTransport
 
 log = structlog.get_logger("bridge")
 
-RUNTIME_FILE = "bridge.json"
+MIGRATIONS: tuple[Migration, ...] = (*DEVICE_MIGRATIONS,)
 
 
 class _ApiServer(uvicorn.Server):
@@ -35,44 +51,71 @@ class _ApiServer(uvicorn.Server):
 
 
 class Bridge:
-    """Starts the WebSocket device endpoint and the admin API; `stop()` drains both."""
+    """Starts the transports, the admin API and the database; `stop()` drains them all."""
 
     def __init__(self, settings: Settings, tokens: Tokens | None = None) -> None:
         self.settings = settings
         self.tokens = tokens or ensure_tokens(settings)
-        self.registry = DeviceRegistry()
-        self.devices = WebSocketTransport(settings, self.tokens.device, self._new_session)
+        self.registry = DeviceRegistry(max_pending_calls=settings.max_pending_calls)
+        self.conversations = ConversationHub()
+        self.database = Database(settings.data_dir / DATABASE_FILE, MIGRATIONS)
+        self.catalog = DeviceCatalog(self.database, self.registry)
+        self.admission = Admission(self._device_credentials())
+        self.gateway = DeviceGateway(self.registry, self.conversations, settings)
+        self.websocket = WebSocketTransport(settings, self.admission)
+        self.transports: list[Transport] = [self.websocket]
         self.app = create_app(self.registry, self.tokens.admin)
+        self._started: list[Transport] = []
         self._api: _ApiServer | None = None
         self._api_task: asyncio.Task[None] | None = None
         self._api_socket: socket.socket | None = None
-        self._stopped = asyncio.Event()
+        self._stopped = False
 
-    def _new_session(self, link: WebSocketLink) -> DeviceSession:
-        return DeviceSession(link, self.registry, self.settings)
+    def _device_credentials(self) -> DeviceCredentials:
+        if not self.settings.device_auth:
+            return NoDeviceAuth()
+        return SharedDeviceToken(self.tokens.device)
 
     @property
-    def ws_port(self) -> int:
-        return self.devices.port
+    def ws_url(self) -> str:
+        return self.websocket.url
 
     @property
     def http_port(self) -> int:
         assert self._api_socket is not None, "bridge not started"
-        return self._api_socket.getsockname()[1]
-
-    @property
-    def ws_url(self) -> str:
-        host = (
-            "127.0.0.1" if self.settings.ws_host in ("0.0.0.0", "::", "") else self.settings.ws_host
-        )
-        return f"ws://{host}:{self.ws_port}{self.settings.ws_path}"
+        port: int = self._api_socket.getsockname()[1]
+        return port
 
     @property
     def api_url(self) -> str:
         return f"http://{self.settings.http_host}:{self.http_port}"
 
+    def endpoints(self) -> dict[str, str]:
+        found: dict[str, str] = {}
+        for transport in self._started:
+            found.update(transport.endpoints())
+        return found
+
     async def start(self) -> None:
-        await self.devices.start()
+        """Start everything; on any failure, stop what started and raise."""
+        try:
+            await self.database.open()
+            await self.catalog.load()
+            self.catalog.start()
+            for transport in self.transports:
+                await transport.start(self.gateway)
+                self._started.append(transport)
+            await self._start_api()
+        except BaseException:
+            await self.stop()
+            raise
+        write_runtime_file(
+            self.settings.data_dir,
+            {"ws_url": self.ws_url, "api_url": self.api_url, "endpoints": self.endpoints()},
+        )
+        log.info("bridge listening", api=self.api_url, **self.endpoints())
+
+    async def _start_api(self) -> None:
         self._api_socket = _bind(self.settings.http_host, self.settings.http_port)
         config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off")
         self._api = _ApiServer(config)
@@ -82,22 +125,24 @@ class Bridge:
                 await self._api_task  # surfaces the startup error
                 raise RuntimeError("admin API stopped during startup")
             await asyncio.sleep(0.01)
-        self._write_runtime_file()
-        log.info("bridge listening", devices=self.ws_url, api=self.api_url)
 
     async def stop(self) -> None:
-        """Close devices with 1001 (their pending calls fail), then drain the admin API."""
-        if self._stopped.is_set():
+        """Take devices offline (pending calls fail, links close 1001), then drain the rest."""
+        if self._stopped:
             return
-        self._stopped.set()
+        self._stopped = True
         log.info("bridge stopping", devices=len(self.registry))
-        for device in self.registry:
-            device.mcp.close(SHUTDOWN)
-        await self.devices.stop()
+        self.registry.shutdown(SHUTDOWN)
+        for transport in reversed(self._started):
+            await transport.stop()
         if self._api is not None and self._api_task is not None:
             self._api.should_exit = True
             await self._api_task
-        self._remove_runtime_file()
+        if self.database.is_open:
+            with contextlib.suppress(Exception):
+                await self.catalog.stop()
+            await self.database.close()
+        remove_runtime_file(self.settings.data_dir)
         log.info("bridge stopped")
 
     async def serve_forever(self) -> None:
@@ -124,30 +169,6 @@ class Bridge:
         _tb: TracebackType | None,
     ) -> None:
         await self.stop()
-
-    # The runtime file tells the CLI, `simulate` and `demo` where this bridge listens.
-    def _runtime_path(self) -> Path:
-        return self.settings.data_dir / RUNTIME_FILE
-
-    def _write_runtime_file(self) -> None:
-        info = {"pid": os.getpid(), "ws_url": self.ws_url, "api_url": self.api_url}
-        self.settings.data_dir.mkdir(parents=True, exist_ok=True)
-        self._runtime_path().write_text(json.dumps(info) + "\n")
-
-    def _remove_runtime_file(self) -> None:
-        with contextlib.suppress(OSError):
-            info = json.loads(self._runtime_path().read_text())
-            if info.get("pid") == os.getpid():
-                self._runtime_path().unlink()
-
-
-def read_runtime_file(data_dir: Path) -> dict[str, Any] | None:
-    """Where a bridge on this machine listens, or None when none has written its file."""
-    try:
-        info = json.loads((data_dir / RUNTIME_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return info if isinstance(info, dict) else None
 
 
 def _bind(host: str, port: int) -> socket.socket:

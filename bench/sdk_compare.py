@@ -38,7 +38,8 @@ from mcp import ClientSession, types
 from mcp.shared.message import SessionMessage
 
 from backend.mcp_session import McpClient
-from backend.protocol import AudioParams, ServerHello
+from backend.protocol import AudioFrame, AudioParams, ServerHello
+from backend.transports.admission import Admission, SharedDeviceToken
 from backend.transports.base import DeviceLink
 from backend.transports.websocket import WebSocketTransport
 from bench.common import (
@@ -119,7 +120,7 @@ class SdkDeviceSession:
             await self.link.send_text(hello.to_json())
             self._task = asyncio.create_task(self._run())
 
-    def on_binary(self, _data: bytes) -> None:
+    def on_audio(self, _frame: AudioFrame) -> None:
         pass
 
     def on_closed(self, _reason: str) -> None:
@@ -144,6 +145,14 @@ class SdkDeviceSession:
             await self.link.send_text(prefix + payload + "}")
 
 
+class _SdkAcceptor:
+    def __init__(self, on_ready: Callable[[SdkDeviceSession], None]) -> None:
+        self._on_ready = on_ready
+
+    def open_link(self, link: DeviceLink) -> SdkDeviceSession:
+        return SdkDeviceSession(link, self._on_ready)
+
+
 # ---- latency ----------------------------------------------------------------------------------
 
 
@@ -157,11 +166,9 @@ async def latency(plan: Plan) -> dict[str, PathResult]:
 
     with tempfile.TemporaryDirectory(prefix="bench-") as data_dir:
         sdk_server = WebSocketTransport(
-            bench_settings(Path(data_dir)),
-            DEVICE_TOKEN,
-            lambda link: SdkDeviceSession(link, on_ready),
+            bench_settings(Path(data_dir)), Admission(SharedDeviceToken(DEVICE_TOKEN))
         )
-        await sdk_server.start()
+        await sdk_server.start(_SdkAcceptor(on_ready))
         try:
             async with running_bridge() as bridge:
                 sdk_url = f"ws://127.0.0.1:{sdk_server.port}{bridge.settings.ws_path}"

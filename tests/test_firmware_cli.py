@@ -393,7 +393,7 @@ async def test_run_host_joins_the_local_bridge_and_stops_on_ctrl_c(tmp_path: Pat
         assert errors.decode() == ""
         assert "Traceback" not in "\n".join(seen) + rest.decode()
         # The firmware process is gone, so its link to the bridge closed.
-        await eventually(lambda: device.state is DeviceState.DISCONNECTED, SAFETY_TIMEOUT_S)
+        await eventually(lambda: device.state is DeviceState.OFFLINE, SAFETY_TIMEOUT_S)
 
 
 # ---- in-process -------------------------------------------------------------------------------

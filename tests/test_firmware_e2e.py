@@ -125,7 +125,7 @@ async def test_firmware_serves_tools_through_the_admin_api(
     async with running_firmware(write_config(tmp_path, bridge.ws_url, DEVICE_TOKEN)) as firmware:
         device_id = await announced_device_id(firmware)
         summary = await wait_ready(api, device_id)
-        assert [device["device_id"] for device in (await api.get("/api/devices")).json()] == [
+        assert [device["device_id"] for device in (await api.get("/api/devices")).json()["devices"]] == [
             device_id
         ]
         assert summary["state"] == "ready"
@@ -140,7 +140,9 @@ async def test_firmware_serves_tools_through_the_admin_api(
 
 
 async def check_tool_lists(api: httpx.AsyncClient, device_id: str) -> None:
-    tools = (await api.get(f"/api/devices/{device_id}/tools", params={"user": "true"})).json()
+    tools = (await api.get(f"/api/devices/{device_id}/tools", params={"user": "true"})).json()[
+        "tools"
+    ]
     assert [tool["name"] for tool in tools] == MODEL_TOOLS + USER_TOOLS
     by_name = {tool["name"]: tool for tool in tools}
     for name in USER_TOOLS:
@@ -153,7 +155,7 @@ async def check_tool_lists(api: httpx.AsyncClient, device_id: str) -> None:
         "required": ["volume"],
     }
     for_the_model = await api.get(f"/api/devices/{device_id}/tools", params={"user": "false"})
-    assert [tool["name"] for tool in for_the_model.json()] == MODEL_TOOLS
+    assert [tool["name"] for tool in for_the_model.json()["tools"]] == MODEL_TOOLS
 
 
 async def check_calls(api: httpx.AsyncClient, device_id: str, firmware: WatchedProcess) -> None:

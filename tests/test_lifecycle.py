@@ -42,7 +42,7 @@ async def test_signal_stops_gracefully(tmp_path, sig):
         base_url=runtime["api_url"], headers={"Authorization": f"Bearer {admin}"}, timeout=30
     ) as api:
         for _ in range(200):
-            listing = (await api.get("/api/devices")).json()
+            listing = (await api.get("/api/devices")).json()["devices"]
             if listing and listing[0]["state"] == "ready":
                 break
             await asyncio.sleep(0.02)

@@ -34,7 +34,7 @@ async def test_discovery_sequence_and_pagination(bridge, wire_devices):
     assert len(lists) == 3  # 12 tools, 4 per page
     assert lists[0]["params"]["cursor"] == ""
     assert [p["params"]["cursor"] for p in lists[1:]] == [tools[4]["name"], tools[8]["name"]]
-    assert list(ready.tools) == [tool["name"] for tool in tools]
+    assert [tool.name for tool in ready.tool_list()] == [tool["name"] for tool in tools]
     assert ready.server_info == {"name": "bread-compact-wifi", "version": "2.4.2"}
 
     init = device.received[0]
@@ -50,7 +50,7 @@ async def test_simulated_firmware_lists_three_pages(bridge):
     sim.start()
     try:
         device = await wait_state(bridge, sim.device_id, timeout_s=10)
-        assert len(device.tools) == 7 + 60
+        assert len(device.tool_list()) == 7 + 60
         assert device.server_info["name"] == "sim-device"
     finally:
         await sim.stop()
@@ -274,8 +274,10 @@ async def test_user_only_tools_filtered_by_query(bridge, api, wire_devices):
     await wait_state(bridge, device.device_id)
     listed = device.received[2]
     assert listed["params"].get("withUserTools") is True
-    all_tools = (await api.get(f"/api/devices/{device.device_id}/tools?user=true")).json()
-    ai_tools = (await api.get(f"/api/devices/{device.device_id}/tools?user=false")).json()
+    listing = (await api.get(f"/api/devices/{device.device_id}/tools?user=true")).json()
+    assert listing["cached"] is False and listing["state"] == "ready"
+    all_tools = listing["tools"]
+    ai_tools = (await api.get(f"/api/devices/{device.device_id}/tools?user=false")).json()["tools"]
     assert [t["name"] for t in all_tools] == [
         STATUS_TOOL["name"],
         VOLUME_TOOL["name"],
@@ -294,7 +296,7 @@ async def test_tools_list_changed_triggers_relist(bridge, wire_devices):
         {"name": "self.new", "description": "", "inputSchema": {"type": "object"}},
     ]
     await device.reply({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"})
-    await eventually(lambda: "self.new" in live.tools)
+    await eventually(lambda: "self.new" in live.tools.by_name)
 
 
 async def test_device_request_is_answered_method_not_found(bridge, wire_devices):
@@ -311,9 +313,10 @@ async def test_device_without_mcp_feature_is_ready_without_tools(bridge, wire_de
     device = wire_devices(hello={"type": "hello", "version": 1, "transport": "websocket"})
     await device.connect()
     live = await wait_state(bridge, device.device_id)
-    assert live.tools == {}
-    await asyncio.sleep(0.05)
-    assert device.received == []
+    assert live.tool_list() == []
+    assert device.ws is not None
+    await (await device.ws.ping())  # everything the bridge sent before the pong has arrived
+    assert device.received == [] and live.mcp.pending_count == 0
 
 
 async def test_vision_capability_sent_but_token_never_logged(bridge_factory, capsys):
@@ -344,9 +347,11 @@ async def test_device_state_summary_in_api(bridge, api, wire_devices):
     device = wire_devices()
     await device.connect()
     await wait_state(bridge, device.device_id)
-    listing = (await api.get("/api/devices")).json()
-    assert listing == [(await api.get(f"/api/devices/{device.device_id}")).json()]
-    summary = listing[0]
+    page = (await api.get("/api/devices")).json()
+    assert page["total"] == 1 and page["next_cursor"] is None
+    listing = page["devices"]
+    summary = (await api.get(f"/api/devices/{device.device_id}")).json()
+    assert listing == [summary]
     assert summary["state"] == DeviceState.READY.value
     assert summary["transport"] == "websocket"
     assert summary["tool_count"] == 2

@@ -102,11 +102,11 @@ def test_constructed_collisions_with_hashed_names_are_still_avoided() -> None:
     assert len({mapping.to_llm(name) for name in ["a.b", *squatters]}) == len(squatters) + 1
 
 
-def test_unknown_names_raise_a_key_error() -> None:
+def test_unknown_names_raise_unknown_tool_name() -> None:
     mapping = ToolNameMap(["self.reboot"])
     with pytest.raises(UnknownToolName):
         mapping.to_llm("self.missing")
-    with pytest.raises(KeyError):
+    with pytest.raises(UnknownToolName, match="self.reboot"):
         mapping.from_llm("self.reboot")
 
 

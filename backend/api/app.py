@@ -1,43 +1,32 @@
-"""Admin API: list devices and their tools, call a tool. Bearer admin token on every route but
-`/healthz`; errors are JSON `{"error": {"code", "message"}}`."""
+"""Admin API: list devices (live and remembered) and their tools, call a tool, forget a device.
+
+Bearer admin token on every route but `/healthz`; errors are JSON `{"error": {"code", "message"}}`
+with the status and code of `backend.api.errors.ERROR_TABLE`.
+"""
 
 import time
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backend import __version__
+from backend.api.errors import http_status
 from backend.auth import token_matches
-from backend.devices import (
-    DeviceBusy,
-    DeviceNotReady,
-    DeviceRegistry,
-    InvalidArguments,
-    UnknownDevice,
-    UnknownTool,
-)
-from backend.devices.errors import DeviceLayerError
-from backend.mcp_session import DeviceDisconnected, DeviceError, McpError, RequestTimeout, Tool
+from backend.devices import DeviceRegistry, DeviceState
+from backend.devices.registry import LIVE_STATES, is_user_only, iso_time
+from backend.errors import BridgeError
+from backend.mcp_session import Tool
 
-# Each error type has one HTTP status and one machine-readable code.
-_ERRORS: list[tuple[type[Exception], int, str]] = [
-    (UnknownDevice, 404, "unknown_device"),
-    (UnknownTool, 404, "unknown_tool"),
-    (InvalidArguments, 422, "invalid_arguments"),
-    (DeviceNotReady, 409, "device_not_ready"),
-    (DeviceBusy, 429, "device_busy"),
-    (RequestTimeout, 504, "timeout"),
-    (DeviceDisconnected, 503, "device_disconnected"),
-    (DeviceError, 502, "device_error"),
-    (McpError, 502, "device_protocol_error"),
-]
+MAX_PAGE = 10_000
 
 
 class ApiError(Exception):
+    """An HTTP-level refusal (auth, request shape) with its own status and code."""
+
     def __init__(self, status: int, code: str, message: str) -> None:
         super().__init__(message)
         self.status = status
@@ -56,6 +45,20 @@ class ToolCallResponse(BaseModel):
     duration_ms: float
 
 
+class DeviceList(BaseModel):
+    devices: list[dict[str, Any]]
+    next_cursor: str | None
+    total: int
+
+
+class ToolList(BaseModel):
+    device_id: str
+    state: str
+    cached: bool
+    read_at: str | None
+    tools: list[dict[str, Any]]
+
+
 def create_app(registry: DeviceRegistry, admin_token: str) -> FastAPI:
     app = FastAPI(title="esp32-mcp-bridge admin API", version=__version__)
     _install_error_handlers(app)
@@ -68,23 +71,55 @@ def create_app(registry: DeviceRegistry, admin_token: str) -> FastAPI:
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
-        return {"status": "ok", "devices": len(registry)}
+        return {"status": "ok", "devices": len(registry), "known_devices": registry.known_count}
 
     @app.get("/api/devices", dependencies=admin)
-    async def list_devices() -> list[dict[str, Any]]:
-        return [device.summary() for device in registry]
+    async def list_devices(
+        state: Annotated[list[DeviceState] | None, Query(description="only these states")] = None,
+        online: Annotated[bool | None, Query(description="only live (or offline) ones")] = None,
+        limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 1000,
+        cursor: Annotated[str | None, Query(description="next_cursor of the page before")] = None,
+    ) -> DeviceList:
+        states = frozenset(state) if state else None
+        if online is not None:
+            wanted = LIVE_STATES if online else frozenset({DeviceState.OFFLINE})
+            states = wanted if states is None else states & wanted
+        page = registry.listing(states=states, after=cursor, limit=limit)
+        return DeviceList(devices=page.devices, next_cursor=page.next_cursor, total=page.total)
 
     @app.get("/api/devices/{device_id}", dependencies=admin)
     async def get_device(device_id: str) -> dict[str, Any]:
-        return registry.require(device_id).summary()
+        return registry.summary(device_id)
+
+    @app.delete("/api/devices/{device_id}", dependencies=admin, status_code=204)
+    async def forget_device(device_id: str) -> Response:
+        registry.forget(device_id)
+        return Response(status_code=204)
 
     @app.get("/api/devices/{device_id}/tools", dependencies=admin)
     async def list_tools(
         device_id: str,
         user: Annotated[bool, Query(description="include user-only tools")] = True,
-    ) -> list[dict[str, Any]]:
-        device = registry.require(device_id)
-        return [_tool_json(tool) for tool in device.tool_list(include_user_only=user)]
+    ) -> ToolList:
+        device = registry.get(device_id)
+        if device is not None:
+            record = registry.record(device_id)
+            return ToolList(
+                device_id=device_id,
+                state=device.state.value,
+                cached=False,
+                read_at=iso_time(record.tools_read_at if record else None),
+                tools=[_tool_json(t) for t in device.tool_list(include_user_only=user)],
+            )
+        record = registry.require_record(device_id)
+        tools = [t for t in record.tools.tools if user or not is_user_only(t)]
+        return ToolList(
+            device_id=device_id,
+            state=DeviceState.OFFLINE.value,
+            cached=True,
+            read_at=iso_time(record.tools_read_at),
+            tools=[_tool_json(t) for t in tools],
+        )
 
     @app.post("/api/devices/{device_id}/tools/call", dependencies=admin)
     async def call_tool(device_id: str, call: ToolCallRequest) -> ToolCallResponse:
@@ -118,13 +153,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
         return _error(exc.status, exc.code, str(exc))
 
-    @app.exception_handler(DeviceLayerError)
-    @app.exception_handler(McpError)
-    async def device_error(_request: Request, exc: Exception) -> JSONResponse:
-        for kind, status, code in _ERRORS:
-            if isinstance(exc, kind):
-                return _error(status, code, str(exc))
-        return _error(500, "internal_error", str(exc))
+    @app.exception_handler(BridgeError)
+    async def bridge_error(_request: Request, exc: BridgeError) -> JSONResponse:
+        status, code = http_status(exc)
+        return _error(status, code, str(exc))
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(_request: Request, exc: RequestValidationError) -> JSONResponse:

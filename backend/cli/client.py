@@ -23,13 +23,30 @@ class AdminClient:
     def __exit__(self, *_exc: object) -> None:
         self._http.close()
 
-    def devices(self) -> list[dict[str, Any]]:
-        return self._request("GET", "/api/devices")
+    def devices(self, *, online: bool | None = None, page_size: int = 1000) -> list[dict[str, Any]]:
+        """Every device (all pages), live and offline; `online` filters."""
+        devices: list[dict[str, Any]] = []
+        cursor: str | None = None
+        while True:
+            params = {"limit": str(page_size)}
+            if online is not None:
+                params["online"] = "true" if online else "false"
+            if cursor is not None:
+                params["cursor"] = cursor
+            page = self._request("GET", "/api/devices", params)
+            devices += page["devices"]
+            cursor = page.get("next_cursor")
+            if not cursor:
+                return devices
 
     def device(self, device_id: str) -> dict[str, Any]:
         return self._request("GET", f"/api/devices/{quote(device_id, safe='')}")
 
-    def tools(self, device_id: str, *, include_user_only: bool = True) -> list[dict[str, Any]]:
+    def forget(self, device_id: str) -> None:
+        self._request("DELETE", f"/api/devices/{quote(device_id, safe='')}")
+
+    def tools(self, device_id: str, *, include_user_only: bool = True) -> dict[str, Any]:
+        """`{device_id, state, cached, read_at, tools}`; `cached` for an offline device."""
         params = {"user": "true" if include_user_only else "false"}
         return self._request("GET", f"/api/devices/{quote(device_id, safe='')}/tools", params)
 
@@ -61,6 +78,8 @@ class AdminClient:
             raise AdminError(f"the bridge at {self.base_url} did not answer in time") from None
         except httpx.HTTPError as exc:
             raise AdminError(f"request to {self.base_url} failed: {exc}") from None
+        if response.status_code == 204:
+            return None
         if response.is_success:
             return response.json()
         raise AdminError(_error_message(response))

@@ -7,7 +7,7 @@ from typing import Any
 from backend.auth import ADMIN_TOKEN_FILE, DEVICE_TOKEN_FILE, read_token
 from backend.cli.output import fail
 from backend.config import ConfigError, Settings, load_settings
-from backend.server import read_runtime_file
+from backend.runtime import read_runtime_file
 
 
 def cli_settings(config: Path | None = None, **overrides: Any) -> Settings:

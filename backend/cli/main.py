@@ -46,7 +46,7 @@ def serve(
     http_port: HttpPortOpt = None,
 ) -> None:
     """Run the bridge: device WebSocket endpoint and admin API, until Ctrl-C."""
-    from backend.runner import run_bridge
+    from backend.cli.runs import run_bridge
 
     settings = cli_settings(config, data_dir=data_dir, ws_port=ws_port, http_port=http_port)
     _run(run_bridge(settings))
@@ -60,7 +60,7 @@ def demo(
     http_port: HttpPortOpt = None,
 ) -> None:
     """Start the bridge and one simulated device, call two tools, keep serving until Ctrl-C."""
-    from backend.runner import run_demo
+    from backend.cli.runs import run_demo
 
     settings = cli_settings(config, data_dir=data_dir, ws_port=ws_port, http_port=http_port)
     _run(run_demo(settings, console))
@@ -76,7 +76,7 @@ def simulate(
     config: ConfigOpt = None,
 ) -> None:
     """Connect N simulated devices (the real firmware code on a fake HAL) to a bridge."""
-    from backend.runner import run_simulator
+    from backend.cli.runs import run_simulator
 
     url, token = device_endpoint(cli_settings(config, data_dir=data_dir), url, token)
     _run(run_simulator(url, token, devices, tools, console))
@@ -87,15 +87,19 @@ def simulate(
 
 @app.command("devices")
 def list_devices(
+    online: Annotated[
+        bool | None,
+        typer.Option("--online/--offline", help="Only connected (or only offline) devices."),
+    ] = None,
     server: ServerOpt = None,
     token: TokenOpt = None,
     data_dir: DataDirOpt = None,
     config: ConfigOpt = None,
 ) -> None:
-    """List connected devices."""
+    """List devices: connected ones and those seen before (offline, with their last tools)."""
     with _admin(server, token, data_dir, config) as admin:
-        rows = _admin_call(admin.devices)
-    table = Table("device_id", "state", "transport", "tools", "server", "connected_at")
+        rows = _admin_call(admin.devices, online=online)
+    table = Table("device_id", "state", "transport", "tools", "server", "connected_at", "last_seen")
     for device in rows:
         info = device.get("server_info") or {}
         table.add_row(
@@ -104,9 +108,29 @@ def list_devices(
             device["transport"],
             str(device["tool_count"]),
             " ".join(str(info.get(k, "")) for k in ("name", "version")).strip(),
-            device["connected_at"],
+            device.get("connected_at") or "",
+            device.get("last_seen") or "",
         )
-    console.print(table if rows else "no devices connected")
+    if rows:
+        console.print(table)
+    else:
+        console.print(
+            "no devices" if online is None else f"no {'on' if online else 'off'}line devices"
+        )
+
+
+@app.command("forget")
+def forget_device(
+    device: Annotated[str, typer.Argument(help="Device id of an offline device.")],
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+    data_dir: DataDirOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Remove an offline device and its cached tools from the catalogue."""
+    with _admin(server, token, data_dir, config) as admin:
+        _admin_call(admin.forget, device)
+    console.print(f"forgot {device}", highlight=False)
 
 
 @app.command("tools")
@@ -120,9 +144,14 @@ def list_tools(
 ) -> None:
     """List one device's tools."""
     with _admin(server, token, data_dir, config) as admin:
-        tools = _admin_call(admin.tools, device, include_user_only=user)
+        listing = _admin_call(admin.tools, device, include_user_only=user)
+    if listing["cached"]:
+        read_at = listing.get("read_at") or "an unknown time"
+        console.print(
+            f"{device} is offline: cached tools, read at {read_at}", highlight=False, markup=False
+        )
     table = Table("name", "arguments", "description", "audience")
-    for tool in tools:
+    for tool in listing["tools"]:
         table.add_row(
             tool["name"],
             _describe_arguments(tool.get("inputSchema") or {}),

@@ -1,13 +1,35 @@
 """Errors of the device layer; the MCP-level ones live in backend.mcp_session.errors."""
 
+from backend.errors import BridgeError
 
-class DeviceLayerError(Exception):
-    """Base class: the message is one line for an operator."""
+
+class DeviceLayerError(BridgeError):
+    """Base class of the device layer: the message is one line for an operator."""
 
 
 class UnknownDevice(DeviceLayerError):
+    """No device with this id has ever been seen (or it was forgotten)."""
+
     def __init__(self, device_id: str) -> None:
         super().__init__(f"unknown device {device_id!r}")
+        self.device_id = device_id
+
+
+class DeviceOffline(DeviceLayerError):
+    """The device is known but not connected now, so it cannot be called."""
+
+    def __init__(self, device_id: str, last_seen: str | None = None) -> None:
+        since = f" (last seen {last_seen})" if last_seen else ""
+        super().__init__(f"device {device_id!r} is offline{since}")
+        self.device_id = device_id
+        self.last_seen = last_seen
+
+
+class DeviceOnline(DeviceLayerError):
+    """The operation needs an offline device (forgetting one), and this one is connected."""
+
+    def __init__(self, device_id: str) -> None:
+        super().__init__(f"device {device_id!r} is connected; it can be forgotten once offline")
         self.device_id = device_id
 
 

@@ -1,33 +1,48 @@
-"""The device registry: device_id → live device, with events others subscribe to.
+"""The device registry: the one owner of device state, for live devices and remembered ones.
 
-The admin API, the CLI (through the API) and later the chat pipeline read devices here and call
-their tools through `Device.call_tool`, which knows tools and arguments but not transports.
+Every state change goes through a method of `DeviceRegistry` and emits exactly one `DeviceEvent`;
+nothing else writes a device's state, tools or server info. Sessions report what happened on
+their link (hello, MCP handshake done, link gone), the registry decides what it means (a
+reconnect replaces the previous link; a stale session's report is ignored), and listeners (the
+device catalogue that persists it, the API's waiters, later the chat pipeline) follow the events.
+
+The registry also remembers every device it has seen (`DeviceRecord`): the catalogue loads those
+at start and persists them, so a device that is offline now is still listed with its last tools.
 """
 
 import asyncio
+import hashlib
+import json
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+import weakref
+from bisect import bisect_right
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import structlog
 
 from backend.devices.errors import (
     DeviceBusy,
     DeviceNotReady,
+    DeviceOffline,
+    DeviceOnline,
     InvalidArguments,
     UnknownDevice,
     UnknownTool,
 )
 from backend.devices.validation import argument_error
 from backend.mcp_session import CallResult, McpClient, Tool
-
-if TYPE_CHECKING:
-    from backend.transports.base import DeviceLink
+from backend.transports.base import DeviceIdentity
 
 log = structlog.get_logger("devices")
+
+REPLACED = "replaced by a new connection"
+SHUTDOWN = "bridge shutting down"
+GOING_AWAY = 1001
+NORMAL_CLOSURE = 1000
 
 
 class DeviceState(StrEnum):
@@ -35,15 +50,23 @@ class DeviceState(StrEnum):
     INITIALIZING = "initializing"  # MCP initialize / tools/list in progress
     READY = "ready"
     FAILED = "failed"  # link up, but the MCP handshake failed (see `error`)
-    DISCONNECTED = "disconnected"
+    OFFLINE = "offline"  # not connected now; its last known tools are cached
+
+
+LIVE_STATES = frozenset(
+    {DeviceState.CONNECTING, DeviceState.INITIALIZING, DeviceState.READY, DeviceState.FAILED}
+)
 
 
 class EventKind(StrEnum):
-    CONNECTED = "connected"
-    READY = "ready"
-    FAILED = "failed"
-    DISCONNECTED = "disconnected"
-    TOOL_CALLED = "tool_called"
+    CONNECTED = "connected"  # → connecting
+    INITIALIZING = "initializing"  # → initializing
+    READY = "ready"  # → ready
+    FAILED = "failed"  # → failed
+    DISCONNECTED = "disconnected"  # → offline; detail["reason"] says why (replaced, shutdown...)
+    TOOLS_CHANGED = "tools_changed"  # a ready device's tool list was read again and differs
+    FORGOTTEN = "forgotten"  # an offline device was removed from the catalogue
+    TOOL_CALLED = "tool_called"  # not a state change: one tools/call finished
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,73 +76,41 @@ class DeviceEvent:
     detail: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(slots=True, eq=False)
-class Device:
-    device_id: str
-    client_id: str | None
-    transport: str
-    session_id: str
-    protocol_version: int
-    link: "DeviceLink"
-    mcp: McpClient
-    registry: "DeviceRegistry"
-    max_pending_calls: int = 256
-    connected_at: datetime = field(default_factory=lambda: datetime.now(UTC))
-    state: DeviceState = DeviceState.CONNECTING
-    server_info: dict[str, Any] | None = None
-    tools: dict[str, Tool] = field(default_factory=dict)
-    error: str | None = None
+# ---- tool sets --------------------------------------------------------------------------------
 
-    def tool_list(self, *, include_user_only: bool = True) -> list[Tool]:
-        tools = self.tools.values()
-        return [t for t in tools if include_user_only or not is_user_only(t)]
 
-    def summary(self) -> dict[str, Any]:
-        return {
-            "device_id": self.device_id,
-            "client_id": self.client_id,
-            "transport": self.transport,
-            "state": self.state.value,
-            "connected_at": self.connected_at.isoformat(),
-            "server_info": self.server_info,
-            "tool_count": len(self.tools),
-            "error": self.error,
-        }
+@dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
+class ToolSet:
+    """An immutable tool list and its digest. Devices of one model declare identical lists,
+    so identical lists are one shared object (see `ToolSet.of`)."""
 
-    async def call_tool(
-        self, name: str, arguments: dict[str, Any] | None = None, *, timeout_s: float | None = None
-    ) -> CallResult:
-        """Validate and send one tools/call; MCP errors (timeout, disconnect...) propagate."""
-        arguments = arguments or {}
-        tool = self._checked_tool(name, arguments)
-        if self.mcp.pending_count >= self.max_pending_calls:
-            raise DeviceBusy(self.device_id, self.max_pending_calls)
-        started = time.perf_counter()
-        outcome = "error"
-        try:
-            result = await self.mcp.call_tool(tool.name, arguments, timeout_s=timeout_s)
-            outcome = "tool_error" if result.is_error else "ok"
-            return result
-        finally:
-            duration_ms = (time.perf_counter() - started) * 1000
-            self.registry.emit(
-                EventKind.TOOL_CALLED,
-                self.device_id,
-                tool=name,
-                outcome=outcome,
-                duration_ms=round(duration_ms, 3),
-            )
+    digest: str
+    tools: tuple[Tool, ...]
+    by_name: Mapping[str, Tool]
 
-    def _checked_tool(self, name: str, arguments: dict[str, Any]) -> Tool:
-        if self.state is not DeviceState.READY:
-            raise DeviceNotReady(self.device_id, self.state.value)
-        tool = self.tools.get(name)
-        if tool is None:
-            raise UnknownTool(self.device_id, name)
-        reason = argument_error(tool.input_schema, arguments)
-        if reason is not None:
-            raise InvalidArguments(name, reason)
-        return tool
+    def __len__(self) -> int:
+        return len(self.tools)
+
+    @classmethod
+    def of(cls, tools: Iterable[Tool]) -> "ToolSet":
+        tools = tuple(tools)
+        if not tools:
+            return EMPTY_TOOLS
+        wire = [tool.to_wire() for tool in tools]
+        canonical = json.dumps(wire, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+        digest = hashlib.sha256(canonical.encode()).hexdigest()[:32]
+        shared = _TOOL_SETS.get(digest)
+        if shared is None:
+            shared = cls(digest, tools, {tool.name: tool for tool in tools})
+            _TOOL_SETS[digest] = shared
+        return shared
+
+    def to_wire(self) -> list[dict[str, Any]]:
+        return [tool.to_wire() for tool in self.tools]
+
+
+EMPTY_TOOLS = ToolSet("", (), {})
+_TOOL_SETS: "weakref.WeakValueDictionary[str, ToolSet]" = weakref.WeakValueDictionary()
 
 
 def is_user_only(tool: Tool) -> bool:
@@ -129,84 +120,434 @@ def is_user_only(tool: Tool) -> bool:
     return isinstance(audience, list) and "user" in audience and "assistant" not in audience
 
 
+# ---- what is remembered -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceRecord:
+    """What the bridge remembers of a device it has seen (persisted by the catalogue)."""
+
+    device_id: str
+    client_id: str | None
+    transport: str
+    first_seen: float
+    last_seen: float
+    server_info: Mapping[str, Any] | None = None
+    tools: ToolSet = EMPTY_TOOLS
+    tools_read_at: float | None = None
+
+    @property
+    def board(self) -> str | None:
+        value = (self.server_info or {}).get("name")
+        return value if isinstance(value, str) else None
+
+    @property
+    def firmware(self) -> str | None:
+        value = (self.server_info or {}).get("version")
+        return value if isinstance(value, str) else None
+
+    def summary(self) -> dict[str, Any]:
+        """The API's view of an offline device."""
+        return {
+            "device_id": self.device_id,
+            "client_id": self.client_id,
+            "transport": self.transport,
+            "state": DeviceState.OFFLINE.value,
+            "connected_at": None,
+            "last_seen": iso_time(self.last_seen),
+            "first_seen": iso_time(self.first_seen),
+            "server_info": dict(self.server_info) if self.server_info is not None else None,
+            "tool_count": len(self.tools),
+            "tools_read_at": iso_time(self.tools_read_at),
+            "error": None,
+        }
+
+
+# ---- live devices -----------------------------------------------------------------------------
+
+
+class DeviceConnection(Protocol):
+    """What the registry needs of the session that carries a live device."""
+
+    @property
+    def session_id(self) -> str: ...
+
+    @property
+    def mcp(self) -> McpClient: ...
+
+    def disconnect(self, reason: str, code: int) -> None:
+        """Fail pending calls with `reason` now and close the link in the background."""
+        ...
+
+
+class Device:
+    """A connected device. Its state is written by the registry only; read it here."""
+
+    __slots__ = (
+        "_connection",
+        "_error",
+        "_registry",
+        "_server_info",
+        "_state",
+        "_tools",
+        "client_id",
+        "connected_at",
+        "device_id",
+        "protocol_version",
+        "remote",
+        "transport",
+    )
+
+    def __init__(
+        self, identity: DeviceIdentity, connection: DeviceConnection, registry: "DeviceRegistry"
+    ) -> None:
+        self.device_id = identity.device_id
+        self.client_id = identity.client_id
+        self.transport = identity.transport
+        self.protocol_version = identity.protocol_version
+        self.remote = identity.remote
+        self.connected_at = time.time()
+        self._connection = connection
+        self._registry = registry
+        self._state = DeviceState.CONNECTING
+        self._server_info: Mapping[str, Any] | None = None
+        self._tools = EMPTY_TOOLS
+        self._error: str | None = None
+
+    @property
+    def state(self) -> DeviceState:
+        return self._state
+
+    @property
+    def server_info(self) -> Mapping[str, Any] | None:
+        return self._server_info
+
+    @property
+    def tools(self) -> ToolSet:
+        return self._tools
+
+    @property
+    def error(self) -> str | None:
+        return self._error
+
+    @property
+    def session_id(self) -> str:
+        return self._connection.session_id
+
+    @property
+    def mcp(self) -> McpClient:
+        return self._connection.mcp
+
+    @property
+    def connection(self) -> DeviceConnection:
+        return self._connection
+
+    @property
+    def is_live(self) -> bool:
+        return self._state is not DeviceState.OFFLINE
+
+    def tool_list(self, *, include_user_only: bool = True) -> list[Tool]:
+        return [t for t in self._tools.tools if include_user_only or not is_user_only(t)]
+
+    def summary(self) -> dict[str, Any]:
+        record = self._registry.record(self.device_id)
+        return {
+            "device_id": self.device_id,
+            "client_id": self.client_id,
+            "transport": self.transport,
+            "state": self._state.value,
+            "connected_at": iso_time(self.connected_at),
+            "last_seen": None if self.is_live else iso_time(time.time()),
+            "first_seen": iso_time(record.first_seen) if record else None,
+            "server_info": dict(self._server_info) if self._server_info is not None else None,
+            "tool_count": len(self._tools),
+            "tools_read_at": iso_time(record.tools_read_at) if record else None,
+            "error": self._error,
+        }
+
+    async def call_tool(
+        self, name: str, arguments: dict[str, Any] | None = None, *, timeout_s: float | None = None
+    ) -> CallResult:
+        """Validate and send one tools/call.
+
+        Raises DeviceNotReady, UnknownTool, InvalidArguments, DeviceBusy before sending, and the
+        MCP client's errors after (RequestTimeout, DeviceDisconnected, DeviceError,
+        ProtocolViolation). A tool that reports `isError` returns normally.
+        """
+        arguments = arguments or {}
+        tool = self._checked_tool(name, arguments)
+        mcp = self._connection.mcp
+        limit = self._registry.max_pending_calls
+        if mcp.pending_count >= limit:
+            raise DeviceBusy(self.device_id, limit)
+        started = time.perf_counter()
+        outcome = "error"
+        try:
+            result = await mcp.call_tool(tool.name, arguments, timeout_s=timeout_s)
+            outcome = "tool_error" if result.is_error else "ok"
+            return result
+        finally:
+            duration_ms = (time.perf_counter() - started) * 1000
+            self._registry.emit(
+                EventKind.TOOL_CALLED,
+                self.device_id,
+                tool=name,
+                outcome=outcome,
+                duration_ms=round(duration_ms, 3),
+            )
+
+    def _checked_tool(self, name: str, arguments: dict[str, Any]) -> Tool:
+        if self._state is not DeviceState.READY:
+            if self._state is DeviceState.OFFLINE:
+                raise DeviceOffline(self.device_id)
+            raise DeviceNotReady(self.device_id, self._state.value)
+        tool = self._tools.by_name.get(name)
+        if tool is None:
+            raise UnknownTool(self.device_id, name)
+        reason = argument_error(tool.input_schema, arguments)
+        if reason is not None:
+            raise InvalidArguments(name, reason)
+        return tool
+
+
+# ---- the registry -----------------------------------------------------------------------------
+
 Listener = Callable[[DeviceEvent], None]
 
 
-class DeviceRegistry:
-    """Live devices by id. One device id has at most one live link: a reconnect replaces it."""
+@dataclass(frozen=True, slots=True)
+class DevicePage:
+    """One page of the device listing, sorted by device id."""
 
-    def __init__(self) -> None:
-        self._devices: dict[str, Device] = {}
+    devices: list[dict[str, Any]]
+    next_cursor: str | None
+    total: int
+
+
+class DeviceRegistry:
+    """Every device by id: live ones (at most one link per id) and remembered offline ones."""
+
+    def __init__(self, *, max_pending_calls: int = 256) -> None:
+        self.max_pending_calls = max_pending_calls
+        self._live: dict[str, Device] = {}
+        self._known: dict[str, DeviceRecord] = {}
         self._listeners: list[Listener] = []
 
+    # ---- reading ----------------------------------------------------------------------------
+
     def __len__(self) -> int:
-        return len(self._devices)
+        """The number of live (connected) devices."""
+        return len(self._live)
 
     def __iter__(self) -> Iterator[Device]:
-        return iter(list(self._devices.values()))
+        """Live devices (a snapshot)."""
+        return iter(list(self._live.values()))
+
+    @property
+    def known_count(self) -> int:
+        return len(self._known)
 
     def get(self, device_id: str) -> Device | None:
-        return self._devices.get(device_id)
+        """The live device with this id, or None."""
+        return self._live.get(device_id)
 
     def require(self, device_id: str) -> Device:
-        device = self._devices.get(device_id)
-        if device is None:
+        """The live device; raises DeviceOffline for a known offline one, else UnknownDevice."""
+        device = self._live.get(device_id)
+        if device is not None:
+            return device
+        record = self._known.get(device_id)
+        if record is not None:
+            raise DeviceOffline(device_id, iso_time(record.last_seen))
+        raise UnknownDevice(device_id)
+
+    def record(self, device_id: str) -> DeviceRecord | None:
+        """What is remembered of this device (live or offline), or None."""
+        return self._known.get(device_id)
+
+    def records(self) -> list[DeviceRecord]:
+        return list(self._known.values())
+
+    def require_record(self, device_id: str) -> DeviceRecord:
+        record = self._known.get(device_id)
+        if record is None:
             raise UnknownDevice(device_id)
+        return record
+
+    def summary(self, device_id: str) -> dict[str, Any]:
+        """The API's view of one device, live or offline; raises UnknownDevice."""
+        device = self._live.get(device_id)
+        if device is not None:
+            return device.summary()
+        return self.require_record(device_id).summary()
+
+    def listing(
+        self, *, states: frozenset[DeviceState] | None = None, after: str | None = None, limit: int
+    ) -> DevicePage:
+        """Devices sorted by id, starting after the cursor `after`, filtered by state."""
+        ids = sorted(self._known.keys() | self._live.keys())
+        if states is not None:
+            ids = [device_id for device_id in ids if self._state_of(device_id) in states]
+        total = len(ids)
+        start = 0
+        if after is not None:
+            start = bisect_right(ids, after)
+        page_ids = ids[start : start + limit]
+        next_cursor = page_ids[-1] if start + limit < total and page_ids else None
+        return DevicePage([self.summary(i) for i in page_ids], next_cursor, total)
+
+    def _state_of(self, device_id: str) -> DeviceState:
+        device = self._live.get(device_id)
+        return device.state if device is not None else DeviceState.OFFLINE
+
+    # ---- transitions: the only writers of device state ---------------------------------------
+
+    def load(self, records: Iterable[DeviceRecord]) -> None:
+        """Remember devices from the catalogue at start (no events: they are already stored)."""
+        for record in records:
+            if record.device_id not in self._live:
+                self._known[record.device_id] = record
+
+    def connect(self, identity: DeviceIdentity, connection: DeviceConnection) -> Device:
+        """A new link for `identity.device_id`; a previous live link for it is replaced."""
+        previous = self._live.get(identity.device_id)
+        if previous is not None:
+            log.info(
+                "same device id reconnected; closing the old link", device_id=previous.device_id
+            )
+            self._go_offline(previous, REPLACED)
+            previous.connection.disconnect(REPLACED, NORMAL_CLOSURE)
+        device = Device(identity, connection, self)
+        self._live[device.device_id] = device
+        now = time.time()
+        known = self._known.get(device.device_id)
+        if known is None:
+            known = DeviceRecord(device.device_id, device.client_id, device.transport, now, now)
+        else:
+            known = replace(
+                known, client_id=device.client_id, transport=device.transport, last_seen=now
+            )
+        self._known[device.device_id] = known
+        self.emit(EventKind.CONNECTED, device.device_id, transport=device.transport)
         return device
 
-    def add(self, device: Device) -> Device | None:
-        """Register a new link; returns the device it replaces, which the caller closes."""
-        previous = self._devices.get(device.device_id)
-        self._devices[device.device_id] = device
-        self.emit(EventKind.CONNECTED, device.device_id, transport=device.transport)
-        return previous
+    def initializing(self, device: Device) -> None:
+        if self._is_current(device) and device.state is not DeviceState.INITIALIZING:
+            device._state = DeviceState.INITIALIZING
+            self.emit(EventKind.INITIALIZING, device.device_id)
 
-    def remove(self, device: Device, reason: str) -> None:
-        """Forget `device` unless a newer link with the same id already replaced it."""
-        device.state = DeviceState.DISCONNECTED
-        if self._devices.get(device.device_id) is device:
-            del self._devices[device.device_id]
+    def ready(
+        self, device: Device, server_info: Mapping[str, Any] | None, tools: Sequence[Tool]
+    ) -> None:
+        """The MCP handshake finished (or the device has no MCP server: no tools)."""
+        if not self._is_current(device):
+            return
+        tool_set = ToolSet.of(tools)
+        device._state = DeviceState.READY
+        device._server_info = server_info
+        device._tools = tool_set
+        device._error = None
+        self._remember_tools(device, server_info, tool_set)
+        self.emit(EventKind.READY, device.device_id, tool_count=len(tool_set))
+
+    def tools_changed(self, device: Device, tools: Sequence[Tool]) -> None:
+        """A ready device's tools were listed again (after `notifications/tools/list_changed`)."""
+        if not self._is_current(device) or device.state is not DeviceState.READY:
+            return
+        tool_set = ToolSet.of(tools)
+        if tool_set is device.tools:
+            return
+        device._tools = tool_set
+        self._remember_tools(device, device.server_info, tool_set)
+        self.emit(EventKind.TOOLS_CHANGED, device.device_id, tool_count=len(tool_set))
+
+    def failed(self, device: Device, error: str) -> None:
+        if not self._is_current(device):
+            return
+        device._state = DeviceState.FAILED
+        device._error = error
+        self.emit(EventKind.FAILED, device.device_id, error=error)
+
+    def disconnected(self, device: Device, reason: str) -> None:
+        """The device's link is gone; a no-op when the registry already took it offline."""
+        if self._is_current(device):
+            self._go_offline(device, reason)
+
+    def shutdown(self, reason: str = SHUTDOWN) -> None:
+        """Take every live device offline (one event each) and close their links (1001)."""
+        for device in list(self._live.values()):
+            self._go_offline(device, reason)
+            device.connection.disconnect(reason, GOING_AWAY)
+
+    def forget(self, device_id: str) -> None:
+        """Remove an offline device from memory and (through the event) from the catalogue."""
+        if device_id in self._live:
+            raise DeviceOnline(device_id)
+        if self._known.pop(device_id, None) is None:
+            raise UnknownDevice(device_id)
+        self.emit(EventKind.FORGOTTEN, device_id)
+
+    def _is_current(self, device: Device) -> bool:
+        return self._live.get(device.device_id) is device
+
+    def _go_offline(self, device: Device, reason: str) -> None:
+        del self._live[device.device_id]
+        device._state = DeviceState.OFFLINE
+        known = self._known.get(device.device_id)
+        if known is not None:
+            self._known[device.device_id] = replace(known, last_seen=time.time())
         self.emit(EventKind.DISCONNECTED, device.device_id, reason=reason)
 
-    def mark_ready(self, device: Device) -> None:
-        device.state = DeviceState.READY
-        device.error = None
-        self.emit(EventKind.READY, device.device_id, tool_count=len(device.tools))
+    def _remember_tools(
+        self, device: Device, server_info: Mapping[str, Any] | None, tools: ToolSet
+    ) -> None:
+        known = self._known[device.device_id]
+        self._known[device.device_id] = replace(
+            known, server_info=server_info, tools=tools, tools_read_at=time.time()
+        )
 
-    def mark_failed(self, device: Device, error: str) -> None:
-        device.state = DeviceState.FAILED
-        device.error = error
-        self.emit(EventKind.FAILED, device.device_id, error=error)
+    # ---- events -----------------------------------------------------------------------------
 
     def subscribe(self, listener: Listener) -> Callable[[], None]:
         """Call `listener` on every event; returns a function that unsubscribes."""
         self._listeners.append(listener)
-        return lambda: self._listeners.remove(listener)
+
+        def unsubscribe() -> None:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+        return unsubscribe
 
     def emit(self, kind: EventKind, device_id: str, **detail: Any) -> None:
         event = DeviceEvent(kind, device_id, detail)
         for listener in list(self._listeners):
             try:
                 listener(event)
-            except Exception:
-                log.exception("device event listener failed", event=kind.value)
+            except Exception as exc:
+                log.error("device event listener failed", event=kind.value, error=repr(exc))
 
     async def wait_for_state(
         self, device_id: str, state: DeviceState = DeviceState.READY, timeout_s: float = 10.0
     ) -> Device:
-        """Wait until `device_id` is connected and in `state` (for the demo and the tests)."""
-        ready = asyncio.Event()
+        """Wait until `device_id` is live and in `state` (for the demo and the tests)."""
+        reached = asyncio.Event()
 
         def check(_event: DeviceEvent | None = None) -> None:
-            device = self._devices.get(device_id)
+            device = self._live.get(device_id)
             if device is not None and device.state is state:
-                ready.set()
+                reached.set()
 
         unsubscribe = self.subscribe(check)
         try:
             check()
             async with asyncio.timeout(timeout_s):
-                await ready.wait()
+                await reached.wait()
         finally:
             unsubscribe()
-        return self.require(device_id)
+        return self._live[device_id]
+
+
+def iso_time(timestamp: float | None) -> str | None:
+    if timestamp is None:
+        return None
+    return datetime.fromtimestamp(timestamp, UTC).isoformat()

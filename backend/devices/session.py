@@ -1,66 +1,100 @@
-"""One device conversation, independent of the transport that carries it.
+"""One device link, independent of the transport that carries it.
 
-The transport calls `on_text`, `on_binary` and `on_closed`; the session answers the hello, runs
-the MCP handshake (initialize → notifications/initialized → paginated tools/list) and keeps the
-registry's view of the device current. One bad message is logged and dropped, never fatal.
+`DeviceSession` is the `LinkHandler` a transport feeds (`on_text`, `on_audio`, `on_closed`) and
+the `DeviceConnection` the registry holds. It answers the hello, runs the MCP handshake
+(initialize → notifications/initialized → paginated tools/list) and reports each outcome to the
+registry, which owns the device's state. Listen, abort and audio go to the pipelines subscribed
+on the `ConversationHub`; they answer through the session's `Conversation`.
+
+On a conversation-scoped link (stock WebSocket) the device must say hello first and MCP starts
+after it; on a persistent link (MQTT) MCP starts at once and every hello opens a new
+conversation with a new session id. One bad message is logged (within a budget) and dropped,
+never fatal.
 """
 
 import asyncio
 import secrets
+import time
+from collections.abc import Awaitable, Coroutine
 from typing import Any
 
 import structlog
 
 from backend.config import Settings
+from backend.devices.conversation import Conversation, ConversationHub
 from backend.devices.registry import Device, DeviceRegistry, DeviceState
-from backend.mcp_session import (
-    DeviceDisconnected,
-    McpClient,
-    McpError,
-    TimeoutPolicy,
-)
+from backend.logs import LogBudget, clip
+from backend.mcp_session import DeviceDisconnected, McpClient, McpError, TimeoutPolicy, Tool
 from backend.protocol import (
     Abort,
+    AudioFrame,
     AudioParams,
     DeviceHello,
     Goodbye,
     Listen,
     ParseError,
+    ServerGoodbye,
     ServerHello,
+    ServerMessage,
 )
 from backend.protocol.messages import decode_device_message, device_message, mcp_envelope
 from backend.transports.base import DeviceLink
 
 log = structlog.get_logger("device")
 
-REPLACED = "replaced by a new connection"
+NO_HELLO_CLOSE = 1008
+# Re-listing tools after `notifications/tools/list_changed`: one at a time, at most this often.
+RELIST_INTERVAL_S = 2.0
+# Pipeline handlers running at once for one device; more messages are dropped (and counted).
+MAX_HANDLER_TASKS = 8
+
+
+def new_session_id() -> str:
+    # Hex only: stock firmware concatenates it into JSON without escaping.
+    return secrets.token_hex(16)
 
 
 class DeviceSession:
+    """The conversation with one device over one link."""
+
     __slots__ = (
-        "_background",
+        "_closed",
+        "_closing",
+        "_device",
+        "_drops",
+        "_handler_tasks",
         "_hello_timer",
+        "_hub",
+        "_last_relist",
         "_log",
+        "_registry",
+        "_relist_task",
+        "_relist_wanted",
+        "_session_id",
         "_settings",
-        "audio_frames",
-        "device",
+        "_tasks",
+        "conversation",
         "hello",
         "link",
-        "registry",
-        "session_id",
+        "mcp",
     )
 
-    def __init__(self, link: DeviceLink, registry: DeviceRegistry, settings: Settings) -> None:
+    def __init__(
+        self,
+        link: DeviceLink,
+        registry: DeviceRegistry,
+        hub: ConversationHub,
+        settings: Settings,
+    ) -> None:
         identity = link.identity
         self.link = link
-        self.registry = registry
+        self._registry = registry
+        self._hub = hub
         self._settings = settings
-        self.session_id = secrets.token_hex(16)
-        self._log = log.bind(device_id=identity.device_id, session_id=self.session_id)
+        self._session_id = new_session_id()
+        self._log = log.bind(device_id=identity.device_id, session_id=self._session_id)
         self.hello: DeviceHello | None = None
-        self.audio_frames = 0
-        self._background: set[asyncio.Task[Any]] = set()
-        mcp = McpClient(
+        self.mcp = McpClient(
             self._send_mcp,
             timeouts=TimeoutPolicy(
                 default_s=settings.call_timeout_s, per_tool=dict(settings.tool_timeouts)
@@ -69,24 +103,42 @@ class DeviceSession:
             on_tools_changed=self._on_tools_changed,
             log=self._log,
         )
-        self.device = Device(
-            device_id=identity.device_id,
-            client_id=identity.client_id,
-            transport=link.transport,
-            session_id=self.session_id,
-            protocol_version=identity.protocol_version,
-            link=link,
-            mcp=mcp,
-            registry=registry,
-            max_pending_calls=settings.max_pending_calls,
-        )
-        self._hello_timer = asyncio.get_running_loop().call_later(
-            settings.hello_timeout_s, self._on_hello_timeout
-        )
-        previous = registry.add(self.device)
-        if previous is not None:
-            self._replace(previous)
-        self._log.info("device connected", transport=link.transport, remote=identity.remote)
+        self.conversation = Conversation(identity.device_id, self)
+        self._device: Device | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._handler_tasks = 0
+        self._hello_timer: asyncio.TimerHandle | None = None
+        self._drops: LogBudget | None = None
+        self._relist_task: asyncio.Task[None] | None = None
+        self._relist_wanted = False
+        self._last_relist = 0.0
+        self._closing: asyncio.Task[None] | None = None
+        self._closed = False
+
+    def start(self) -> None:
+        """Register with the registry (replacing an older link) and begin the conversation."""
+        self._device = self._registry.connect(self.link.identity, self)
+        identity = self.link.identity
+        self._log.info("device connected", transport=identity.transport, remote=identity.remote)
+        if self.link.conversation_scoped:
+            self._hello_timer = asyncio.get_running_loop().call_later(
+                self._settings.hello_timeout_s, self._on_hello_timeout
+            )
+        else:
+            self._begin_mcp()
+
+    @property
+    def device(self) -> Device:
+        assert self._device is not None, "session not started"
+        return self._device
+
+    @property
+    def session_id(self) -> str:
+        return self._session_id
+
+    @property
+    def device_hello(self) -> DeviceHello | None:
+        return self.hello
 
     # ---- inbound, called by the transport ------------------------------------------------------
 
@@ -95,111 +147,222 @@ class DeviceSession:
             data = decode_device_message(text)
             if data["type"] == "mcp" and "payload" in data:
                 # Every tool reply: straight to the MCP client, no model built on this path.
-                self.device.mcp.feed(data["payload"])
+                self.mcp.feed(data["payload"])
                 return
             message = device_message(data)
         except ParseError as exc:
-            self._log.warning("dropped device message", reason=str(exc), size=len(text))
+            self._dropped("dropped device message", reason=str(exc), size=len(text))
             return
         if isinstance(message, DeviceHello):
             await self._on_hello(message)
         elif isinstance(message, Listen):
-            self._log.info("listen", state=message.state, mode=message.mode, text=message.text)
+            self._log.info("listen", state=message.state, mode=message.mode, text=_clipped(message))
+            for listen_handler in self._hub.listen_handlers():
+                self._run_handler(listen_handler(self.conversation, message))
         elif isinstance(message, Abort):
-            self._log.info("abort", reason=message.reason)
+            self._log.info("abort", reason=clip(message.reason) if message.reason else None)
+            for abort_handler in self._hub.abort_handlers():
+                self._run_handler(abort_handler(self.conversation, message))
         elif isinstance(message, Goodbye):
-            self._log.info("device said goodbye")
-            await self.link.close(1000, "goodbye")
+            await self._on_device_goodbye()
 
-    def on_binary(self, data: bytes) -> None:
-        # Audio arrives here once the voice pipeline exists; until then it is counted, not kept.
-        if self.audio_frames == 0:
-            self._log.debug("audio frames are ignored for now", size=len(data))
-        self.audio_frames += 1
+    def on_audio(self, frame: AudioFrame) -> None:
+        if self.hello is None:
+            self._dropped("audio before hello dropped", size=len(frame.payload))
+            return
+        self._hub.dispatch_audio(self.conversation, frame)
 
     def on_closed(self, reason: str) -> None:
-        self._hello_timer.cancel()
-        for task in list(self._background):
+        if self._closed:
+            return
+        self._closed = True
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+        for task in list(self._tasks):
             task.cancel()
-        self.device.mcp.close(reason)
-        self.registry.remove(self.device, reason)
+        self.mcp.close(reason)
+        if self._device is not None:
+            self._registry.disconnected(self._device, reason)
+        if self.hello is not None:
+            self._hub.dispatch_ended(self.conversation, reason)
+        if self._drops is not None:
+            self._drops.close()
         self._log.info("device disconnected", reason=reason)
 
-    # ---- hello and MCP handshake ---------------------------------------------------------------
+    # ---- called by the registry ----------------------------------------------------------------
+
+    def disconnect(self, reason: str, code: int) -> None:
+        """Fail pending calls with `reason` now; close the link in the background."""
+        self.mcp.close(reason)
+        if self._closing is None:
+            self._closing = asyncio.create_task(self._close_link(code, reason))
+
+    async def _close_link(self, code: int, reason: str) -> None:
+        try:
+            await self.link.close(code, reason)
+        except Exception as exc:  # the link may already be gone
+            self._log.debug("closing the link failed", error=repr(exc))
+
+    # ---- conversation outbox (used by `Conversation`) ------------------------------------------
+
+    async def send_message(self, message: ServerMessage) -> None:
+        await self.link.send_text(message.to_json())
+
+    async def send_audio(self, frame: AudioFrame) -> None:
+        await self.link.send_audio(frame)
+
+    async def end_conversation(self) -> None:
+        if self.link.conversation_scoped:
+            await self.link.close(1000, "goodbye")
+            return
+        await self.link.send_text(ServerGoodbye(session_id=self._session_id).to_json())
+        self._conversation_over("goodbye from the bridge")
+
+    # ---- hello ---------------------------------------------------------------------------------
 
     async def _on_hello(self, hello: DeviceHello) -> None:
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+            self._hello_timer = None
         first = self.hello is None
-        self._hello_timer.cancel()
+        if not first and not self.link.conversation_scoped:
+            # A persistent link: a new hello opens a new conversation and replaces a stale one.
+            self._conversation_over("replaced by a new hello")
+            self._session_id = new_session_id()
+            self._log = self._log.bind(session_id=self._session_id)
         self.hello = hello
         # The stock device waits 10 s for this reply; it goes out before any other work.
         await self.link.send_text(self._server_hello())
+        for opened_handler in self._hub.opened_handlers():
+            self._run_handler(opened_handler(self.conversation, hello))
         if not first:
-            self._log.info("repeated hello answered with the same session")
+            self._log.info("repeated hello answered")
             return
+        if not self.link.conversation_scoped:
+            return  # MCP started when the link opened
         if hello.features.mcp:
-            self.device.state = DeviceState.INITIALIZING
-            self._spawn(self._initialize())
+            self._begin_mcp()
         else:
             self._log.info("device has no MCP server (no features.mcp in hello)")
-            self.registry.mark_ready(self.device)
+            self._registry.ready(self.device, None, ())
 
     def _server_hello(self) -> str:
         params = AudioParams(
             sample_rate=self._settings.audio_sample_rate,
             frame_duration=self._settings.audio_frame_duration,
         )
-        return ServerHello(session_id=self.session_id, audio_params=params).to_json()
+        fields = self.link.hello_fields(self._session_id)
+        return ServerHello(session_id=self._session_id, audio_params=params, **fields).to_json()
+
+    async def _on_device_goodbye(self) -> None:
+        self._log.info("device said goodbye")
+        if self.link.conversation_scoped:
+            await self.link.close(1000, "goodbye")
+        else:
+            self._conversation_over("goodbye from the device")
+
+    def _conversation_over(self, reason: str) -> None:
+        if self.hello is None:
+            return
+        self.link.conversation_ended(self._session_id)
+        self._hub.dispatch_ended(self.conversation, reason)
+
+    def _on_hello_timeout(self) -> None:
+        self._hello_timer = None
+        timeout = self._settings.hello_timeout_s
+        self._log.warning("no hello from device; closing", timeout_s=timeout)
+        self._spawn(self.link.close(NO_HELLO_CLOSE, "no hello"))
+
+    # ---- MCP handshake -------------------------------------------------------------------------
+
+    def _begin_mcp(self) -> None:
+        self._registry.initializing(self.device)
+        self._spawn(self._initialize())
 
     async def _initialize(self) -> None:
-        mcp = self.device.mcp
         try:
-            result = await mcp.initialize(timeout_s=self._settings.init_timeout_s)
-            self.device.server_info = result.server_info
-            await self._load_tools()
+            result = await self.mcp.initialize(timeout_s=self._settings.init_timeout_s)
+            tools = await self._list_tools()
         except DeviceDisconnected:
             return
         except McpError as exc:
             self._log.warning("MCP handshake failed; device stays connected", error=str(exc))
-            self.registry.mark_failed(self.device, str(exc))
+            self._registry.failed(self.device, str(exc))
             return
-        self._log.info("device ready", tools=len(self.device.tools))
-        self.registry.mark_ready(self.device)
+        self._last_relist = time.monotonic()
+        self._log.info("device ready", tools=len(tools))
+        self._registry.ready(self.device, result.server_info, tools)
 
-    async def _load_tools(self) -> None:
-        tools = await self.device.mcp.list_tools(with_user_tools=self._settings.list_user_tools)
-        self.device.tools = {tool.name: tool for tool in tools}
+    async def _list_tools(self) -> list[Tool]:
+        return await self.mcp.list_tools(with_user_tools=self._settings.list_user_tools)
 
     def _on_tools_changed(self) -> None:
-        if self.device.state is DeviceState.READY:
-            self._spawn(self._reload_tools())
-
-    async def _reload_tools(self) -> None:
-        try:
-            await self._load_tools()
-        except McpError as exc:
-            self._log.warning("re-listing tools failed", error=str(exc))
+        if self.device.state is not DeviceState.READY:
             return
-        self._log.info("tool list changed", tools=len(self.device.tools))
-        self.registry.mark_ready(self.device)
+        self._relist_wanted = True
+        if self._relist_task is None:
+            self._relist_task = self._spawn(self._relist())
+
+    async def _relist(self) -> None:
+        """Re-list tools while asked to: one request at a time, at most every few seconds, so a
+        storm of `list_changed` notifications costs a handful of requests."""
+        try:
+            while self._relist_wanted:
+                self._relist_wanted = False
+                wait = self._last_relist + RELIST_INTERVAL_S - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                self._last_relist = time.monotonic()
+                try:
+                    tools = await self._list_tools()
+                except McpError as exc:
+                    self._log.warning("re-listing tools failed", error=str(exc))
+                    continue
+                self._log.info("tool list read again", tools=len(tools))
+                self._registry.tools_changed(self.device, tools)
+        finally:
+            self._relist_task = None
 
     # ---- outbound and housekeeping -------------------------------------------------------------
 
     async def _send_mcp(self, payload: dict[str, Any]) -> None:
-        await self.link.send_text(mcp_envelope(self.session_id, payload))
+        await self.link.send_text(mcp_envelope(self._session_id, payload))
 
-    def _on_hello_timeout(self) -> None:
-        self._log.warning("no hello from device; closing", timeout_s=self._settings.hello_timeout_s)
-        self._spawn(self.link.close(1008, "no hello"))
+    def _run_handler(self, outcome: Awaitable[None] | None) -> None:
+        if outcome is None:
+            return
+        if self._handler_tasks >= MAX_HANDLER_TASKS:
+            if isinstance(outcome, Coroutine):
+                outcome.close()
+            self._dropped("pipeline busy; message dropped", limit=MAX_HANDLER_TASKS)
+            return
+        self._handler_tasks += 1
+        task = self._spawn(_awaited(outcome))
+        task.add_done_callback(self._handler_done)
 
-    def _replace(self, previous: Device) -> None:
-        self._log.info("same device id reconnected; closing the old link")
-        previous.mcp.close(REPLACED)
-        self._spawn(previous.link.close(1000, REPLACED))
+    def _handler_done(self, task: asyncio.Task[Any]) -> None:
+        self._handler_tasks -= 1
+        if not task.cancelled() and task.exception() is not None:
+            self._log.error("conversation handler failed", exc_info=task.exception())
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _dropped(self, event: str, **fields: Any) -> None:
+        if self._drops is None:
+            self._drops = LogBudget(self._log)
+        self._drops.warning(event, **fields)
+
+
+async def _awaited(outcome: Awaitable[None]) -> None:
+    await outcome
+
+
+def _clipped(message: Listen) -> str | None:
+    return clip(message.text) if message.text is not None else None
 
 
 def _vision_capability(settings: Settings) -> dict[str, str] | None:

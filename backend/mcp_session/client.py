@@ -67,10 +67,8 @@ class McpClient:
         "_on_tools_changed",
         "_pending",
         "_send",
-        "_server",
         "_tasks",
         "_timeouts",
-        "_tools",
         "_vision",
     )
 
@@ -94,8 +92,6 @@ class McpClient:
         self._next_id = 1
         self._closed_reason: str | None = None
         self._tasks: set[asyncio.Future[Any]] | None = None  # created on first use
-        self._server: InitializeResult | None = None
-        self._tools: tuple[Tool, ...] = ()
 
     # ---- state ---------------------------------------------------------------------------------
 
@@ -106,16 +102,6 @@ class McpClient:
     @property
     def closed(self) -> bool:
         return self._closed_reason is not None
-
-    @property
-    def server(self) -> InitializeResult | None:
-        """What the device answered to initialize (serverInfo, capabilities, protocolVersion)."""
-        return self._server
-
-    @property
-    def tools(self) -> tuple[Tool, ...]:
-        """The tools of the last successful list_tools."""
-        return self._tools
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -134,7 +120,6 @@ class McpClient:
         server = InitializeResult.from_wire(result)
         if server.protocol_version not in KNOWN_PROTOCOL_VERSIONS:
             self._log.warning("unknown MCP version from device", version=server.protocol_version)
-        self._server = server
         await self.notify("notifications/initialized")
         self._log.debug("MCP initialized", server=server.server_name, mcp=server.protocol_version)
         return server
@@ -163,9 +148,7 @@ class McpClient:
             cursor = next_cursor
         else:
             raise ProtocolViolation(f"tools/list did not end within {MAX_LIST_PAGES} pages")
-        tools = parse_tools(raw_tools, self._log)
-        self._tools = tuple(tools)
-        return tools
+        return parse_tools(raw_tools, self._log)
 
     async def call_tool(
         self, name: str, arguments: dict[str, Any] | None = None, *, timeout_s: float | None = None
@@ -242,6 +225,8 @@ class McpClient:
         finally:
             deadline.cancel()
             self._pending.pop(request_id, None)
+            if waiter.done() and not waiter.cancelled():
+                waiter.exception()  # retrieved: a failed send must not leave it "never retrieved"
         if reply is _TIMED_OUT:
             if cancellable and self._closed_reason is None:
                 await self._send_cancelled(request_id, f"timeout after {timeout_s:g}s")

@@ -2,8 +2,10 @@
 
 from typing import Any
 
+from backend.errors import BridgeError
 
-class McpError(Exception):
+
+class McpError(BridgeError):
     """Base class for everything the MCP client raises about a device."""
 
 

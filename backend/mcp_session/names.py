@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 from itertools import count
 from typing import Any
 
+from backend.errors import BridgeError
 from backend.mcp_session.models import Tool
 
 MAX_LLM_NAME_LENGTH = 64
@@ -35,8 +36,12 @@ _BEFORE = r"(?<![A-Za-z0-9_.-])"
 _AFTER = r"(?![A-Za-z0-9_-]|\.[A-Za-z0-9_])"  # a final "." ends a sentence
 
 
-class UnknownToolName(KeyError):
+class UnknownToolName(BridgeError):
     """The name is not in this map."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"unknown tool name {name!r}")
+        self.name = name
 
 
 def is_llm_name(name: str) -> bool:

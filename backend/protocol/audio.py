@@ -9,13 +9,15 @@ header (u8 type, u8 reserved, u16 payload_size). All integers are big-endian. Th
 import struct
 from dataclasses import dataclass
 
+from backend.errors import BridgeError
+
 OPUS = 0
 _V2_HEADER = struct.Struct(">HHIII")
 _V3_HEADER = struct.Struct(">BBH")
 SUPPORTED_VERSIONS = (1, 2, 3)
 
 
-class AudioFrameError(ValueError):
+class AudioFrameError(BridgeError):
     """A binary frame that does not match the negotiated framing version."""
 
 

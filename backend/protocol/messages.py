@@ -10,8 +10,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from backend.errors import BridgeError
 
-class ParseError(ValueError):
+
+class ParseError(BridgeError):
     """A device frame that cannot be used; the message says why, in one line."""
 
 
@@ -181,6 +183,16 @@ class Alert(_ServerMessage):
     status: str
     message: str
     emotion: str
+
+
+class ServerGoodbye(_ServerMessage):
+    """Ends a conversation on MQTT; since firmware 2.2.6 `session_id` must be the current one."""
+
+    type: Literal["goodbye"] = "goodbye"
+    session_id: str
+
+
+ServerMessage = ServerHello | Stt | Tts | Llm | System | Alert | ServerGoodbye
 
 
 # Built once: `json.dumps` with options builds a new encoder on every call (every tool call).

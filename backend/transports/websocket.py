@@ -1,17 +1,16 @@
 """WebSocket device endpoint on the `websockets` asyncio server (protocol reference §1).
 
-The handshake is checked before the upgrade: wrong path → 404, missing or wrong device token →
-401, missing or malformed Device-Id → 400. Stock firmware sends its identity in headers; other
-clients put it in the query string (`device-id`, `client-id`, `authorization`), accepted as a
-fallback. After the upgrade every frame goes to the device session; frames larger than
-`max_message_bytes` close the link with 1009 (done by `websockets`).
+The handshake is checked before the upgrade: a wrong path answers 404, and the identity fields
+(`Authorization`, `Device-Id`, `Client-Id`, `Protocol-Version` headers, or the `authorization`,
+`device-id`, `client-id`, `protocol-version` query parameters that some clients use instead) go
+to `Admission`, whose refusals answer 401 or 400. After the upgrade every text frame goes to the
+link's handler as it is, and every binary frame is decoded from the device's framing version into
+an `AudioFrame`; frames larger than `max_message_bytes` close the link with 1009 (done by
+`websockets`).
 """
 
 import asyncio
-import re
-from collections.abc import Callable
 from http import HTTPStatus
-from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import structlog
@@ -20,28 +19,24 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from backend.auth import token_matches
 from backend.config import Settings
-from backend.transports.base import DeviceIdentity, LinkClosed
+from backend.logs import LogBudget
+from backend.protocol.audio import AudioFrame, AudioFrameError, decode_audio, encode_audio
+from backend.transports.admission import Admission, HandshakeRefused, HandshakeRequest
+from backend.transports.base import DeviceIdentity, LinkAcceptor, LinkClosed, LinkHandler
 
 log = structlog.get_logger("transport.websocket")
 
-_DEVICE_ID = re.compile(r"^[A-Za-z0-9:_.\-]{1,64}$")
 _IDENTITY_KEY = "device_identity"
+GOING_AWAY = 1001
 SHUTDOWN = "bridge shutting down"
 
 
-class HandshakeRejected(Exception):
-    def __init__(self, status: HTTPStatus, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
 class WebSocketLink:
-    """A device connection as the session sees it: send, close, identity."""
+    """A device connection as the session sees it. Stock devices open it for a conversation."""
 
-    transport = "websocket"
     __slots__ = ("connection", "identity")
+    conversation_scoped = True
 
     def __init__(self, connection: ServerConnection, identity: DeviceIdentity) -> None:
         self.connection = connection
@@ -53,36 +48,54 @@ class WebSocketLink:
         except ConnectionClosed as exc:
             raise LinkClosed(f"link closed ({exc.rcvd.code if exc.rcvd else 1006})") from None
 
-    async def send_binary(self, data: bytes) -> None:
+    async def send_audio(self, frame: AudioFrame) -> None:
+        data = encode_audio(self.identity.protocol_version, frame.payload, frame.timestamp_ms)
         try:
             await self.connection.send(data)
         except ConnectionClosed as exc:
             raise LinkClosed(f"link closed ({exc.rcvd.code if exc.rcvd else 1006})") from None
 
+    def hello_fields(self, session_id: str) -> dict[str, str]:
+        # Must be present and exactly "websocket": a missing transport crashes stock firmware.
+        return {"transport": "websocket"}
+
+    def conversation_ended(self, session_id: str) -> None:
+        pass  # nothing is held per conversation: the link is the conversation
+
     async def close(self, code: int = 1000, reason: str = "") -> None:
         await self.connection.close(code, reason)
 
 
-SessionFactory = Callable[[WebSocketLink], Any]
-
-
 class WebSocketTransport:
-    """Accepts device connections and hands each one to a new session."""
+    """Accepts device connections and hands each admitted one to the acceptor."""
 
-    def __init__(self, settings: Settings, device_token: str, new_session: SessionFactory) -> None:
+    name = "websocket"
+
+    def __init__(self, settings: Settings, admission: Admission) -> None:
         self._settings = settings
-        self._device_token = device_token
-        self._new_session = new_session
+        self._admission = admission
+        self._acceptor: LinkAcceptor | None = None
         self._server: Server | None = None
         self._links: set[WebSocketLink] = set()
 
     @property
     def port(self) -> int:
         assert self._server is not None, "transport not started"
-        return self._server.sockets[0].getsockname()[1]
+        port: int = self._server.sockets[0].getsockname()[1]
+        return port
 
-    async def start(self) -> None:
+    @property
+    def url(self) -> str:
+        host = self._settings.ws_host
+        host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        return f"ws://{host}:{self.port}{self._settings.ws_path}"
+
+    def endpoints(self) -> dict[str, str]:
+        return {"websocket": self.url}
+
+    async def start(self, acceptor: LinkAcceptor) -> None:
         settings = self._settings
+        self._acceptor = acceptor
         self._server = await serve(
             self._handle,
             settings.ws_host,
@@ -102,81 +115,88 @@ class WebSocketTransport:
             return
         self._server.close(close_connections=False)
         await asyncio.gather(
-            *(link.close(1001, SHUTDOWN) for link in list(self._links)), return_exceptions=True
+            *(link.close(GOING_AWAY, SHUTDOWN) for link in list(self._links)),
+            return_exceptions=True,
         )
         await self._server.wait_closed()
 
     # ---- handshake ---------------------------------------------------------------------------
 
     def _check_handshake(self, connection: ServerConnection, request: Request) -> Response | None:
-        try:
-            identity = self._identify(request, connection)
-        except HandshakeRejected as exc:
-            log.warning(
-                "handshake rejected",
-                status=exc.status.value,
-                reason=str(exc),
-                remote=_remote(connection),
-            )
-            return connection.respond(exc.status, f"{exc}\n")
-        setattr(connection, _IDENTITY_KEY, identity)
-        return None
-
-    def _identify(self, request: Request, connection: ServerConnection) -> DeviceIdentity:
         url = urlsplit(request.path)
+        remote = _remote(connection)
         if url.path.rstrip("/") != self._settings.ws_path.rstrip("/"):
-            raise HandshakeRejected(HTTPStatus.NOT_FOUND, f"no endpoint at {url.path}")
+            return _refuse(connection, HandshakeRefused(404, "no device endpoint here"), remote)
         query = {key: values[0] for key, values in parse_qs(url.query).items()}
         headers = request.headers
-        if self._settings.device_auth:
-            presented = _field(headers, query, "Authorization", "authorization")
-            if not token_matches(presented, self._device_token):
-                reason = "missing device token" if not presented else "invalid device token"
-                raise HandshakeRejected(HTTPStatus.UNAUTHORIZED, reason)
-        device_id = _field(headers, query, "Device-Id", "device-id")
-        if not device_id:
-            raise HandshakeRejected(HTTPStatus.BAD_REQUEST, "missing Device-Id header")
-        if not _DEVICE_ID.match(device_id):
-            raise HandshakeRejected(HTTPStatus.BAD_REQUEST, "malformed Device-Id")
-        return DeviceIdentity(
-            device_id=device_id.lower() if ":" in device_id else device_id,
-            client_id=_field(headers, query, "Client-Id", "client-id"),
-            protocol_version=_protocol_version(headers, query),
-            transport="websocket",
-            remote=_remote(connection),
-        )
+        try:
+            identity = self._admission.admit(
+                HandshakeRequest(
+                    transport=self.name,
+                    credential=_field(headers, query, "Authorization", "authorization"),
+                    device_id=_field(headers, query, "Device-Id", "device-id"),
+                    client_id=_field(headers, query, "Client-Id", "client-id"),
+                    protocol_version=_field(headers, query, "Protocol-Version", "protocol-version"),
+                    remote=remote,
+                )
+            )
+        except HandshakeRefused as refused:
+            return _refuse(connection, refused, remote)
+        setattr(connection, _IDENTITY_KEY, identity)
+        return None
 
     # ---- connection ----------------------------------------------------------------------------
 
     async def _handle(self, connection: ServerConnection) -> None:
+        assert self._acceptor is not None
         link = WebSocketLink(connection, getattr(connection, _IDENTITY_KEY))
         self._links.add(link)
-        session = self._new_session(link)
-        reason = "closed"
+        try:
+            handler = self._acceptor.open_link(link)
+        except Exception:
+            self._links.discard(link)
+            raise
+        try:
+            await self._pump(connection, link, handler)
+        finally:
+            self._links.discard(link)
+            handler.on_closed(_close_reason(connection))
+
+    async def _pump(
+        self, connection: ServerConnection, link: WebSocketLink, handler: LinkHandler
+    ) -> None:
+        version = link.identity.protocol_version
+        drops: LogBudget | None = None
         try:
             async for message in connection:
                 if isinstance(message, str):
-                    await session.on_text(message)
-                else:
-                    session.on_binary(message)
-            reason = _close_reason(connection)
-        except ConnectionClosed:
-            reason = _close_reason(connection)
+                    await handler.on_text(message)
+                    continue
+                try:
+                    frame = decode_audio(version, message)
+                except AudioFrameError as exc:
+                    if drops is None:
+                        drops = LogBudget(log.bind(device_id=link.identity.device_id))
+                    drops.warning("dropped audio frame", reason=str(exc), size=len(message))
+                    continue
+                handler.on_audio(frame)
+        except (ConnectionClosed, LinkClosed):
+            pass  # the device went away, or the link was closed while answering it
         finally:
-            self._links.discard(link)
-            session.on_closed(reason)
+            if drops is not None:
+                drops.close()
+
+
+def _refuse(
+    connection: ServerConnection, refused: HandshakeRefused, remote: str | None
+) -> Response:
+    log.warning("handshake refused", status=refused.status, reason=refused.reason, remote=remote)
+    return connection.respond(HTTPStatus(refused.status), f"{refused.reason}\n")
 
 
 def _field(headers: Headers, query: dict[str, str], header: str, param: str) -> str | None:
     value = headers.get(header) or query.get(param)
     return value.strip() if value else None
-
-
-def _protocol_version(headers: Headers, query: dict[str, str]) -> int:
-    raw = _field(headers, query, "Protocol-Version", "protocol-version") or "1"
-    if raw not in ("1", "2", "3"):
-        raise HandshakeRejected(HTTPStatus.BAD_REQUEST, f"unsupported Protocol-Version {raw!r}")
-    return int(raw)
 
 
 def _remote(connection: ServerConnection) -> str | None:

@@ -52,7 +52,7 @@ async def run_demo(settings: Settings, console: Console) -> None:
 async def _demo_calls(bridge: Bridge, device_id: str, console: Console) -> None:
     headers = {"Authorization": f"Bearer {bridge.tokens.admin}"}
     async with httpx.AsyncClient(base_url=bridge.api_url, headers=headers) as api:
-        tools = (await api.get(f"/api/devices/{device_id}/tools")).json()
+        tools = (await api.get(f"/api/devices/{device_id}/tools")).json()["tools"]
         table = Table("tool", "description", title=f"device {device_id}: {len(tools)} tools")
         for tool in tools:
             table.add_row(tool["name"], tool["description"])

@@ -1,0 +1,50 @@
+"""Every deliberate error maps to one HTTP status and one `error.code`, in this one table.
+
+The lookup walks the exception's class hierarchy (most specific class first), so the order of the
+table does not matter and a new subclass inherits its parent's mapping until it gets its own.
+"""
+
+from backend.devices.errors import (
+    DeviceBusy,
+    DeviceNotReady,
+    DeviceOffline,
+    DeviceOnline,
+    InvalidArguments,
+    UnknownDevice,
+    UnknownTool,
+)
+from backend.errors import BridgeError
+from backend.mcp_session import (
+    DeviceDisconnected,
+    DeviceError,
+    McpError,
+    ProtocolViolation,
+    RequestTimeout,
+)
+from backend.storage import DatabaseError
+
+ERROR_TABLE: dict[type[BaseException], tuple[int, str]] = {
+    UnknownDevice: (404, "unknown_device"),
+    UnknownTool: (404, "unknown_tool"),
+    DeviceNotReady: (409, "device_not_ready"),
+    DeviceOnline: (409, "device_online"),
+    InvalidArguments: (422, "invalid_arguments"),
+    DeviceBusy: (429, "device_busy"),
+    DeviceError: (502, "device_error"),
+    ProtocolViolation: (502, "device_protocol_error"),
+    McpError: (502, "device_protocol_error"),
+    DeviceOffline: (503, "device_offline"),
+    DeviceDisconnected: (503, "device_disconnected"),
+    DatabaseError: (503, "storage_unavailable"),
+    RequestTimeout: (504, "timeout"),
+    BridgeError: (500, "internal_error"),
+}
+
+
+def http_status(error: BaseException) -> tuple[int, str]:
+    """(status, code) for an error: its most specific class in the table."""
+    for cls in type(error).__mro__:
+        mapped = ERROR_TABLE.get(cls)
+        if mapped is not None:
+            return mapped
+    return 500, "internal_error"

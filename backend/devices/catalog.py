@@ -1,0 +1,273 @@
+"""The persistent device catalogue: every device ever seen, with its last tool list.
+
+The registry owns device state; the catalogue follows its events and keeps the SQLite database in
+step, so devices are still listed (offline, with cached tools) after they disconnect and after a
+restart. Writes never happen on the device path: an event only marks a device dirty, and a
+writer task flushes all dirty devices in one transaction at most every `flush_interval_s`. A
+device row is written only when something worth keeping changed (new device, identity, server
+info, tool list, going offline), and a tool list only when its digest is new, so a reconnect
+storm of a thousand devices costs at most a thousand row writes, batched.
+"""
+
+import asyncio
+import contextlib
+import json
+import sqlite3
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import structlog
+
+from backend.devices.registry import (
+    DeviceEvent,
+    DeviceRecord,
+    DeviceRegistry,
+    EventKind,
+    ToolSet,
+)
+from backend.mcp_session.models import parse_tools
+from backend.storage import Database, DatabaseError, Migration
+
+log = structlog.get_logger("devices.catalog")
+
+DEVICE_MIGRATIONS = (
+    Migration(
+        "devices",
+        1,
+        """
+        CREATE TABLE tool_lists (
+            digest TEXT PRIMARY KEY,
+            tools TEXT NOT NULL,
+            created_at REAL NOT NULL
+        );
+        CREATE TABLE devices (
+            device_id TEXT PRIMARY KEY,
+            client_id TEXT,
+            transport TEXT NOT NULL,
+            board TEXT,
+            firmware TEXT,
+            server_info TEXT,
+            tools_digest TEXT REFERENCES tool_lists (digest),
+            tool_count INTEGER NOT NULL DEFAULT 0,
+            tools_read_at REAL,
+            first_seen REAL NOT NULL,
+            last_seen REAL NOT NULL
+        );
+        """,
+    ),
+)
+
+_UPSERT = """
+INSERT INTO devices (device_id, client_id, transport, board, firmware, server_info,
+                     tools_digest, tool_count, tools_read_at, first_seen, last_seen)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT (device_id) DO UPDATE SET
+    client_id = excluded.client_id, transport = excluded.transport, board = excluded.board,
+    firmware = excluded.firmware, server_info = excluded.server_info,
+    tools_digest = excluded.tools_digest, tool_count = excluded.tool_count,
+    tools_read_at = excluded.tools_read_at, last_seen = excluded.last_seen
+"""
+_DROP_ORPHAN_TOOL_LISTS = """
+DELETE FROM tool_lists WHERE digest NOT IN
+    (SELECT tools_digest FROM devices WHERE tools_digest IS NOT NULL)
+"""
+
+
+class DeviceCatalog:
+    """Keeps the `devices` tables in step with the registry, off the device path."""
+
+    def __init__(
+        self,
+        database: Database,
+        registry: DeviceRegistry,
+        *,
+        flush_interval_s: float = 0.5,
+        heartbeat_s: float = 300.0,
+    ) -> None:
+        self._database = database
+        self._registry = registry
+        self._flush_interval_s = flush_interval_s
+        self._heartbeat_s = heartbeat_s
+        self._persisted: dict[str, DeviceRecord] = {}
+        self._stored_digests: set[str] = set()
+        self._dirty: set[str] = set()
+        self._forgotten: set[str] = set()
+        self._wake = asyncio.Event()
+        self._writer: asyncio.Task[None] | None = None
+        self._unsubscribe: Any = None
+        self.rows_written = 0  # device rows written since start (the tests count them)
+        self.flushes = 0
+
+    async def load(self) -> int:
+        """Give the registry every device stored; returns how many."""
+        devices, tool_lists = await self._database.run(_read_all)
+        tool_sets = {
+            digest: ToolSet.of(parse_tools(json.loads(text))) for digest, text in tool_lists
+        }
+        records = [_record(row, tool_sets) for row in devices]
+        self._registry.load(records)
+        self._persisted = {record.device_id: record for record in records}
+        self._stored_digests = set(tool_sets)
+        log.info("device catalogue loaded", devices=len(records))
+        return len(records)
+
+    def start(self) -> None:
+        self._unsubscribe = self._registry.subscribe(self._on_event)
+        self._writer = asyncio.create_task(self._write_forever(), name="device-catalog")
+
+    async def stop(self) -> None:
+        """Stop following events, then write what is still pending."""
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        if self._writer is not None:
+            self._writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._writer
+            self._writer = None
+        await self.flush()
+
+    async def flush(self) -> None:
+        """Write every pending change now (one transaction)."""
+        dirty, self._dirty = self._dirty, set()
+        forgotten, self._forgotten = self._forgotten, set()
+        records = [r for r in map(self._registry.record, sorted(dirty)) if r is not None]
+        new_tool_sets = {
+            record.tools.digest: record.tools
+            for record in records
+            if record.tools.digest and record.tools.digest not in self._stored_digests
+        }
+        if not records and not forgotten:
+            return
+        try:
+            stored = await self._database.run(
+                lambda c: _write(c, records, new_tool_sets, forgotten)
+            )
+        except DatabaseError as exc:
+            log.error("device catalogue write failed; will retry", error=str(exc))
+            self._dirty |= dirty
+            self._forgotten |= forgotten
+            raise
+        for record in records:
+            self._persisted[record.device_id] = record
+        for device_id in forgotten:
+            self._persisted.pop(device_id, None)
+        self._stored_digests = stored
+        self.rows_written += len(records)
+        self.flushes += 1
+
+    # ---- events (on the device path: memory only) ---------------------------------------------
+
+    def _on_event(self, event: DeviceEvent) -> None:
+        kind = event.kind
+        if kind is EventKind.FORGOTTEN:
+            self._dirty.discard(event.device_id)
+            self._forgotten.add(event.device_id)
+        elif kind is EventKind.DISCONNECTED or self._changed(event.device_id):
+            self._forgotten.discard(event.device_id)
+            self._dirty.add(event.device_id)
+        else:
+            return
+        self._wake.set()
+
+    def _changed(self, device_id: str) -> bool:
+        """Whether the registry knows something about the device that is not stored yet."""
+        record = self._registry.record(device_id)
+        stored = self._persisted.get(device_id)
+        if record is None or record is stored:
+            return False
+        if stored is None:
+            return True
+        return (
+            record.client_id != stored.client_id
+            or record.transport != stored.transport
+            or record.server_info != stored.server_info
+            or record.tools is not stored.tools
+        )
+
+    async def _write_forever(self) -> None:
+        next_heartbeat = time.monotonic() + self._heartbeat_s
+        while True:
+            timeout = max(0.0, next_heartbeat - time.monotonic())
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
+            if time.monotonic() >= next_heartbeat:
+                # Live devices' last_seen, so a crash loses at most one heartbeat of it.
+                self._dirty.update(device.device_id for device in self._registry)
+                next_heartbeat = time.monotonic() + self._heartbeat_s
+            await asyncio.sleep(self._flush_interval_s)  # gather a burst into one transaction
+            self._wake.clear()
+            with contextlib.suppress(DatabaseError):
+                await self.flush()
+
+
+def _read_all(
+    connection: sqlite3.Connection,
+) -> tuple[list[sqlite3.Row], list[tuple[str, str]]]:
+    devices = connection.execute("SELECT * FROM devices").fetchall()
+    tool_lists = [
+        (row["digest"], row["tools"]) for row in connection.execute("SELECT * FROM tool_lists")
+    ]
+    return devices, tool_lists
+
+
+def _record(row: sqlite3.Row, tool_sets: dict[str, ToolSet]) -> DeviceRecord:
+    server_info = json.loads(row["server_info"]) if row["server_info"] else None
+    digest = row["tools_digest"]
+    return DeviceRecord(
+        device_id=row["device_id"],
+        client_id=row["client_id"],
+        transport=row["transport"],
+        first_seen=row["first_seen"],
+        last_seen=row["last_seen"],
+        server_info=server_info if isinstance(server_info, dict) else None,
+        tools=tool_sets[digest] if digest in tool_sets else ToolSet.of(()),
+        tools_read_at=row["tools_read_at"],
+    )
+
+
+def _write(
+    connection: sqlite3.Connection,
+    records: Iterable[DeviceRecord],
+    tool_sets: dict[str, ToolSet],
+    forgotten: set[str],
+) -> set[str]:
+    """Write one batch; returns the digests of the tool lists stored afterwards."""
+    now = time.time()
+    connection.executemany(
+        "INSERT OR IGNORE INTO tool_lists (digest, tools, created_at) VALUES (?, ?, ?)",
+        [
+            (digest, json.dumps(tools.to_wire(), ensure_ascii=False, separators=(",", ":")), now)
+            for digest, tools in tool_sets.items()
+        ],
+    )
+    connection.executemany(_UPSERT, [_row(record) for record in records])
+    if forgotten:
+        connection.executemany(
+            "DELETE FROM devices WHERE device_id = ?", [(device_id,) for device_id in forgotten]
+        )
+    connection.execute(_DROP_ORPHAN_TOOL_LISTS)
+    return {row[0] for row in connection.execute("SELECT digest FROM tool_lists")}
+
+
+def _row(record: DeviceRecord) -> tuple[Any, ...]:
+    server_info = (
+        json.dumps(dict(record.server_info), ensure_ascii=False, separators=(",", ":"))
+        if record.server_info is not None
+        else None
+    )
+    return (
+        record.device_id,
+        record.client_id,
+        record.transport,
+        record.board,
+        record.firmware,
+        server_info,
+        record.tools.digest or None,
+        len(record.tools),
+        record.tools_read_at,
+        record.first_seen,
+        record.last_seen,
+    )

@@ -1,0 +1,189 @@
+"""The device conversation API: what the chat and voice pipelines use to talk with a device.
+
+A pipeline never touches a transport or a session. It subscribes to what devices say
+(`ConversationHub.on_listen`, `on_abort`, `on_audio`, `on_opened`, `on_ended`) and answers through
+the `Conversation` it is handed, whose typed methods send `stt`, `llm`, `tts`, `alert`, `system`,
+audio and `goodbye` with the current `session_id` filled in, over whichever transport carries
+that device (WebSocket frames, or MQTT messages and UDP audio).
+
+Handlers may be plain functions or coroutine functions; the session runs coroutines as tasks it
+owns (cancelled when the link goes), so a slow handler never holds up the device's link.
+"""
+
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, Protocol
+
+import structlog
+
+from backend.protocol import (
+    Abort,
+    Alert,
+    AudioFrame,
+    AudioParams,
+    DeviceHello,
+    Listen,
+    Llm,
+    ServerMessage,
+    Stt,
+    System,
+    Tts,
+)
+
+log = structlog.get_logger("conversation")
+
+HandlerResult = Awaitable[None] | None
+ListenHandler = Callable[["Conversation", Listen], HandlerResult]
+AbortHandler = Callable[["Conversation", Abort], HandlerResult]
+OpenedHandler = Callable[["Conversation", DeviceHello], HandlerResult]
+EndedHandler = Callable[["Conversation", str], None]
+AudioHandler = Callable[["Conversation", AudioFrame], None]
+Unsubscribe = Callable[[], None]
+
+
+class ConversationOutbox(Protocol):
+    """What a `Conversation` needs from the session that carries it."""
+
+    @property
+    def session_id(self) -> str: ...
+
+    @property
+    def device_hello(self) -> DeviceHello | None: ...
+
+    async def send_message(self, message: ServerMessage) -> None: ...
+
+    async def send_audio(self, frame: AudioFrame) -> None: ...
+
+    async def end_conversation(self) -> None: ...
+
+
+class Conversation:
+    """One device's conversation as a pipeline sees it. Methods raise `LinkClosed` when the
+    device is gone; nothing else."""
+
+    __slots__ = ("_outbox", "device_id")
+
+    def __init__(self, device_id: str, outbox: ConversationOutbox) -> None:
+        self.device_id = device_id
+        self._outbox = outbox
+
+    @property
+    def session_id(self) -> str:
+        return self._outbox.session_id
+
+    @property
+    def uplink_audio(self) -> AudioParams | None:
+        """The device's microphone audio parameters from its hello (None before any hello)."""
+        hello = self._outbox.device_hello
+        return hello.audio_params if hello is not None else None
+
+    async def send_stt(self, text: str) -> None:
+        """What the device heard (shown on its screen)."""
+        await self._outbox.send_message(Stt(session_id=self.session_id, text=text))
+
+    async def send_llm(self, emotion: str, text: str | None = None) -> None:
+        """The assistant's emotion (an emoji name such as "happy") for the device's display."""
+        await self._outbox.send_message(Llm(session_id=self.session_id, emotion=emotion, text=text))
+
+    async def send_tts_start(self) -> None:
+        """The device enters `speaking`; send this before any audio."""
+        await self._send_tts("start")
+
+    async def send_tts_sentence(self, text: str) -> None:
+        """The sentence being spoken next (shown on the device's screen)."""
+        await self._send_tts("sentence_start", text)
+
+    async def send_tts_stop(self) -> None:
+        """Speaking is over; the device goes back to listening (or idle in manual mode)."""
+        await self._send_tts("stop")
+
+    async def send_alert(self, status: str, message: str, emotion: str = "neutral") -> None:
+        await self._outbox.send_message(
+            Alert(session_id=self.session_id, status=status, message=message, emotion=emotion)
+        )
+
+    async def send_system(self, command: str) -> None:
+        """A system command such as "reboot"."""
+        await self._outbox.send_message(System(session_id=self.session_id, command=command))
+
+    async def send_audio(self, payload: bytes, timestamp_ms: int = 0) -> None:
+        """One downlink Opus packet; the transport frames it for this device."""
+        await self._outbox.send_audio(AudioFrame(payload, timestamp_ms))
+
+    async def goodbye(self) -> None:
+        """End the conversation: `goodbye` on MQTT, closing the link on WebSocket."""
+        await self._outbox.end_conversation()
+
+    async def _send_tts(
+        self, state: Literal["start", "sentence_start", "stop"], text: str | None = None
+    ) -> None:
+        await self._outbox.send_message(Tts(session_id=self.session_id, state=state, text=text))
+
+
+class ConversationHub:
+    """Subscriptions to what every device says; the sessions dispatch into it."""
+
+    def __init__(self) -> None:
+        self._listen: list[ListenHandler] = []
+        self._abort: list[AbortHandler] = []
+        self._opened: list[OpenedHandler] = []
+        self._ended: list[EndedHandler] = []
+        self._audio: list[AudioHandler] = []
+
+    def on_listen(self, handler: ListenHandler) -> Unsubscribe:
+        """`listen` messages (start/stop/detect; `detect` with `text` is typed input)."""
+        return _add(self._listen, handler)
+
+    def on_abort(self, handler: AbortHandler) -> Unsubscribe:
+        return _add(self._abort, handler)
+
+    def on_opened(self, handler: OpenedHandler) -> Unsubscribe:
+        """A conversation opened: the device's hello was answered."""
+        return _add(self._opened, handler)
+
+    def on_ended(self, handler: EndedHandler) -> Unsubscribe:
+        """A conversation ended (goodbye, or the link went away); the reason is given."""
+        return _add(self._ended, handler)
+
+    def on_audio(self, handler: AudioHandler) -> Unsubscribe:
+        """Uplink audio packets (called on the hot path: handlers must not block)."""
+        return _add(self._audio, handler)
+
+    @property
+    def wants_audio(self) -> bool:
+        return bool(self._audio)
+
+    # ---- dispatch (called by sessions) --------------------------------------------------------
+
+    def listen_handlers(self) -> list[ListenHandler]:
+        return list(self._listen)
+
+    def abort_handlers(self) -> list[AbortHandler]:
+        return list(self._abort)
+
+    def opened_handlers(self) -> list[OpenedHandler]:
+        return list(self._opened)
+
+    def dispatch_ended(self, conversation: Conversation, reason: str) -> None:
+        for handler in list(self._ended):
+            _call_quietly(handler, conversation, reason)
+
+    def dispatch_audio(self, conversation: Conversation, frame: AudioFrame) -> None:
+        for handler in self._audio:
+            _call_quietly(handler, conversation, frame)
+
+
+def _add(handlers: list[Any], handler: Any) -> Unsubscribe:
+    handlers.append(handler)
+
+    def unsubscribe() -> None:
+        if handler in handlers:
+            handlers.remove(handler)
+
+    return unsubscribe
+
+
+def _call_quietly(handler: Callable[..., Any], *args: Any) -> None:
+    try:
+        handler(*args)
+    except Exception:  # a pipeline's bug must not take a device link down
+        log.exception("conversation handler failed", handler=getattr(handler, "__name__", "?"))

@@ -1,0 +1,21 @@
+"""The bridge's `LinkAcceptor`: every link a transport admits becomes a `DeviceSession`."""
+
+from backend.config import Settings
+from backend.devices.conversation import ConversationHub
+from backend.devices.registry import DeviceRegistry
+from backend.devices.session import DeviceSession
+from backend.transports.base import DeviceLink, LinkHandler
+
+
+class DeviceGateway:
+    """Turns links into sessions; the same for every transport."""
+
+    def __init__(self, registry: DeviceRegistry, hub: ConversationHub, settings: Settings) -> None:
+        self._registry = registry
+        self._hub = hub
+        self._settings = settings
+
+    def open_link(self, link: DeviceLink) -> LinkHandler:
+        session = DeviceSession(link, self._registry, self._hub, self._settings)
+        session.start()
+        return session

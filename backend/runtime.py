@@ -1,0 +1,36 @@
+"""The runtime file: where a running bridge listens, for the CLI, `simulate` and `demo`.
+
+`serve` writes `<data_dir>/bridge.json` once it listens and removes it when it stops; readers
+need nothing but this module (no server code is imported to find a bridge).
+"""
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+RUNTIME_FILE = "bridge.json"
+
+
+def write_runtime_file(data_dir: Path, info: dict[str, Any]) -> None:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    record = {"pid": os.getpid(), **info}
+    (data_dir / RUNTIME_FILE).write_text(json.dumps(record) + "\n")
+
+
+def read_runtime_file(data_dir: Path) -> dict[str, Any] | None:
+    """Where a bridge on this machine listens, or None when none has written its file."""
+    try:
+        info = json.loads((data_dir / RUNTIME_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def remove_runtime_file(data_dir: Path) -> None:
+    """Remove the file if this process wrote it (another bridge may have replaced it)."""
+    with contextlib.suppress(OSError):
+        info = read_runtime_file(data_dir)
+        if info is not None and info.get("pid") == os.getpid():
+            (data_dir / RUNTIME_FILE).unlink()
