@@ -187,9 +187,11 @@ async def check_refusals(
     # (backend/devices/validation.py). Give the bridge's copy of the schema such a flaw.
     device = bridge.registry.require(device_id)
     unusable = {"type": "object", "properties": {"volume": {"type": "integer", "maximum": "100"}}}
-    device.tools[SET_VOLUME] = device.tools[SET_VOLUME].model_copy(
-        update={"input_schema": unusable}
-    )
+    flawed = [
+        tool.model_copy(update={"input_schema": unusable}) if tool.name == SET_VOLUME else tool
+        for tool in device.tool_list()
+    ]
+    bridge.registry.tools_changed(device, flawed)
     response = await call(api, device_id, SET_VOLUME, volume=101)
     assert response.status_code == 502
     assert response.json()["error"] == {
