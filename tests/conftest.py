@@ -1,6 +1,5 @@
 """Shared fixtures: a real bridge on ephemeral loopback ports, devices that connect to it."""
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -10,27 +9,9 @@ import httpx
 import pytest
 
 from backend.auth import Tokens
-from backend.config import Settings
-from backend.devices import DeviceState
 from backend.server import Bridge
-from bench.common import bench_settings
-from tests.wire_device import WireDevice
-
-ADMIN_TOKEN = "admin-secret-token-for-tests"
-DEVICE_TOKEN = "device-secret-token-for-tests"
-
-
-def make_settings(data_dir: Path, **overrides: Any) -> Settings:
-    """Bridge settings on ephemeral loopback ports (bench_settings), with the tests' tokens."""
-    values: dict[str, Any] = {
-        "admin_token": ADMIN_TOKEN,
-        "device_token": DEVICE_TOKEN,
-        "hello_timeout_s": 5.0,
-        "init_timeout_s": 5.0,
-        "call_timeout_s": 5.0,
-    }
-    values.update(overrides)
-    return bench_settings(data_dir, **values)
+from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, make_settings
+from tests.stock_device import WireDevice
 
 
 @pytest.fixture
@@ -78,16 +59,3 @@ async def wire_devices(bridge: Bridge) -> AsyncIterator[Callable[..., Any]]:
     for device in devices:
         with contextlib.suppress(Exception):
             await device.close()
-
-
-async def wait_state(
-    bridge: Bridge, device_id: str, state: DeviceState = DeviceState.READY, timeout_s: float = 5
-) -> Any:
-    return await bridge.registry.wait_for_state(device_id, state, timeout_s)
-
-
-async def eventually(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    """Poll `check` until it holds; fails the test with a clear message otherwise."""
-    async with asyncio.timeout(timeout_s):
-        while not check():  # noqa: ASYNC110 - the condition has no event to wait on
-            await asyncio.sleep(0.01)

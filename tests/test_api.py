@@ -3,7 +3,8 @@
 import httpx
 import pytest
 
-from tests.conftest import wait_state
+from tests.helpers import wait_state
+from tests.stock_device import never_answer
 
 
 async def test_healthz_needs_no_token(bridge):
@@ -71,10 +72,7 @@ async def test_tools_of_unknown_device_is_404(api):
 async def test_call_while_initializing_is_409(bridge, api, wire_devices):
     device = wire_devices()
 
-    async def stall(dev, payload):
-        return None
-
-    device.handlers["tools/list"] = stall
+    device.handlers["tools/list"] = never_answer
     await device.connect()
     await device.wait_for_method("tools/list")
     response = await api.post(

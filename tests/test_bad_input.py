@@ -1,14 +1,13 @@
 """Bad input from devices: each case has a defined outcome, one log line, no harm to others."""
 
-import asyncio
 import json
 
 import pytest
 from structlog.testing import capture_logs
 
 from backend.devices import DeviceState
-from tests.conftest import eventually, wait_state
-from tests.wire_device import STOCK_HELLO, WireDevice, ok
+from tests.helpers import eventually, wait_state
+from tests.stock_device import STOCK_HELLO, WireDevice, answer_with, never_answer, ok
 
 
 async def healthy_call(device) -> None:
@@ -59,22 +58,31 @@ async def test_bad_text_frames_are_logged_once_and_dropped(bridge, wire_devices,
         {"id": {"nested": True}, "result": None},
     ],
 )
-async def test_garbage_mcp_payloads_do_not_break_the_link(bridge, wire_devices, payload):
+async def test_garbage_mcp_payloads_are_logged_once_and_dropped(bridge, wire_devices, payload):
     device = wire_devices()
-    await device.connect()
-    live = await wait_state(bridge, device.device_id)
-    await device.reply(payload)
-    await asyncio.sleep(0.02)
-    await healthy_call(live)
+    with capture_logs() as logs:
+        await device.connect()
+        live = await wait_state(bridge, device.device_id)
+        start = len(logs)
+        await device.reply(payload)
+        await eventually(lambda: any("dropped" in e["event"] for e in logs[start:]))
+        await healthy_call(live)
+    warnings = [e for e in logs[start:] if e["log_level"] == "warning"]
+    assert len(warnings) == 1 and "dropped" in warnings[0]["event"], warnings
+    assert warnings[0]["device_id"] == device.device_id
 
 
-async def test_binary_junk_is_ignored(bridge, wire_devices):
-    device = wire_devices()
-    await device.connect()
-    live = await wait_state(bridge, device.device_id)
-    await device.send(b"\x00\xff" * 100)
-    await device.send(b"")
-    await healthy_call(live)
+async def test_binary_frames_that_break_the_framing_are_logged_and_dropped(bridge, wire_devices):
+    device = wire_devices(protocol_version=3)  # 4-byte header with the payload size
+    with capture_logs() as logs:
+        await device.connect()
+        live = await wait_state(bridge, device.device_id)
+        await device.send(b"\x00\xff" * 100)  # claims 255 bytes, carries 196
+        await device.send(b"")
+        await eventually(lambda: sum(e["event"] == "dropped audio frame" for e in logs) == 2)
+        await healthy_call(live)
+    dropped = [e for e in logs if e["event"] == "dropped audio frame"]
+    assert "payload_size" in dropped[0]["reason"] and dropped[0]["device_id"] == device.device_id
 
 
 async def test_oversize_frame_closes_with_1009_and_others_unaffected(bridge, wire_devices):
@@ -99,10 +107,7 @@ async def test_device_that_never_answers_initialize_fails_but_stays_connected(br
     silent = WireDevice(impatient.ws_url, "device-secret-token-for-tests", "a4:cf:00:00:00:0c")
     healthy = WireDevice(impatient.ws_url, "device-secret-token-for-tests", "a4:cf:00:00:00:0d")
 
-    async def ignore(dev, payload):
-        return None
-
-    silent.handlers["initialize"] = ignore
+    silent.handlers["initialize"] = never_answer
     try:
         with capture_logs() as logs:
             await silent.connect()
@@ -124,10 +129,7 @@ async def test_device_that_never_answers_initialize_fails_but_stays_connected(br
 async def test_device_answering_garbage_to_tools_list_fails_cleanly(bridge, wire_devices):
     device = wire_devices()
 
-    async def garbage(dev, payload):
-        return ok(payload, "this is not a tools object")
-
-    device.handlers["tools/list"] = garbage
+    device.handlers["tools/list"] = answer_with(lambda p: ok(p, "this is not a tools object"))
     await device.connect()
     failed = await wait_state(bridge, device.device_id, DeviceState.FAILED)
     assert failed.error
@@ -162,5 +164,6 @@ async def test_repeated_hello_gets_same_session_and_no_reinit(bridge, wire_devic
     await device.send(STOCK_HELLO)
     again = json.loads(await device.ws.recv())
     assert again["session_id"] == first["session_id"]
-    await asyncio.sleep(0.05)
+    device.start_reader()
+    await device.round_trip()  # whatever the bridge sent after that hello has arrived
     assert device.methods().count("initialize") == inits == 1

@@ -1,51 +1,14 @@
 """The `esp32-bridge` CLI against a running bridge, as a real subprocess."""
 
-import asyncio
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
 
 from backend.config import Settings
 from backend.server import Bridge
-from tests.conftest import wait_state
-from tests.wire_device import WireDevice
-
-CLI = [sys.executable, "-m", "backend.cli"]
-
-
-async def run_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
-    process = await asyncio.create_subprocess_exec(
-        *CLI,
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "COLUMNS": "200", "NO_COLOR": "1", **(env or {})},
-    )
-    out, err = await asyncio.wait_for(process.communicate(), 60)
-    return process.returncode, out.decode(), err.decode()
-
-
-async def start_cli(
-    command: str, data_dir: Path, env: dict[str, str] | None = None
-) -> asyncio.subprocess.Process:
-    """`esp32-bridge COMMAND` (serve, demo) on ephemeral ports with its own tokens in `data_dir`
-    (none from the environment); stdout and stderr are piped."""
-    return await asyncio.create_subprocess_exec(
-        *CLI,
-        command,
-        "--data-dir",
-        str(data_dir),
-        "--ws-port",
-        "0",
-        "--http-port",
-        "0",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "BRIDGE_ADMIN_TOKEN": "", "BRIDGE_DEVICE_TOKEN": "", **(env or {})},
-    )
+from tests.helpers import run_cli, wait_state
+from tests.stock_device import WireDevice
 
 
 @pytest.fixture

@@ -4,8 +4,7 @@ import asyncio
 import json
 import signal
 
-from tests.conftest import eventually
-from tests.test_cli import run_cli, start_cli
+from tests.helpers import eventually, run_cli, start_cli
 
 
 async def test_demo_calls_tools_then_serves_cli_until_sigint(tmp_path):

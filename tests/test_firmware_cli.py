@@ -22,7 +22,7 @@ from backend.devices import DeviceState
 from backend.server import Bridge
 from simulator.firmware import firmware_dir
 from simulator.micropython import find_tool, micropython_env
-from tests.conftest import eventually, wait_state
+from tests.helpers import eventually, wait_state
 
 CLI = [sys.executable, "-m", "backend.cli", "firmware"]
 FIRMWARE = firmware_dir()

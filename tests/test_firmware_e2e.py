@@ -19,9 +19,9 @@ import pytest
 
 from backend.server import Bridge
 from bench.common import WatchedProcess
-from tests.conftest import ADMIN_TOKEN, DEVICE_TOKEN
 from tests.firmware_helpers import needs_micropython, running_firmware
 from tests.fw.fw_support import MODEL_TOOLS, USER_TOOLS
+from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN
 
 REPO = Path(__file__).resolve().parents[1]
 FIRMWARE = REPO / "firmware"
@@ -125,9 +125,9 @@ async def test_firmware_serves_tools_through_the_admin_api(
     async with running_firmware(write_config(tmp_path, bridge.ws_url, DEVICE_TOKEN)) as firmware:
         device_id = await announced_device_id(firmware)
         summary = await wait_ready(api, device_id)
-        assert [device["device_id"] for device in (await api.get("/api/devices")).json()["devices"]] == [
-            device_id
-        ]
+        assert [
+            device["device_id"] for device in (await api.get("/api/devices")).json()["devices"]
+        ] == [device_id]
         assert summary["state"] == "ready"
         assert summary["server_info"] == {"name": BOARD, "version": FIRMWARE_VERSION}
         assert summary["client_id"] == (tmp_path / "client_id").read_text()

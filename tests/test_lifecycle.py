@@ -9,9 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import eventually
-from tests.test_cli import start_cli
-from tests.wire_device import WireDevice
+from tests.helpers import eventually, start_cli
+from tests.stock_device import WireDevice, hang_and_signal
 
 
 async def start_serve(data_dir: Path) -> asyncio.subprocess.Process:
@@ -32,11 +31,7 @@ async def test_signal_stops_gracefully(tmp_path, sig):
 
     device = WireDevice(runtime["ws_url"], device_token)
     hung = asyncio.Event()
-
-    async def hang(dev, payload):
-        hung.set()
-
-    device.handlers["tools/call"] = hang
+    device.handlers["tools/call"] = hang_and_signal(hung)
     await device.connect()
     async with httpx.AsyncClient(
         base_url=runtime["api_url"], headers={"Authorization": f"Bearer {admin}"}, timeout=30

@@ -21,15 +21,15 @@ from backend.mcp_session import (
     TimeoutPolicy,
 )
 from backend.mcp_session.client import MAX_LIST_PAGES
-from tests.mcp_helpers import (
-    Link,
-    StockDevice,
-    feed_json,
-    result,
-    running_device,
-    stock_tools,
-    text_result,
-)
+from tests.fakes import Link, feed_json, running_device
+from tests.stock_device import StockMcp, stock_tools, text_result
+from tests.stock_device import ok as result
+
+
+def StockDevice(tools: list | None = None, page_size: int = 3) -> StockMcp:
+    """The stock MCP semantics with every stock tool, three tools per page."""
+    return StockMcp(tools if tools is not None else stock_tools(), page_size)
+
 
 SECRET = "vision-secret-7f3a9c"
 
@@ -69,8 +69,8 @@ async def test_initialize_sends_handshake_then_initialized_and_stores_server() -
     }
     assert link.sent[1] == {"jsonrpc": "2.0", "method": "notifications/initialized"}
     assert server.protocol_version == "2024-11-05"
-    assert server.server_info == {"name": "fake-board", "version": "2.4.0"}
-    assert (server.server_name, server.server_version) == ("fake-board", "2.4.0")
+    assert server.server_info == {"name": "bread-compact-wifi", "version": "2.4.2"}
+    assert (server.server_name, server.server_version) == ("bread-compact-wifi", "2.4.2")
     assert server.capabilities == {"tools": {}}
 
 

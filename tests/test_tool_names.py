@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from backend.mcp_session import Tool, ToolNameMap, UnknownToolName, llm_functions
-from tests.mcp_helpers import stock_tools
+from tests.stock_device import stock_tools
 
 LLM_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
@@ -106,7 +106,7 @@ def test_unknown_names_raise_unknown_tool_name() -> None:
     mapping = ToolNameMap(["self.reboot"])
     with pytest.raises(UnknownToolName):
         mapping.to_llm("self.missing")
-    with pytest.raises(UnknownToolName, match="self.reboot"):
+    with pytest.raises(UnknownToolName, match=r"self\.reboot"):
         mapping.from_llm("self.reboot")
 
 

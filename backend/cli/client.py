@@ -6,8 +6,10 @@ from urllib.parse import quote
 
 import httpx
 
+from backend.errors import BridgeError
 
-class AdminError(Exception):
+
+class AdminError(BridgeError):
     """A failed admin request; the message is one line for the user."""
 
 
@@ -40,7 +42,7 @@ class AdminClient:
                 return devices
 
     def device(self, device_id: str) -> dict[str, Any]:
-        return self._request("GET", f"/api/devices/{quote(device_id, safe='')}")
+        return _object(self._request("GET", f"/api/devices/{quote(device_id, safe='')}"))
 
     def forget(self, device_id: str) -> None:
         self._request("DELETE", f"/api/devices/{quote(device_id, safe='')}")
@@ -48,7 +50,8 @@ class AdminClient:
     def tools(self, device_id: str, *, include_user_only: bool = True) -> dict[str, Any]:
         """`{device_id, state, cached, read_at, tools}`; `cached` for an offline device."""
         params = {"user": "true" if include_user_only else "false"}
-        return self._request("GET", f"/api/devices/{quote(device_id, safe='')}/tools", params)
+        path = f"/api/devices/{quote(device_id, safe='')}/tools"
+        return _object(self._request("GET", path, params))
 
     def call(
         self,
@@ -63,7 +66,7 @@ class AdminClient:
         path = f"/api/devices/{quote(device_id, safe='')}/tools/call"
         # The HTTP wait must outlast the tool's own timeout, so the server's 504 reaches us.
         wait = (timeout_s or 30.0) + 5.0
-        return self._request("POST", path, json=body, timeout=wait)
+        return _object(self._request("POST", path, json=body, timeout=wait))
 
     def _request(
         self, method: str, path: str, params: dict[str, str] | None = None, **kwargs: Any
@@ -83,6 +86,12 @@ class AdminClient:
         if response.is_success:
             return response.json()
         raise AdminError(_error_message(response))
+
+
+def _object(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise AdminError("the bridge answered with something other than a JSON object")
+    return value
 
 
 def _error_message(response: httpx.Response) -> str:

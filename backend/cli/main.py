@@ -12,6 +12,7 @@ from backend.cli.client import AdminClient, AdminError
 from backend.cli.firmware import firmware_app
 from backend.cli.local import admin_token, api_url, cli_settings, device_endpoint
 from backend.cli.output import console, fail
+from backend.errors import BridgeError
 
 app = typer.Typer(
     help="Bridge for xiaozhi-compatible ESP32 devices: each device's tools over MCP.",
@@ -243,7 +244,7 @@ def _run(coro: Any) -> None:
         asyncio.run(coro)
     except KeyboardInterrupt:
         pass
-    except OSError as exc:
+    except (OSError, BridgeError) as exc:  # a port in use, an unusable database...
         raise fail(str(exc)) from None
 
 
