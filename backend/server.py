@@ -57,7 +57,7 @@ class Bridge:
         self.settings = settings
         self.tokens = tokens or ensure_tokens(settings)
         self.registry = DeviceRegistry(max_pending_calls=settings.max_pending_calls)
-        self.conversations = ConversationHub()
+        self.conversations = ConversationHub(self.registry)
         self.database = Database(settings.data_dir / DATABASE_FILE, MIGRATIONS)
         self.catalog = DeviceCatalog(self.database, self.registry)
         self.admission = Admission(self._device_credentials())
@@ -70,6 +70,7 @@ class Bridge:
         self._api_task: asyncio.Task[None] | None = None
         self._api_socket: socket.socket | None = None
         self._stopped = False
+        self._running = False
 
     def _device_credentials(self) -> DeviceCredentials:
         if not self.settings.device_auth:
@@ -109,6 +110,7 @@ class Bridge:
         except BaseException:
             await self.stop()
             raise
+        self._running = True
         write_runtime_file(
             self.settings.data_dir,
             {"ws_url": self.ws_url, "api_url": self.api_url, "endpoints": self.endpoints()},
@@ -131,7 +133,8 @@ class Bridge:
         if self._stopped:
             return
         self._stopped = True
-        log.info("bridge stopping", devices=len(self.registry))
+        if self._running:
+            log.info("bridge stopping", devices=len(self.registry))
         self.registry.shutdown(SHUTDOWN)
         for transport in reversed(self._started):
             await transport.stop()
@@ -143,7 +146,9 @@ class Bridge:
                 await self.catalog.stop()
             await self.database.close()
         remove_runtime_file(self.settings.data_dir)
-        log.info("bridge stopped")
+        if self._running:
+            log.info("bridge stopped")
+        self._running = False
 
     async def serve_forever(self) -> None:
         """Run until SIGINT/SIGTERM, then stop gracefully."""

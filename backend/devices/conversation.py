@@ -119,10 +119,17 @@ class Conversation:
         await self._outbox.send_message(Tts(session_id=self.session_id, state=state, text=text))
 
 
+class ConversationSource(Protocol):
+    """Where the hub finds the conversation of a live device (the registry)."""
+
+    def conversation_of(self, device_id: str) -> Conversation: ...
+
+
 class ConversationHub:
     """Subscriptions to what every device says; the sessions dispatch into it."""
 
-    def __init__(self) -> None:
+    def __init__(self, source: ConversationSource) -> None:
+        self._source = source
         self._listen: list[ListenHandler] = []
         self._abort: list[AbortHandler] = []
         self._opened: list[OpenedHandler] = []
@@ -147,6 +154,10 @@ class ConversationHub:
     def on_audio(self, handler: AudioHandler) -> Unsubscribe:
         """Uplink audio packets (called on the hot path: handlers must not block)."""
         return _add(self._audio, handler)
+
+    def conversation(self, device_id: str) -> Conversation:
+        """The live device's conversation; raises UnknownDevice or DeviceOffline."""
+        return self._source.conversation_of(device_id)
 
     @property
     def wants_audio(self) -> bool:

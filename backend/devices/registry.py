@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import structlog
 
+from backend.devices.conversation import Conversation
 from backend.devices.errors import (
     DeviceBusy,
     DeviceNotReady,
@@ -174,6 +175,9 @@ class DeviceConnection(Protocol):
 
     @property
     def mcp(self) -> McpClient: ...
+
+    @property
+    def conversation(self) -> Conversation: ...
 
     def disconnect(self, reason: str, code: int) -> None:
         """Fail pending calls with `reason` now and close the link in the background."""
@@ -367,6 +371,10 @@ class DeviceRegistry:
 
     def records(self) -> list[DeviceRecord]:
         return list(self._known.values())
+
+    def conversation_of(self, device_id: str) -> Conversation:
+        """The live device's conversation API; raises UnknownDevice or DeviceOffline."""
+        return self.require(device_id).connection.conversation
 
     def require_record(self, device_id: str) -> DeviceRecord:
         record = self._known.get(device_id)

@@ -15,13 +15,13 @@ never fatal.
 import asyncio
 import secrets
 import time
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import structlog
 
 from backend.config import Settings
-from backend.devices.conversation import Conversation, ConversationHub
+from backend.devices.conversation import Conversation, ConversationHub, HandlerResult
 from backend.devices.registry import Device, DeviceRegistry, DeviceState
 from backend.logs import LogBudget, clip
 from backend.mcp_session import DeviceDisconnected, McpClient, McpError, TimeoutPolicy, Tool
@@ -158,11 +158,11 @@ class DeviceSession:
         elif isinstance(message, Listen):
             self._log.info("listen", state=message.state, mode=message.mode, text=_clipped(message))
             for listen_handler in self._hub.listen_handlers():
-                self._run_handler(listen_handler(self.conversation, message))
+                self._run_handler(listen_handler, message)
         elif isinstance(message, Abort):
             self._log.info("abort", reason=clip(message.reason) if message.reason else None)
             for abort_handler in self._hub.abort_handlers():
-                self._run_handler(abort_handler(self.conversation, message))
+                self._run_handler(abort_handler, message)
         elif isinstance(message, Goodbye):
             await self._on_device_goodbye()
 
@@ -234,7 +234,7 @@ class DeviceSession:
         # The stock device waits 10 s for this reply; it goes out before any other work.
         await self.link.send_text(self._server_hello())
         for opened_handler in self._hub.opened_handlers():
-            self._run_handler(opened_handler(self.conversation, hello))
+            self._run_handler(opened_handler, hello)
         if not first:
             self._log.info("repeated hello answered")
             return
@@ -328,7 +328,13 @@ class DeviceSession:
     async def _send_mcp(self, payload: dict[str, Any]) -> None:
         await self.link.send_text(mcp_envelope(self._session_id, payload))
 
-    def _run_handler(self, outcome: Awaitable[None] | None) -> None:
+    def _run_handler(self, handler: Callable[[Conversation, Any], HandlerResult], arg: Any) -> None:
+        """Call a pipeline's handler; a coroutine runs as a task of this session (bounded)."""
+        try:
+            outcome = handler(self.conversation, arg)
+        except Exception:  # a pipeline's bug must not take the device link down
+            self._log.exception("conversation handler failed")
+            return
         if outcome is None:
             return
         if self._handler_tasks >= MAX_HANDLER_TASKS:
