@@ -16,6 +16,7 @@ alike; CPU time per call is read from this process and from the device process.
 """
 
 import asyncio
+import json
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import ServerConnection, serve
@@ -24,6 +25,7 @@ from backend.devices.registry import Device
 from backend.protocol import AudioParams, ServerHello
 from backend.protocol.messages import mcp_envelope
 from bench.common import (
+    ADMIN_TOKEN,
     VOLUME_TOOL,
     Call,
     PathResult,
@@ -39,10 +41,12 @@ from bench.common import (
     us,
     verdict,
 )
+from bench.http_client import KeepAliveHttp
 from bench.report import environment
 
 NAME = "tool_call"
 TARGET_RATIO = 1.5
+TARGET_API_RATIO = 1.5
 FULL = Plan(warmup=300, rounds=12, block=250)
 QUICK = Plan(warmup=20, rounds=2, block=25)
 BARE_SESSION = "0123456789abcdef0123456789abcdef"
@@ -78,6 +82,30 @@ def envelopes(session_id: str, count: int) -> list[str]:
         )
         for index in range(count)
     ]
+
+
+def api_paths(http: KeepAliveHttp, device_id: str, total: int) -> dict[str, Call]:
+    """`GET /healthz` (HTTP baseline) and `POST .../tools/call` through the admin API."""
+    healthz = http.prepare("GET", "/healthz")
+    path = f"/api/devices/{device_id}/tools/call"
+    bodies = [
+        http.prepare(
+            "POST",
+            path,
+            json.dumps({"name": VOLUME_TOOL, "arguments": {"volume": index % 101}}).encode(),
+        )
+        for index in range(total)
+    ]
+
+    async def healthz_call(_index: int) -> None:
+        status, _ = await http.send(healthz)
+        assert status == 200
+
+    async def api_call(index: int) -> None:
+        status, body = await http.send(bodies[index])
+        assert status == 200, body
+
+    return {"healthz": healthz_call, "api": api_call}
 
 
 def call_paths(
@@ -120,8 +148,13 @@ async def run(quick: bool) -> str:
             assert bare.connection is not None
             check = await device.mcp.call_tool(VOLUME_TOOL, {"volume": 42})
             assert check.text == "true" and not check.is_error, check
-            async with connect(started["echo_url"], compression=None) as echo:
+            host, port = bridge.api_url.removeprefix("http://").rsplit(":", 1)
+            async with (
+                connect(started["echo_url"], compression=None) as echo,
+                KeepAliveHttp(host, int(port), ADMIN_TOKEN) as http,
+            ):
                 paths = call_paths(device, echo, bare.connection, plan.calls)
+                paths.update(api_paths(http, device.device_id, plan.calls))
                 probes = dict.fromkeys(paths, device_peer.cpu)
                 results = await interleaved(paths, plan, probes)
     return render(plan, results)
@@ -132,12 +165,17 @@ LABELS = {
     "bare": "bare `websockets` server → the same simulated device",
     "mcp": "`McpClient.call_tool` → simulated device",
     "device": "`Device.call_tool` (+ jsonschema check, event) → simulated device",
+    "healthz": "`GET /healthz` on the admin API (**HTTP baseline**)",
+    "api": "`POST /api/devices/{id}/tools/call` → simulated device",
 }
 
 
 def render(plan: Plan, results: dict[str, PathResult]) -> str:
     stats = {name: result.stats for name, result in results.items()}
     echo, bare, mcp = stats["echo"], stats["bare"], stats["mcp"]
+    healthz, api = stats["healthz"], stats["api"]
+    api_base = healthz.p50 + echo.p50
+    api_met = api.p50 / api_base <= TARGET_API_RATIO
     rows = []
     for name, s in stats.items():
         own_cpu, peer_cpu = results[name].cpu_per_call_ns()
@@ -167,6 +205,11 @@ rounds of {plan.block} sequential calls per path after {plan.warmup} warm-up cal
 process (the bridge, or the raw client/server), "peer" the device/echo process.
 
 {table(headers, rows)}
+
+Admin API: `tools/call` p50 {us(api.p50)} µs against `/healthz` p50 + echo p50 =
+{us(api_base)} µs: ratio {api.p50 / api_base:.2f}, target ≤ {TARGET_API_RATIO}: {verdict(api_met)}.
+The HTTP client is a minimal keep-alive client in the benchmark process (bench/http_client.py),
+the same for `/healthz` and the call.
 
 Target: `McpClient` p50 ≤ {TARGET_RATIO} × echo p50: {outcome};
 p99 ratio {ratio(mcp.p99, echo.p99)}). The bridge's own share is `McpClient` p50 / bare-server

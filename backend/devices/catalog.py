@@ -161,6 +161,8 @@ class DeviceCatalog:
 
     def _on_event(self, event: DeviceEvent) -> None:
         kind = event.kind
+        if kind is EventKind.TOOL_CALLED:
+            return  # every tool call: nothing to store, return at once
         if kind is EventKind.FORGOTTEN:
             self._dirty.discard(event.device_id)
             self._forgotten.add(event.device_id)
