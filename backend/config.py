@@ -36,6 +36,7 @@ class Settings(BaseSettings):
     ws_host: str = "0.0.0.0"
     ws_port: int = Field(8000, ge=0, le=65535)
     ws_path: str = "/xiaozhi/v1/"
+    ws_backlog: int = Field(4096, ge=16)
     # Admin API: localhost only unless explicitly changed.
     http_host: str = "127.0.0.1"
     http_port: int = Field(8003, ge=0, le=65535)

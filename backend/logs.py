@@ -4,6 +4,7 @@ Every device log line carries `device_id` and `session_id` (bound by the device 
 Values under secret-looking keys are masked, so tokens never reach the logs.
 """
 
+import functools
 import logging
 import sys
 import time
@@ -15,11 +16,17 @@ import structlog
 _SECRET_KEYS = ("token", "authorization", "password", "secret")
 
 
+@functools.cache
+def _is_secret_key(key: str) -> bool:
+    lowered = key.lower()
+    return any(secret in lowered for secret in _SECRET_KEYS)
+
+
 def redact_secrets(
     _logger: Any, _method: str, event: MutableMapping[str, Any]
 ) -> MutableMapping[str, Any]:
     for key in event:
-        if any(secret in key.lower() for secret in _SECRET_KEYS):
+        if _is_secret_key(key):
             event[key] = "***"
     return event
 
@@ -40,7 +47,12 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
         redact_secrets,
     ]
     structlog.configure(
-        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        # filter_by_level first: a line below the level costs one check, not the processors.
+        processors=[
+            structlog.stdlib.filter_by_level,
+            *shared,
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+        ],
         logger_factory=structlog.stdlib.LoggerFactory(),
         wrapper_class=structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=True,

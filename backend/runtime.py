@@ -5,6 +5,7 @@ need nothing but this module (no server code is imported to find a bridge).
 """
 
 import contextlib
+import gc
 import json
 import os
 from pathlib import Path
@@ -34,3 +35,17 @@ def remove_runtime_file(data_dir: Path) -> None:
         info = read_runtime_file(data_dir)
         if info is not None and info.get("pid") == os.getpid():
             (data_dir / RUNTIME_FILE).unlink()
+
+
+def tune_gc_for_many_devices() -> None:
+    """Garbage-collector settings for a long-running bridge process.
+
+    Every device holds a few hundred long-lived objects (its connection, session, MCP client),
+    and CPython's default first-generation threshold (700 allocations) makes the collector
+    traverse them again and again while thousands of devices connect: measured here, it was
+    half of the bridge's CPU time for a fleet of 10,000. Freezing what exists at start moves it
+    out of every collection, and a larger first threshold makes collections rarer; reference
+    counting still frees almost everything at once.
+    """
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)

@@ -193,6 +193,7 @@ async def idle(args: argparse.Namespace) -> None:
 
 async def bridge(args: argparse.Namespace) -> None:
     from backend.devices import DeviceEvent, EventKind
+    from backend.runtime import tune_gc_for_many_devices
     from bench.common import running_bridge
 
     raise_open_files(args.expect + 256)
@@ -208,6 +209,8 @@ async def bridge(args: argparse.Namespace) -> None:
                 done.set()
 
     async with running_bridge() as running:
+        if os.environ.get("BENCH_DEFAULT_GC") != "1":
+            tune_gc_for_many_devices()  # as `esp32-bridge serve` does
         running.registry.subscribe(on_event)
         report(ws_url=running.ws_url, api_url=running.api_url, pid=os.getpid())
         eof = asyncio.ensure_future(until_eof())
@@ -252,6 +255,11 @@ def main() -> None:
         args.url = args.url[0]
     args.steps = json.loads(Path(args.script).read_text()) if args.script else []
     quiet_logging()
+    if os.environ.get("BENCH_UVLOOP") == args.role:
+        import uvloop
+
+        uvloop.run(ROLES[args.role](args))
+        return
     asyncio.run(ROLES[args.role](args))
 
 

@@ -10,8 +10,14 @@ import pytest
 
 from backend.auth import Tokens
 from backend.server import Bridge
-from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, make_settings
+from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, make_settings, reap_started
 from tests.stock_device import WireDevice
+
+
+@pytest.fixture(autouse=True)
+async def no_leftover_processes() -> AsyncIterator[None]:
+    yield
+    await reap_started()
 
 
 @pytest.fixture

@@ -15,6 +15,8 @@ from backend.server import Bridge
 ADMIN_TOKEN = "admin-secret-token-for-tests"
 DEVICE_TOKEN = "device-secret-token-for-tests"
 CLI = [sys.executable, "-m", "backend.cli"]
+# Every long-running CLI process a test starts; conftest kills what a failed test left behind.
+STARTED: list[asyncio.subprocess.Process] = []
 
 
 def make_settings(data_dir: Path, **overrides: Any) -> Settings:
@@ -66,7 +68,7 @@ async def start_cli(
 ) -> asyncio.subprocess.Process:
     """`esp32-bridge COMMAND` (serve, demo) on ephemeral ports with its own tokens in `data_dir`
     (none from the environment); stdout and stderr are piped."""
-    return await asyncio.create_subprocess_exec(
+    process = await asyncio.create_subprocess_exec(
         *CLI,
         command,
         "--data-dir",
@@ -80,3 +82,14 @@ async def start_cli(
         stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "BRIDGE_ADMIN_TOKEN": "", "BRIDGE_DEVICE_TOKEN": "", **(env or {})},
     )
+    STARTED.append(process)
+    return process
+
+
+async def reap_started() -> None:
+    """Kill the CLI processes a test started and did not stop (a failed assertion, say)."""
+    while STARTED:
+        process = STARTED.pop()
+        if process.returncode is None:
+            process.kill()
+            await process.wait()

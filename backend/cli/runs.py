@@ -10,6 +10,7 @@ from rich.table import Table
 
 from backend.config import Settings
 from backend.logs import configure_logging
+from backend.runtime import tune_gc_for_many_devices
 from backend.server import Bridge
 
 
@@ -19,6 +20,7 @@ async def run_bridge(settings: Settings) -> None:
     for path in bridge.tokens.created:
         print(f"created token file {path} (mode 0600)", flush=True)
     await bridge.start()
+    tune_gc_for_many_devices()
     print(f"bridge ready: devices at {bridge.ws_url}, admin API at {bridge.api_url}", flush=True)
     await bridge.serve_forever()
 

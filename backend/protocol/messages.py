@@ -45,6 +45,9 @@ class Features(BaseModel):
 
 
 class DeviceHello(_Message):
+    # Frozen: devices of one model send the same hello, so one parsed copy serves them all.
+    model_config = ConfigDict(extra="allow", frozen=True)
+
     type: Literal["hello"]
     version: int = 1
     transport: str = "websocket"
@@ -113,10 +116,31 @@ def device_message(
     kind = data["type"]
     if kind == "mcp":
         return _parse_mcp(data)
+    if kind == "hello":
+        return _shared_hello(data)
     try:
         return _device_message.validate_python(data)
     except ValidationError as exc:
         raise ParseError(f"invalid {kind!r} message: {_first_error(exc)}") from None
+
+
+_HELLOS: dict[str, DeviceHello] = {}
+_HELLOS_MAX = 256
+
+
+def _shared_hello(data: dict[str, Any]) -> DeviceHello:
+    """One parsed (frozen) hello per distinct hello: a fleet of one model shares it."""
+    key = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
+    hello = _HELLOS.get(key)
+    if hello is None:
+        try:
+            hello = DeviceHello.model_validate(data)
+        except ValidationError as exc:
+            raise ParseError(f"invalid 'hello' message: {_first_error(exc)}") from None
+        if len(_HELLOS) >= _HELLOS_MAX:
+            _HELLOS.clear()
+        _HELLOS[key] = hello
+    return hello
 
 
 def _parse_mcp(data: dict[str, Any]) -> McpEnvelope:

@@ -107,6 +107,9 @@ class WebSocketTransport:
             ping_interval=settings.ping_interval_s,
             ping_timeout=settings.ping_interval_s,
             server_header=None,
+            # A fleet reconnecting at once overflows asyncio's default backlog of 100, and every
+            # dropped SYN costs its device a retransmission second; the kernel caps this value.
+            backlog=settings.ws_backlog,
         )
 
     async def stop(self) -> None:
@@ -150,6 +153,9 @@ class WebSocketTransport:
     async def _handle(self, connection: ServerConnection) -> None:
         assert self._acceptor is not None
         link = WebSocketLink(connection, getattr(connection, _IDENTITY_KEY))
+        # websockets keeps the handshake's response only for inspection (the request it needs:
+        # `request is None` means "still in the handshake"); nothing reads it again.
+        connection.response = None
         self._links.add(link)
         try:
             handler = self._acceptor.open_link(link)
@@ -168,18 +174,19 @@ class WebSocketTransport:
         version = link.identity.protocol_version
         drops: LogBudget | None = None
         try:
-            async for message in connection:
+            while True:
+                message: str | bytes | None = await connection.recv()
                 if isinstance(message, str):
                     await handler.on_text(message)
-                    continue
-                try:
-                    frame = decode_audio(version, message)
-                except AudioFrameError as exc:
-                    if drops is None:
-                        drops = LogBudget(log.bind(device_id=link.identity.device_id))
-                    drops.warning("dropped audio frame", reason=str(exc), size=len(message))
-                    continue
-                handler.on_audio(frame)
+                else:
+                    assert message is not None
+                    try:
+                        handler.on_audio(decode_audio(version, message))
+                    except AudioFrameError as exc:
+                        if drops is None:
+                            drops = LogBudget(log.bind(device_id=link.identity.device_id))
+                        drops.warning("dropped audio frame", reason=str(exc), size=len(message))
+                message = None  # an idle device must not keep its last message alive
         except (ConnectionClosed, LinkClosed):
             pass  # the device went away, or the link was closed while answering it
         finally:
