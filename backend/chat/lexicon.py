@@ -19,7 +19,7 @@ _DENTAL_WORDS = (
     "periodontal floss flossing toothpaste toothbrush cavity cavities caries enamel plaque tartar "
     "braces brace orthodontic orthodontics orthodontist aligners implant implants molar molars "
     "mouthwash halitosis whitening fluoride oral abscess teething dentures denture bruxism jaw "
-    "mouth tongue incisor incisors retainer"
+    "mouth tongue incisor incisors retainer brush brushing brushed"
 )
 DENTAL_PHRASES = [
     *_DENTAL_WORDS.split(),
@@ -44,6 +44,7 @@ DENTAL_PHRASES = [
     "nha chu",
     "chỉ nha khoa",
     "kem đánh răng",
+    "chải răng",
     "bàn chải",
     "hôi miệng",
     "khô miệng",
