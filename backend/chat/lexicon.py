@@ -91,6 +91,9 @@ DENTAL_PHRASES = [
     "nha si",
     "cao rang",
     "voi rang",
+    "kham rang",
+    "rang mieng",
+    "tay trang",
 ]
 
 
@@ -215,8 +218,9 @@ MIN_WORDS = ("tối thiểu", "min", "minimum", "thấp nhất", "nhỏ nhất",
 MUTE_WORDS = ("mute", "tắt tiếng", "im lặng", "tat tieng")
 # Values of enumerated string arguments: canonical value -> words that mean it.
 VALUE_SYNONYMS: Mapping[str, tuple[str, ...]] = {
-    "dark": ("dark", "tối", "đen", "night", "ban đêm", "toi", "den"),
-    "light": ("light", "sáng", "trắng", "day", "ban ngày", "sang", "trang"),
+    # Accented only: folded "sang" is also "sang" (towards), "toi" is also "tôi" (I).
+    "dark": ("dark", "tối", "đen", "night", "ban đêm"),
+    "light": ("light", "sáng", "trắng", "day", "ban ngày"),
 }
 CLAUSE_SPLIT = re.compile(
     r"\s*(?:[;?!]|,\s*(?:and|then|và|rồi|sau đó)\s+|,\s+|\s+(?:and then|and|then|also|"
