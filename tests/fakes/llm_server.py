@@ -43,6 +43,7 @@ class Recorded:
     path: str
     kind: str
     body: dict[str, Any]
+    headers: dict[str, str] = field(default_factory=dict)
 
     @property
     def messages(self) -> list[dict[str, Any]]:
@@ -112,10 +113,10 @@ class FakeLlm:
                 return Reply(f"Summary {self._summaries}.")
             return self.defaults[kind]
 
-    def record(self, path: str, body: dict[str, Any]) -> str:
+    def record(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> str:
         kind = _kind(body)
         with self._lock:
-            self.requests.append(Recorded(path, kind, body))
+            self.requests.append(Recorded(path, kind, body, headers))
         return kind
 
 
@@ -154,7 +155,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         body = json.loads(self.rfile.read(length) or b"{}")
-        kind = self.owner.record(self.path, body)
+        headers = {key.lower(): value for key, value in self.headers.items()}
+        kind = self.owner.record(self.path, body, headers)
         reply = self.owner.next_reply(kind)
         if reply.status != 200:
             self._send(reply.status, "application/json", b'{"error": "scripted failure"}')
