@@ -5,6 +5,7 @@ import socket
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
+from pydantic import SecretStr
 
 from backend.chat.llm import (
     FunctionSpec,
@@ -32,7 +33,10 @@ VOLUME = FunctionSpec(
         "required": ["volume"],
     },
 )
-PROVIDERS = {"openai": OpenAiProvider, "ollama": OllamaProvider}
+PROVIDERS: dict[str, type[OpenAiProvider] | type[OllamaProvider]] = {
+    "openai": OpenAiProvider,
+    "ollama": OllamaProvider,
+}
 
 
 @pytest.fixture
@@ -135,7 +139,7 @@ async def test_tool_results_go_back_in_each_wire_format(fake: FakeLlm) -> None:
         Message("assistant", "", tool_calls=(call,)),
         Message("tool", "true", tool_call_id="call_9", name=VOLUME.llm_name),
     ]
-    for cls in (OpenAiProvider, OllamaProvider):
+    for cls in PROVIDERS.values():
         provider = cls(fake.url, MODELS)
         await provider.complete(history, tools=[VOLUME])
         await provider.aclose()
@@ -206,11 +210,12 @@ async def test_stopped_fake_is_down(fake: FakeLlm) -> None:
     await provider.aclose()
 
 
-def test_make_provider_follows_settings(tmp_path: object) -> None:
+def test_make_provider_follows_settings() -> None:
     assert make_provider(Settings(llm_provider="none")) is None
     openai = make_provider(Settings(llm_provider="openai", llm_base_url="http://h:1/v1"))
     assert isinstance(openai, OpenAiProvider) and openai.url == "http://h:1/v1/chat/completions"
     ollama = make_provider(Settings())
     assert isinstance(ollama, OllamaProvider) and ollama.url == "http://localhost:11434/api/chat"
     assert ollama.models == Usage("qwen2.5:7b-instruct", "qwen2.5:3b-instruct")
-    assert json.dumps(Settings(llm_api_key="sk-1").model_dump(mode="json")).count("sk-1") == 0
+    keyed = Settings(llm_api_key=SecretStr("sk-1"))
+    assert json.dumps(keyed.model_dump(mode="json")).count("sk-1") == 0

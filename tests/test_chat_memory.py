@@ -93,7 +93,7 @@ async def test_kill_9_inside_a_turn_leaves_whole_pairs(tmp_path: Path) -> None:
         stderr=asyncio.subprocess.DEVNULL,
     )
     assert child.stdout is not None
-    lines = []
+    lines: list[str] = []
     try:
         async with asyncio.timeout(60):
             while not lines or lines[-1] != "inside the pair":
@@ -109,7 +109,8 @@ async def test_kill_9_inside_a_turn_leaves_whole_pairs(tmp_path: Path) -> None:
     db = Database(path, CHAT_MIGRATIONS)
     await db.open()
     try:
-        assert (await db.fetchone("PRAGMA integrity_check"))[0] == "ok"
+        check = await db.fetchone("PRAGMA integrity_check")
+        assert check is not None and check[0] == "ok"
         conversation = await SqliteMemoryStore(db).get("crash", with_messages=True)
         roles = [m.role for m in conversation.messages]
         assert roles == ["user", "assistant"] * 3
