@@ -334,8 +334,9 @@ folder, WAL), the bundled knowledge base and real device tool code, but a zero-l
 in-process model and web search: what a turn costs the bridge besides the model and the search.
 {turns} sequential turns per kind after {warmup} warm-up turns, 50 conversations in rotation.
 "dental": guardrail, memory, search, knowledge base, streamed answer ({len(ANSWER.split())}
-deltas), sources, stored pair, model summary. "device": the same plus one tool call
-(`self.audio_speaker.set_volume` on the firmware's MCP server in-process) and a second model round.
+deltas), sources, stored pair, model summary. "device": a device command (no search), one tool
+call (`self.audio_speaker.set_volume` on the firmware's MCP server, in-process) and a second
+model round, stored pair, summary.
 
 {table(["turn", "p50 ms", "p99 ms", "mean ms", "turns"], [[*row] for row in rows])}
 

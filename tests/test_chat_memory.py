@@ -113,7 +113,7 @@ async def test_kill_9_inside_a_turn_leaves_whole_pairs(tmp_path: Path) -> None:
         assert check is not None and check[0] == "ok"
         conversation = await SqliteMemoryStore(db).get("crash", with_messages=True)
         roles = [m.role for m in conversation.messages]
-        assert roles == ["user", "assistant"] * 3
+        assert roles == ["user", "assistant"] * 3 and conversation.message_count == 6
         assert [m.content for m in conversation.messages[::2]] == QUESTIONS[:3]
         assert QUESTIONS[3] not in [m.content for m in conversation.messages]
         assert len(conversation.summary.split("\n\n")) == 3  # one summary piece per stored turn

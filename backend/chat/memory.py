@@ -29,6 +29,7 @@ CHAT_MIGRATIONS = [
             device_id TEXT,
             title TEXT NOT NULL DEFAULT '',
             summary TEXT NOT NULL DEFAULT '',
+            message_count INTEGER NOT NULL DEFAULT 0,
             created_at TEXT NOT NULL,
             updated_at TEXT NOT NULL
         );
@@ -225,7 +226,7 @@ class SqliteMemoryStore:
             first = now()
             second = max(now(), first)
             changed = c.execute(
-                "UPDATE chat_conversations SET updated_at = ?,"
+                "UPDATE chat_conversations SET updated_at = ?, message_count = message_count + 2,"
                 " title = CASE WHEN title = '' THEN ? ELSE title END WHERE id = ?",
                 (_iso(second), _title(user), conversation_id),
             ).rowcount
@@ -274,11 +275,7 @@ class SqliteMemoryStore:
         )
 
 
-_COLUMNS = (
-    "id, device_id, title, summary, created_at, updated_at,"
-    " (SELECT COUNT(*) FROM chat_messages m WHERE m.conversation_id = chat_conversations.id)"
-    " AS message_count"
-)
+_COLUMNS = "id, device_id, title, summary, created_at, updated_at, message_count"
 
 
 def _fetch(c: sqlite3.Connection, conversation_id: str) -> Conversation | None:
