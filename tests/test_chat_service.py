@@ -21,6 +21,7 @@ from backend.chat import (
     Token,
     ToolCompleted,
     ToolFailed,
+    ToolSource,
     ToolStarted,
     TurnRequest,
     collect,
@@ -28,6 +29,7 @@ from backend.chat import (
 )
 from backend.chat.llm import LlmProvider, OllamaProvider, OpenAiProvider, Usage
 from backend.chat.prompts import INVALID_TOOL_CALL_ANSWER
+from backend.devices import Device
 from backend.server import Bridge
 from backend.storage import Database
 from bench.chat import FirmwareDevice
@@ -89,6 +91,11 @@ async def simulated(bridge: Bridge) -> AsyncIterator[tuple[SimulatedDevice, Any]
     await bridge.registry.wait_for_state(sim.device_id)
     yield sim, bridge.registry.require(sim.device_id)
     await sim.stop()
+
+
+def as_tool_source(device: Device) -> ToolSource:
+    """Checked by mypy: the core's Device satisfies the ToolSource protocol as it is."""
+    return device
 
 
 def down_provider() -> LlmProvider:
@@ -188,6 +195,7 @@ async def test_full_turn_sets_volume_on_a_real_simulated_device(
     simulated: tuple[SimulatedDevice, Any],
 ) -> None:
     sim, device = simulated
+    assert as_tool_source(device) is device
     assert sim.hal.get_volume() != 30
     fake.script(
         "chat",

@@ -13,7 +13,9 @@ is recorded, so tests assert on the `messages` and `tools` that were sent. `stop
 port, which is the "LLM down" behaviour.
 """
 
+import contextlib
 import json
+import socket
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -151,6 +153,16 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
+
+    def handle(self) -> None:
+        with contextlib.suppress(ConnectionResetError, BrokenPipeError):
+            super().handle()  # the client may close a kept-alive connection at any time
+
+    def setup(self) -> None:
+        super().setup()
+        # Like real model servers (Go's net/http, uvicorn): no Nagle, or each small SSE chunk
+        # waits for the client's delayed ACK (~40 ms on Linux loopback).
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
