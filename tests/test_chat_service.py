@@ -4,7 +4,6 @@ SQLite, and for device control a real simulated device connected to a real bridg
 import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import structlog
@@ -85,7 +84,7 @@ async def openai(fake: FakeLlm) -> AsyncIterator[LlmProvider]:
 
 
 @pytest.fixture
-async def simulated(bridge: Bridge) -> AsyncIterator[tuple[SimulatedDevice, Any]]:
+async def simulated(bridge: Bridge) -> AsyncIterator[tuple[SimulatedDevice, Device]]:
     sim = SimulatedDevice(bridge.ws_url, DEVICE_TOKEN, index=1)
     sim.start()
     await bridge.registry.wait_for_state(sim.device_id)
@@ -192,7 +191,7 @@ async def test_full_turn_sets_volume_on_a_real_simulated_device(
     fake: FakeLlm,
     llm: LlmProvider,
     memory: SqliteMemoryStore,
-    simulated: tuple[SimulatedDevice, Any],
+    simulated: tuple[SimulatedDevice, Device],
 ) -> None:
     sim, device = simulated
     assert as_tool_source(device) is device
@@ -263,7 +262,7 @@ async def test_device_failure_goes_to_the_model_not_to_the_user(
     fake: FakeLlm,
     openai: LlmProvider,
     memory: SqliteMemoryStore,
-    simulated: tuple[SimulatedDevice, Any],
+    simulated: tuple[SimulatedDevice, Device],
 ) -> None:
     sim, device = simulated
     before = sim.hal.get_volume()
@@ -379,7 +378,7 @@ async def test_llm_down_answers_dental_questions_offline(memory: SqliteMemorySto
 
 
 async def test_llm_down_still_controls_the_real_device(
-    memory: SqliteMemoryStore, simulated: tuple[SimulatedDevice, Any]
+    memory: SqliteMemoryStore, simulated: tuple[SimulatedDevice, Device]
 ) -> None:
     sim, device = simulated
     provider = down_provider()
