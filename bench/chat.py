@@ -397,8 +397,8 @@ loopback fake LLM, which runs in a thread of the benchmark process (so its own C
 Target (the in-process rows, i.e. everything but the model and the search): p50 ≤
 {TARGET_P50_MS:g} ms: {verdict(met)}. Over real HTTP the turn takes {ms(http.p50)} ms at p50,
 of which the same two requests sent with bare httpx to the same fake take {ms(raw.p50)} ms (the
-fake server is single-threaded Python `http.server` in this process); the pipeline plus the
-provider add {ms(http.p50 - raw.p50)} ms.
+fake server is Python's `http.server`, in a thread of this process, competing for the GIL); the
+pipeline plus the provider add {ms(http.p50 - raw.p50)} ms.
 
 **Throughput** (same fakes, one process, one event loop; the SQLite thread serialises writes):
 {single:.0f} turns/s with 1 conversation, {many:.0f} turns/s with 100 concurrent conversations.
@@ -426,6 +426,11 @@ provider add {ms(http.p50 - raw.p50)} ms.
 Target ≥ {TARGET_SHARE:.0%} routed and ≥ {TARGET_SHARE:.0%} refused:
 {verdict(_met(report.routed) and _met(report.refused))}. Misses:
 {failures}
+
+The set was written together with the rules (the word lists were tuned on it), so these shares
+are an upper bound: phrasings the word lists do not know (relative changes such as "a bit
+louder", numbers in words, other device vocabularies) are not routed, and the assistant asks for
+a value instead of guessing.
 """
 
 
