@@ -19,7 +19,7 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from backend.chat.text import Language, fold, folded_words, wordset
+from backend.chat.text import Language, folded_words, wordset
 from backend.errors import BridgeError
 
 Origin = Literal["web", "kb"]
@@ -234,8 +234,3 @@ def _kb_result(entry: KbEntry) -> SearchResult:
         origin="kb",
         source=entry.source,
     )
-
-
-def folded(text: str) -> str:
-    """Re-exported for callers that match against knowledge-base terms."""
-    return fold(text)
