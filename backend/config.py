@@ -84,6 +84,17 @@ class Settings(BaseSettings):
     def timeout_for(self, tool_name: str) -> float:
         return self.tool_timeouts.get(tool_name, self.call_timeout_s)
 
+    # ---- chat pipeline (backend/chat, docs/chat.md)
+    llm_provider: str = Field("ollama", pattern="^(openai|ollama|none)$")
+    llm_base_url: str = "http://localhost:11434"
+    llm_api_key: SecretStr | None = None
+    llm_model: str = "qwen2.5:7b-instruct"
+    guardrail_model: str = "qwen2.5:3b-instruct"
+    llm_timeout_s: float = Field(60.0, gt=0)
+    search_enabled: bool = True
+    search_timeout_s: float = Field(3.0, gt=0)
+    search_results: int = Field(5, ge=1, le=20)
+
 
 def load_settings(config_file: Path | str | None = None, **overrides: Any) -> Settings:
     """Load settings; `overrides` are command-line flags (None means "not given")."""

@@ -6,7 +6,15 @@ import sys
 from bench.common import REPO, parse_args
 
 # The bridge-core benchmarks, then the firmware's heap benchmark (needs the MicroPython unix port).
-BENCHMARKS = ("tool_call", "sdk_compare", "hello_ready", "fleet", "disconnect", "firmware_memory")
+BENCHMARKS = (
+    "tool_call",
+    "sdk_compare",
+    "hello_ready",
+    "fleet",
+    "disconnect",
+    "chat",
+    "firmware_memory",
+)
 
 
 def main(argv: list[str] | None = None) -> None:

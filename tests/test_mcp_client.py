@@ -21,7 +21,7 @@ from backend.mcp_session import (
     TimeoutPolicy,
 )
 from backend.mcp_session.client import MAX_LIST_PAGES
-from tests.fakes import Link, feed_json, running_device
+from tests.fakes.mcp_link import Link, feed_json, running_device
 from tests.stock_device import StockMcp, stock_tools, text_result
 from tests.stock_device import ok as result
 

@@ -1,0 +1,76 @@
+"""The dental consultation assistant: one turn = guardrail → memory → search → LLM with device
+tools → sources → memory with an accumulated summary (docs/chat.md).
+
+Wiring (the core does it): open the bridge `Database` with `CHAT_MIGRATIONS` (and the keys'
+migrations), build `ChatService.from_settings(settings, SqliteMemoryStore(db))`, and for each
+turn `async for event in service.run_turn(TurnRequest(...))`.
+"""
+
+from backend.chat.events import (
+    ChatEvent,
+    Done,
+    Guardrail,
+    SourceItem,
+    Sources,
+    Token,
+    ToolCompleted,
+    ToolFailed,
+    ToolStarted,
+    TurnMetadata,
+    parse_event,
+)
+from backend.chat.memory import (
+    CHAT_MIGRATIONS,
+    Conversation,
+    ConversationNotFound,
+    ConversationPage,
+    MemoryStore,
+    SqliteMemoryStore,
+    StoredMessage,
+)
+from backend.chat.search import (
+    DdgsSearch,
+    KnowledgeBase,
+    SearchFailed,
+    SearchResult,
+    WebSearch,
+    format_results,
+)
+from backend.chat.service import ChatService, InputMessage, TurnRequest, collect
+from backend.chat.tools import DeviceToolBox, NoTools, ToolBox, ToolOutcome, ToolSource
+
+__all__ = [
+    "CHAT_MIGRATIONS",
+    "ChatEvent",
+    "ChatService",
+    "Conversation",
+    "ConversationNotFound",
+    "ConversationPage",
+    "DdgsSearch",
+    "DeviceToolBox",
+    "Done",
+    "Guardrail",
+    "InputMessage",
+    "KnowledgeBase",
+    "MemoryStore",
+    "NoTools",
+    "SearchFailed",
+    "SearchResult",
+    "SourceItem",
+    "Sources",
+    "SqliteMemoryStore",
+    "StoredMessage",
+    "Token",
+    "ToolBox",
+    "ToolCompleted",
+    "ToolFailed",
+    "ToolOutcome",
+    "ToolSource",
+    "ToolStarted",
+    "TurnMetadata",
+    "TurnRequest",
+    "WebSearch",
+    "collect",
+    "format_results",
+    "parse_event",
+]

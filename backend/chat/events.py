@@ -1,0 +1,130 @@
+"""The events of one chat turn: what every front end (SSE, OpenAI-compatible API, device TTS,
+CLI) consumes.
+
+A turn is an async stream of these, in this order: zero or more `Token`s interleaved with tool
+events (`ToolStarted` then `ToolCompleted` or `ToolFailed`), then at most one `Sources`, then
+exactly one `Done`. Tokens are the spoken answer only; the sources section (a heading and the
+numbered links) travels in `Sources` so that a voice front end does not read URLs aloud, while a
+text front end appends `Sources.section`. `Done.metadata.answer` is the full stored text.
+
+Every event is a frozen pydantic model with a `type` discriminator, so a front end serialises
+it with `event.model_dump(mode="json")` and a client parses it back with `parse_event`.
+"""
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from backend.chat.text import Language
+
+StepName = Literal[
+    "language",
+    "guardrail",
+    "memory_load",
+    "search",
+    "llm",
+    "tools",
+    "offline",
+    "memory_store",
+    "summary",
+]
+
+
+class _Event(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Token(_Event):
+    """A piece of the answer text, as the model (or the offline answerer) produced it."""
+
+    type: Literal["token"] = "token"
+    text: str
+
+
+class ToolStarted(_Event):
+    """A device tool is being called. `tool` is the device's MCP name, `llm_name` the model's."""
+
+    type: Literal["tool_started"] = "tool_started"
+    tool: str
+    llm_name: str
+    arguments: dict[str, Any]
+
+
+class ToolCompleted(_Event):
+    """The device answered; `is_error` is the tool's own `isError` (the model sees it anyway)."""
+
+    type: Literal["tool_completed"] = "tool_completed"
+    tool: str
+    llm_name: str
+    result_text: str
+    is_error: bool = False
+
+
+class ToolFailed(_Event):
+    """The call did not happen or did not finish: device error, timeout, invalid arguments from
+    the model, or no permission (missing scope). `error` is one line for an operator."""
+
+    type: Literal["tool_failed"] = "tool_failed"
+    tool: str
+    llm_name: str
+    error: str
+
+
+class SourceItem(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    title: str
+    link: str
+    origin: Literal["web", "kb"]
+
+
+class Sources(_Event):
+    """The references behind the answer, and the section text a text front end appends."""
+
+    type: Literal["sources"] = "sources"
+    items: list[SourceItem]
+    section: str
+
+
+class Guardrail(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    verdict: Literal["passed", "refused"]
+    reason: str
+    by: Literal["rules", "llm"]
+
+
+class TurnMetadata(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    conversation_id: str | None
+    device_id: str | None = None
+    language: Language
+    guardrail: Guardrail
+    stored: bool
+    sources: list[SourceItem] = Field(default_factory=list)
+    offline: bool = False
+    offline_reason: str | None = None
+    search: Literal["ok", "failed", "skipped"] = "skipped"
+    search_error: str | None = None
+    steps_ms: dict[str, float] = Field(default_factory=dict)
+    tool_rounds: int = 0
+    answer: str = ""
+
+
+class Done(_Event):
+    type: Literal["done"] = "done"
+    metadata: TurnMetadata
+
+
+ChatEvent = Annotated[
+    Token | ToolStarted | ToolCompleted | ToolFailed | Sources | Done, Field(discriminator="type")
+]
+_EVENT_ADAPTER: TypeAdapter[ChatEvent] = TypeAdapter(ChatEvent)
+
+
+def parse_event(data: dict[str, Any] | str | bytes) -> ChatEvent:
+    """An event back from its JSON form (a dict, or JSON text)."""
+    if isinstance(data, dict):
+        return _EVENT_ADAPTER.validate_python(data)
+    return _EVENT_ADAPTER.validate_json(data)

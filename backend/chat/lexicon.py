@@ -1,0 +1,270 @@
+"""Word lists for the rule-based parts of the pipeline (guardrail, offline intent detection).
+
+Vietnamese entries are written with accents. `PhraseMatcher` matches them accented against
+accented text; against text typed without accents it matches only their folded forms of two or
+more syllables (a folded single syllable is ambiguous: "rang" is răng "tooth" and rằng "that").
+Longer phrases win: "giao diện sáng" is the theme, not "sáng" (light).
+"""
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from backend.chat.text import fold, has_vietnamese_letters, nfc_lower
+
+# ---- the dental domain ------------------------------------------------------------------------
+
+_DENTAL_WORDS = (
+    "tooth teeth toothache dental dentist dentistry gum gums gingivitis periodontitis "
+    "periodontal floss flossing toothpaste toothbrush cavity cavities caries enamel plaque tartar "
+    "braces brace orthodontic orthodontics orthodontist aligners implant implants molar molars "
+    "mouthwash halitosis whitening fluoride oral abscess teething dentures denture bruxism jaw "
+    "mouth tongue incisor incisors retainer brush brushing brushed"
+)
+DENTAL_PHRASES = [
+    *_DENTAL_WORDS.split(),
+    "bad breath",
+    "wisdom tooth",
+    "wisdom teeth",
+    "root canal",
+    "teeth grinding",
+    "mouth ulcer",
+    "dry mouth",
+    "false teeth",
+    # Vietnamese
+    "răng",
+    "nướu",
+    "viêm lợi",
+    "chảy máu lợi",
+    "sưng lợi",
+    "tụt lợi",
+    "lợi bị",
+    "nha khoa",
+    "nha sĩ",
+    "nha chu",
+    "chỉ nha khoa",
+    "kem đánh răng",
+    "chải răng",
+    "bàn chải",
+    "hôi miệng",
+    "khô miệng",
+    "nhiệt miệng",
+    "loét miệng",
+    "răng miệng",
+    "niềng",
+    "chỉnh nha",
+    "mắc cài",
+    "implant",
+    "trám",
+    "cao răng",
+    "vôi răng",
+    "tủy răng",
+    "chữa tủy",
+    "áp xe",
+    "ê buốt",
+    "xương hàm",
+    "hàm răng",
+    "lưỡi",
+    "fluor",
+    "nước súc miệng",
+    "súc miệng",
+    # Vietnamese typed without accents (folded, two syllables or more)
+    "danh rang",
+    "sau rang",
+    "dau rang",
+    "nhuc rang",
+    "rang khon",
+    "chan rang",
+    "rang sua",
+    "rang gia",
+    "nho rang",
+    "trong rang",
+    "trang rang",
+    "e rang",
+    "e buot",
+    "hoi mieng",
+    "viem nuou",
+    "viem loi",
+    "chay mau loi",
+    "nieng rang",
+    "nha khoa",
+    "nha si",
+    "cao rang",
+    "voi rang",
+    "kham rang",
+    "rang mieng",
+    "tay trang",
+]
+
+
+# ---- device controls --------------------------------------------------------------------------
+
+# concept -> phrases (both languages). "screen" is a weak concept shared by several tools.
+CONCEPTS: Mapping[str, tuple[str, ...]] = {
+    "volume": (
+        "âm lượng",
+        "volume",
+        "loa",
+        "speaker",
+        "tiếng",
+        "sound",
+        "louder",
+        "quieter",
+        "to hơn",
+        "nhỏ hơn",
+        "vặn to",
+        "vặn nhỏ",
+        "audio",
+        "mute",
+        "unmute",
+        "tắt tiếng",
+        "am luong",
+    ),
+    "brightness": (
+        "độ sáng",
+        "brightness",
+        "backlight",
+        "sáng hơn",
+        "tối hơn",
+        "dim",
+        "brighter",
+        "darker",
+        "do sang",
+    ),
+    "theme": (
+        "giao diện",
+        "theme",
+        "chế độ tối",
+        "chế độ sáng",
+        "dark mode",
+        "light mode",
+        "nền tối",
+        "nền sáng",
+        "dark theme",
+        "light theme",
+        "che do toi",
+        "che do sang",
+        "giao dien",
+        "night mode",
+    ),
+    "led": ("đèn", "led", "light", "lights", "lamp", "bóng đèn", "den led", "bat den", "tat den"),
+    "status": (
+        "trạng thái",
+        "status",
+        "tình trạng thiết bị",
+        "device state",
+        "trang thai",
+    ),
+    "screen": ("màn hình", "screen", "display", "man hinh"),
+}
+PRIMARY_CONCEPTS = frozenset({"volume", "brightness", "theme", "led", "status"})
+
+ON_WORDS = (
+    "bật",
+    "mở",
+    "on",
+    "turn on",
+    "switch on",
+    "enable",
+    "bat",
+    "mo",
+    "bật lên",
+    "bật đèn",
+)
+OFF_WORDS = ("tắt", "off", "turn off", "switch off", "disable", "tat", "tắt đi", "tắt đèn")
+ACTION_WORDS = (
+    "set",
+    "đặt",
+    "chỉnh",
+    "điều chỉnh",
+    "bật",
+    "tắt",
+    "tăng",
+    "giảm",
+    "vặn",
+    "change",
+    "turn",
+    "switch",
+    "make",
+    "mở",
+    "đổi",
+    "chuyển",
+    "put",
+    "increase",
+    "decrease",
+    "raise",
+    "lower",
+    "adjust",
+    "mute",
+    "unmute",
+    "enable",
+    "disable",
+    "dat",
+    "chinh",
+    "bat",
+    "tat",
+    "tang",
+    "giam",
+    "doi",
+    "chuyen",
+    "mức",
+    "level",
+    "check",
+    "kiểm tra",
+    "cho biết",
+)
+MAX_WORDS = ("tối đa", "max", "maximum", "full", "hết cỡ", "to nhất", "cao nhất", "toi da")
+MIN_WORDS = ("tối thiểu", "min", "minimum", "thấp nhất", "nhỏ nhất", "toi thieu")
+MUTE_WORDS = ("mute", "tắt tiếng", "im lặng", "tat tieng")
+# Values of enumerated string arguments: canonical value -> words that mean it.
+VALUE_SYNONYMS: Mapping[str, tuple[str, ...]] = {
+    # Accented only: folded "sang" is also "sang" (towards), "toi" is also "tôi" (I).
+    "dark": ("dark", "tối", "đen", "night", "ban đêm"),
+    "light": ("light", "sáng", "trắng", "day", "ban ngày"),
+}
+CLAUSE_SPLIT = re.compile(
+    r"\s*(?:[;?!]|,\s*(?:and|then|và|rồi|sau đó)\s+|,\s+|\s+(?:and then|and|then|also|"
+    r"và|rồi|sau đó|đồng thời|with|plus)\s+)\s*",
+    re.IGNORECASE,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    phrase: str
+    start: int
+    end: int
+
+
+class PhraseMatcher:
+    """Finds phrases as whole words, longest first, each span used once."""
+
+    def __init__(self, phrases: Iterable[str]) -> None:
+        accented = sorted({nfc_lower(p) for p in phrases}, key=lambda p: (-len(p), p))
+        self._accented = [(p, _pattern(p)) for p in accented]
+        folded = sorted(
+            {fold(p) for p in accented if len(fold(p).split()) >= 2 or fold(p) == nfc_lower(p)},
+            key=lambda p: (-len(p), p),
+        )
+        self._folded = [(p, _pattern(p)) for p in folded]
+
+    def find(self, text: str) -> list[Hit]:
+        accented = has_vietnamese_letters(text)
+        subject = nfc_lower(text) if accented else fold(text)
+        table = self._accented if accented else self._folded
+        taken: list[tuple[int, int]] = []
+        hits: list[Hit] = []
+        for phrase, pattern in table:
+            for match in pattern.finditer(subject):
+                span = match.span()
+                if any(span[0] < end and start < span[1] for start, end in taken):
+                    continue
+                taken.append(span)
+                hits.append(Hit(phrase, *span))
+        hits.sort(key=lambda hit: hit.start)
+        return hits
+
+
+def _pattern(phrase: str) -> re.Pattern[str]:
+    body = r"\s+".join(re.escape(part) for part in phrase.split())
+    return re.compile(rf"(?<![\w]){body}s?(?![\w])")

@@ -1,0 +1,142 @@
+"""The provider-neutral view of a chat model with function calling.
+
+Messages, tool calls and results are plain frozen dataclasses; each provider module translates
+them to and from its wire format (`openai.py`, `ollama.py`). A tool call whose arguments are not
+a JSON object is still returned, with `arguments=None` and `error` saying why, so the caller can
+send that error back to the model instead of failing.
+"""
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from backend.errors import BridgeError
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+class LlmError(BridgeError):
+    """The model service refused or garbled a request (4xx, unreadable reply)."""
+
+
+class LlmUnavailable(LlmError):
+    """The model service cannot be reached: connection refused, timeout, 5xx. Offline mode."""
+
+
+@dataclass(frozen=True, slots=True)
+class FunctionSpec:
+    """One function offered to the model; `parameters` is the tool's whole inputSchema."""
+
+    llm_name: str
+    description: str
+    parameters: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A function call the model asked for. `raw_arguments` is what it sent, as text."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any] | None
+    raw_arguments: str
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    role: Role
+    content: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None  # role "tool": the call it answers
+    name: str | None = None  # role "tool": the function name (Ollama wants it)
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    text: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    finish_reason: str | None = None
+
+
+StreamItem = TextDelta | ToolCall
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Models for each job: the chat model answers, the guardrail model classifies/summarises."""
+
+    chat: str
+    guardrail: str
+
+
+class LlmProvider(Protocol):
+    """A chat model service. `model=None` means the provider's chat model."""
+
+    name: str
+    models: Usage
+
+    async def complete(
+        self,
+        messages: Sequence[Message],
+        *,
+        model: str | None = None,
+        tools: Sequence[FunctionSpec] = (),
+        max_tokens: int | None = None,
+    ) -> Completion:
+        """One reply, not streamed. Raises LlmUnavailable / LlmError."""
+        ...
+
+    def stream(
+        self,
+        messages: Sequence[Message],
+        *,
+        model: str | None = None,
+        tools: Sequence[FunctionSpec] = (),
+        max_tokens: int | None = None,
+    ) -> AsyncIterator[StreamItem]:
+        """Text deltas as they come, then each finished tool call. Raises like `complete`."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+@dataclass(slots=True)
+class ToolCallBuilder:
+    """Joins streamed tool-call pieces (OpenAI sends id and name once, arguments in fragments)."""
+
+    id: str = ""
+    name: str = ""
+    fragments: list[str] = field(default_factory=list)
+
+    def finish(self, fallback_id: str) -> ToolCall:
+        return tool_call_from_text(self.id or fallback_id, self.name, "".join(self.fragments))
+
+
+def tool_call_from_text(call_id: str, name: str, raw: str) -> ToolCall:
+    """A ToolCall from a JSON-string `arguments` (OpenAI); invalid JSON gives `error`."""
+    text = raw.strip() or "{}"
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return ToolCall(call_id, name, None, raw, f"arguments are not valid JSON ({exc.msg})")
+    return tool_call_from_value(call_id, name, value, raw)
+
+
+def tool_call_from_value(call_id: str, name: str, value: Any, raw: str | None = None) -> ToolCall:
+    """A ToolCall from already parsed arguments (Ollama sends an object)."""
+    if raw is None:
+        raw = json.dumps(value, ensure_ascii=False)
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        return ToolCall(call_id, name, None, raw, "arguments must be a JSON object")
+    if not name:
+        return ToolCall(call_id, name, None, raw, "the call has no function name")
+    return ToolCall(call_id, name, value, raw)

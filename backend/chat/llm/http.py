@@ -1,0 +1,72 @@
+"""What the HTTP providers share: one httpx client, error mapping, line streaming."""
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from backend.chat.llm.base import LlmError, LlmUnavailable, Usage
+from backend.chat.text import clip
+
+
+class HttpProvider:
+    """Base of the OpenAI-compatible and Ollama providers (never logs the API key)."""
+
+    name = "http"
+
+    def __init__(
+        self,
+        base_url: str,
+        models: Usage,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 60.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.models = models
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        timeout = httpx.Timeout(timeout_s, connect=min(5.0, timeout_s))
+        self._client = httpx.AsyncClient(headers=headers, timeout=timeout, transport=transport)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def post_json(self, url: str, body: dict[str, Any]) -> Any:
+        try:
+            response = await self._client.post(url, json=body)
+        except httpx.HTTPError as exc:
+            raise self._unreachable(exc) from None
+        self._check_status(response.status_code, response.text)
+        try:
+            return response.json()
+        except ValueError:
+            raise LlmError(f"{self.name}: the reply is not JSON") from None
+
+    @contextlib.asynccontextmanager
+    async def post_lines(self, url: str, body: dict[str, Any]) -> AsyncIterator[AsyncIterator[str]]:
+        """POST and yield the reply's lines as they arrive (SSE or NDJSON)."""
+        try:
+            async with self._client.stream("POST", url, json=body) as response:
+                if response.status_code >= 400:
+                    await response.aread()
+                    self._check_status(response.status_code, response.text)
+                yield self._lines(response)
+        except httpx.HTTPError as exc:
+            raise self._unreachable(exc) from None
+
+    async def _lines(self, response: httpx.Response) -> AsyncIterator[str]:
+        async for line in response.aiter_lines():
+            if line:
+                yield line
+
+    def _unreachable(self, exc: httpx.HTTPError) -> LlmUnavailable:
+        kind = type(exc).__name__
+        return LlmUnavailable(f"{self.name} at {self.base_url} unreachable ({kind}: {exc})")
+
+    def _check_status(self, status: int, text: str) -> None:
+        if status >= 500:
+            raise LlmUnavailable(f"{self.name} answered HTTP {status}: {clip(text, 160)}")
+        if status >= 400:
+            raise LlmError(f"{self.name} refused the request (HTTP {status}): {clip(text, 160)}")

@@ -1,0 +1,150 @@
+"""Ollama's native chat API: `POST {base}/api/chat`.
+
+Differences from OpenAI: `stream` defaults to true (we always send it), streaming is NDJSON,
+tool-call `arguments` is a JSON *object*, calls may have no `id`, and a tool result names its
+function (`tool_name`) instead of a call id.
+"""
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from backend.chat.llm.base import (
+    Completion,
+    FunctionSpec,
+    LlmError,
+    Message,
+    StreamItem,
+    TextDelta,
+    ToolCall,
+    tool_call_from_value,
+)
+from backend.chat.llm.http import HttpProvider
+from backend.chat.llm.openai import wire_tool
+
+
+class _Function(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = ""
+    arguments: Any = None
+
+
+class _ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    function: _Function
+
+
+class _ReplyMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    content: str = ""
+    tool_calls: list[_ToolCall] | None = None
+
+
+class _Reply(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    message: _ReplyMessage | None = None
+    done: bool = False
+    done_reason: str | None = None
+    error: str | None = None
+
+
+class OllamaProvider(HttpProvider):
+    name = "ollama"
+
+    @property
+    def url(self) -> str:
+        return f"{self.base_url}/api/chat"
+
+    def body(
+        self,
+        messages: Sequence[Message],
+        model: str | None,
+        tools: Sequence[FunctionSpec],
+        max_tokens: int | None,
+        stream: bool,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": model or self.models.chat,
+            "messages": [wire_message(message) for message in messages],
+            "stream": stream,
+        }
+        if tools:
+            body["tools"] = [wire_tool(spec) for spec in tools]
+        if max_tokens is not None:
+            body["options"] = {"num_predict": max_tokens}
+        return body
+
+    async def complete(
+        self,
+        messages: Sequence[Message],
+        *,
+        model: str | None = None,
+        tools: Sequence[FunctionSpec] = (),
+        max_tokens: int | None = None,
+    ) -> Completion:
+        data = await self.post_json(self.url, self.body(messages, model, tools, max_tokens, False))
+        reply = _parse(data)
+        message = reply.message or _ReplyMessage()
+        return Completion(message.content, _calls(message, 0), reply.done_reason)
+
+    async def stream(
+        self,
+        messages: Sequence[Message],
+        *,
+        model: str | None = None,
+        tools: Sequence[FunctionSpec] = (),
+        max_tokens: int | None = None,
+    ) -> AsyncIterator[StreamItem]:
+        calls: list[ToolCall] = []
+        body = self.body(messages, model, tools, max_tokens, True)
+        async with self.post_lines(self.url, body) as lines:
+            async for line in lines:
+                try:
+                    reply = _parse(json.loads(line))
+                except ValueError:
+                    raise LlmError("ollama: a stream line is not JSON") from None
+                if reply.message is not None:
+                    if reply.message.content:
+                        yield TextDelta(reply.message.content)
+                    calls.extend(_calls(reply.message, len(calls)))
+                if reply.done:
+                    break
+        for call in calls:
+            yield call
+
+
+def _parse(data: Any) -> _Reply:
+    try:
+        reply = _Reply.model_validate(data)
+    except ValidationError as exc:
+        raise LlmError(f"ollama: unexpected reply shape ({exc.error_count()} errors)") from None
+    if reply.error:
+        raise LlmError(f"ollama: {reply.error[:160]}")
+    return reply
+
+
+def _calls(message: _ReplyMessage, first: int) -> tuple[ToolCall, ...]:
+    return tuple(
+        tool_call_from_value(
+            call.id or f"call_{first + i}", call.function.name, call.function.arguments
+        )
+        for i, call in enumerate(message.tool_calls or ())
+    )
+
+
+def wire_message(message: Message) -> dict[str, Any]:
+    if message.role == "tool":
+        wire = {"role": "tool", "content": message.content}
+        if message.name:
+            wire["tool_name"] = message.name
+        return wire
+    result: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        result["tool_calls"] = [
+            {"function": {"name": call.name, "arguments": call.arguments or {}}}
+            for call in message.tool_calls
+        ]
+    return result

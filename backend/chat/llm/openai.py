@@ -1,0 +1,183 @@
+"""OpenAI-compatible chat completions: `POST {base}/v1/chat/completions`.
+
+Works with OpenAI, Groq, vLLM, LM Studio, llama.cpp server and Ollama's `/v1`. Tool-call
+`arguments` arrive as a JSON *string*; streamed calls come as SSE deltas joined by `index`.
+"""
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from backend.chat.llm.base import (
+    Completion,
+    FunctionSpec,
+    LlmError,
+    Message,
+    StreamItem,
+    TextDelta,
+    ToolCallBuilder,
+    tool_call_from_text,
+)
+from backend.chat.llm.http import HttpProvider
+
+
+class _Function(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str | None = None
+    arguments: str | None = None
+
+
+class _ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    index: int | None = None
+    id: str | None = None
+    function: _Function | None = None
+
+
+class _ReplyMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    content: str | None = None
+    tool_calls: list[_ToolCall] | None = None
+
+
+class _Choice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    message: _ReplyMessage | None = None
+    delta: _ReplyMessage | None = None
+    finish_reason: str | None = None
+
+
+class _Reply(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    choices: list[_Choice]
+
+
+class OpenAiProvider(HttpProvider):
+    name = "openai"
+
+    @property
+    def url(self) -> str:
+        base = self.base_url
+        return f"{base}/chat/completions" if base.endswith("/v1") else f"{base}/v1/chat/completions"
+
+    def body(
+        self,
+        messages: Sequence[Message],
+        model: str | None,
+        tools: Sequence[FunctionSpec],
+        max_tokens: int | None,
+        stream: bool,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": model or self.models.chat,
+            "messages": [wire_message(message) for message in messages],
+            "stream": stream,
+        }
+        if tools:
+            body["tools"] = [wire_tool(spec) for spec in tools]
+            body["tool_choice"] = "auto"
+        if max_tokens is not None:
+            body["max_tokens"] = max_tokens
+        return body
+
+    async def complete(
+        self,
+        messages: Sequence[Message],
+        *,
+        model: str | None = None,
+        tools: Sequence[FunctionSpec] = (),
+        max_tokens: int | None = None,
+    ) -> Completion:
+        data = await self.post_json(self.url, self.body(messages, model, tools, max_tokens, False))
+        reply = _parse(data)
+        if not reply.choices or reply.choices[0].message is None:
+            raise LlmError("openai: the reply has no choices[0].message")
+        choice = reply.choices[0]
+        assert choice.message is not None
+        calls = tuple(
+            tool_call_from_text(
+                call.id or f"call_{index}",
+                (call.function.name if call.function else None) or "",
+                (call.function.arguments if call.function else None) or "",
+            )
+            for index, call in enumerate(choice.message.tool_calls or ())
+        )
+        return Completion(choice.message.content or "", calls, choice.finish_reason)
+
+    async def stream(
+        self,
+        messages: Sequence[Message],
+        *,
+        model: str | None = None,
+        tools: Sequence[FunctionSpec] = (),
+        max_tokens: int | None = None,
+    ) -> AsyncIterator[StreamItem]:
+        builders: dict[int, ToolCallBuilder] = {}
+        body = self.body(messages, model, tools, max_tokens, True)
+        async with self.post_lines(self.url, body) as lines:
+            async for line in lines:
+                if not line.startswith("data:"):
+                    continue  # SSE comments, event names, keep-alives
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    break
+                try:
+                    chunk = _parse(json.loads(payload))
+                except ValueError:
+                    raise LlmError("openai: a stream chunk is not JSON") from None
+                if not chunk.choices:
+                    continue
+                delta = chunk.choices[0].delta
+                if delta is None:
+                    continue
+                if delta.content:
+                    yield TextDelta(delta.content)
+                for position, piece in enumerate(delta.tool_calls or ()):
+                    index = piece.index if piece.index is not None else position
+                    builder = builders.setdefault(index, ToolCallBuilder())
+                    if piece.id:
+                        builder.id = piece.id
+                    if piece.function is not None:
+                        if piece.function.name:
+                            builder.name = piece.function.name
+                        if piece.function.arguments:
+                            builder.fragments.append(piece.function.arguments)
+        for index in sorted(builders):
+            yield builders[index].finish(f"call_{index}")
+
+
+def _parse(data: Any) -> _Reply:
+    try:
+        return _Reply.model_validate(data)
+    except ValidationError as exc:
+        raise LlmError(f"openai: unexpected reply shape ({exc.error_count()} errors)") from None
+
+
+def wire_tool(spec: FunctionSpec) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {
+            "name": spec.llm_name,
+            "description": spec.description,
+            "parameters": spec.parameters,
+        },
+    }
+
+
+def wire_message(message: Message) -> dict[str, Any]:
+    if message.role == "tool":
+        return {"role": "tool", "tool_call_id": message.tool_call_id, "content": message.content}
+    wire: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        wire["content"] = message.content or None
+        wire["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.raw_arguments},
+            }
+            for call in message.tool_calls
+        ]
+    return wire

@@ -1,0 +1,326 @@
+"""Conversation memory: every message kept, a rolling summary, one current conversation per
+device.
+
+`MemoryStore` is the interface (a PostgreSQL store can follow); `SqliteMemoryStore` keeps it in
+the bridge's one SQLite database (`backend.storage.Database`) with `CHAT_MIGRATIONS`. A turn
+writes its user and assistant messages in one transaction (`append_pair`), so a crash mid-turn
+leaves either both or neither; the summary is updated afterwards in its own transaction.
+"""
+
+import json
+import sqlite3
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Literal, Protocol
+
+from backend.errors import BridgeError
+from backend.storage import Database, Migration
+
+MessageRole = Literal["user", "assistant"]
+
+CHAT_MIGRATIONS = [
+    Migration(
+        "chat",
+        1,
+        """
+        CREATE TABLE chat_conversations (
+            id TEXT PRIMARY KEY,
+            device_id TEXT,
+            title TEXT NOT NULL DEFAULT '',
+            summary TEXT NOT NULL DEFAULT '',
+            message_count INTEGER NOT NULL DEFAULT 0,
+            created_at TEXT NOT NULL,
+            updated_at TEXT NOT NULL
+        );
+        CREATE INDEX chat_conversations_by_device ON chat_conversations (device_id, updated_at);
+        CREATE INDEX chat_conversations_by_update ON chat_conversations (updated_at);
+        CREATE TABLE chat_messages (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            conversation_id TEXT NOT NULL
+                REFERENCES chat_conversations (id) ON DELETE CASCADE,
+            role TEXT NOT NULL CHECK (role IN ('user', 'assistant')),
+            content TEXT NOT NULL,
+            created_at TEXT NOT NULL,
+            metadata TEXT NOT NULL DEFAULT '{}'
+        );
+        CREATE INDEX chat_messages_by_conversation ON chat_messages (conversation_id, id);
+        """,
+    )
+]
+
+MAX_ID_LENGTH = 128
+TITLE_LENGTH = 80
+
+
+class ConversationNotFound(BridgeError):
+    def __init__(self, conversation_id: str) -> None:
+        super().__init__(f"no conversation {conversation_id[:MAX_ID_LENGTH]!r}")
+        self.conversation_id = conversation_id
+
+
+class InvalidConversationId(BridgeError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class StoredMessage:
+    role: MessageRole
+    content: str
+    created_at: datetime
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    id: str
+    device_id: str | None
+    title: str
+    summary: str
+    created_at: datetime
+    updated_at: datetime
+    message_count: int = 0
+    messages: tuple[StoredMessage, ...] = ()  # filled by `get(..., with_messages=True)`
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationPage:
+    items: list[Conversation]
+    total: int
+
+
+class MemoryStore(Protocol):
+    async def get_or_create(
+        self, conversation_id: str | None = None, *, device_id: str | None = None
+    ) -> Conversation:
+        """The conversation with that id (created if new), or a new one when id is None."""
+        ...
+
+    async def conversation_for_device(self, device_id: str) -> Conversation:
+        """The device's current conversation (its most recently used), created if none."""
+        ...
+
+    async def get(self, conversation_id: str, *, with_messages: bool = False) -> Conversation:
+        """Raises ConversationNotFound."""
+        ...
+
+    async def recent(self, conversation_id: str, n: int) -> list[StoredMessage]:
+        """The last `n` messages, oldest first."""
+        ...
+
+    async def append_pair(
+        self,
+        conversation_id: str,
+        user: str,
+        assistant: str,
+        *,
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
+        """Both messages of a turn, atomically; the assistant message carries `metadata`."""
+        ...
+
+    async def set_summary(self, conversation_id: str, summary: str) -> None: ...
+
+    async def list_conversations(
+        self, *, limit: int = 50, offset: int = 0, device_id: str | None = None
+    ) -> ConversationPage: ...
+
+    async def delete(self, conversation_id: str) -> bool: ...
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _iso(moment: datetime) -> str:
+    return moment.isoformat(timespec="microseconds")
+
+
+def check_conversation_id(conversation_id: str) -> str:
+    text = conversation_id.strip()
+    if not text or len(text) > MAX_ID_LENGTH or not text.isprintable():
+        raise InvalidConversationId(
+            f"a conversation id is 1 to {MAX_ID_LENGTH} printable characters"
+        )
+    return text
+
+
+class SqliteMemoryStore:
+    """`MemoryStore` on the bridge database; open the database with CHAT_MIGRATIONS."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    async def get_or_create(
+        self, conversation_id: str | None = None, *, device_id: str | None = None
+    ) -> Conversation:
+        wanted = check_conversation_id(conversation_id) if conversation_id else None
+        return await self.db.run(lambda c: self._get_or_create(c, wanted, device_id))
+
+    def _get_or_create(
+        self, c: sqlite3.Connection, conversation_id: str | None, device_id: str | None
+    ) -> Conversation:
+        if conversation_id is not None:
+            found = _fetch(c, conversation_id)
+            if found is not None:
+                return found
+        moment = _iso(now())
+        new_id = conversation_id or uuid.uuid4().hex
+        c.execute(
+            "INSERT INTO chat_conversations (id, device_id, created_at, updated_at)"
+            " VALUES (?, ?, ?, ?)",
+            (new_id, device_id, moment, moment),
+        )
+        created = _fetch(c, new_id)
+        assert created is not None
+        return created
+
+    async def conversation_for_device(self, device_id: str) -> Conversation:
+        def work(c: sqlite3.Connection) -> Conversation:
+            row = c.execute(
+                "SELECT id FROM chat_conversations WHERE device_id = ?"
+                " ORDER BY updated_at DESC, rowid DESC LIMIT 1",
+                (device_id,),
+            ).fetchone()
+            return self._get_or_create(c, row["id"] if row else None, device_id)
+
+        return await self.db.run(work)
+
+    async def get(self, conversation_id: str, *, with_messages: bool = False) -> Conversation:
+        def work(c: sqlite3.Connection) -> Conversation:
+            found = _fetch(c, conversation_id)
+            if found is None:
+                raise ConversationNotFound(conversation_id)
+            if not with_messages:
+                return found
+            rows = c.execute(
+                "SELECT role, content, created_at, metadata FROM chat_messages"
+                " WHERE conversation_id = ? ORDER BY id",
+                (conversation_id,),
+            ).fetchall()
+            return _with_messages(found, tuple(_message(row) for row in rows))
+
+        return await self.db.run(work)
+
+    async def recent(self, conversation_id: str, n: int) -> list[StoredMessage]:
+        if n <= 0:
+            return []
+        rows = await self.db.fetchall(
+            "SELECT role, content, created_at, metadata FROM chat_messages"
+            " WHERE conversation_id = ? ORDER BY id DESC LIMIT ?",
+            (conversation_id, n),
+        )
+        return [_message(row) for row in reversed(rows)]
+
+    async def append_pair(
+        self,
+        conversation_id: str,
+        user: str,
+        assistant: str,
+        *,
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
+        meta = json.dumps(metadata or {}, ensure_ascii=False, default=str)
+
+        def work(c: sqlite3.Connection) -> None:
+            first = now()
+            second = max(now(), first)
+            changed = c.execute(
+                "UPDATE chat_conversations SET updated_at = ?, message_count = message_count + 2,"
+                " title = CASE WHEN title = '' THEN ? ELSE title END WHERE id = ?",
+                (_iso(second), _title(user), conversation_id),
+            ).rowcount
+            if changed == 0:
+                raise ConversationNotFound(conversation_id)
+            c.executemany(
+                "INSERT INTO chat_messages (conversation_id, role, content, created_at, metadata)"
+                " VALUES (?, ?, ?, ?, ?)",
+                [
+                    (conversation_id, "user", user, _iso(first), "{}"),
+                    (conversation_id, "assistant", assistant, _iso(second), meta),
+                ],
+            )
+
+        await self.db.run(work)
+
+    async def set_summary(self, conversation_id: str, summary: str) -> None:
+        changed = await self.db.execute(
+            "UPDATE chat_conversations SET summary = ? WHERE id = ?", (summary, conversation_id)
+        )
+        if changed == 0:
+            raise ConversationNotFound(conversation_id)
+
+    async def list_conversations(
+        self, *, limit: int = 50, offset: int = 0, device_id: str | None = None
+    ) -> ConversationPage:
+        limit = max(1, min(limit, 500))
+        offset = max(0, offset)
+        where, args = ("WHERE device_id = ?", [device_id]) if device_id else ("", [])
+
+        def work(c: sqlite3.Connection) -> ConversationPage:
+            total = c.execute(f"SELECT COUNT(*) FROM chat_conversations {where}", args).fetchone()
+            rows = c.execute(
+                f"SELECT {_COLUMNS} FROM chat_conversations {where}"
+                " ORDER BY updated_at DESC, rowid DESC LIMIT ? OFFSET ?",
+                [*args, limit, offset],
+            ).fetchall()
+            return ConversationPage([_conversation(row) for row in rows], int(total[0]))
+
+        return await self.db.run(work)
+
+    async def delete(self, conversation_id: str) -> bool:
+        return (
+            await self.db.execute("DELETE FROM chat_conversations WHERE id = ?", (conversation_id,))
+            > 0
+        )
+
+
+_COLUMNS = "id, device_id, title, summary, created_at, updated_at, message_count"
+
+
+def _fetch(c: sqlite3.Connection, conversation_id: str) -> Conversation | None:
+    row = c.execute(
+        f"SELECT {_COLUMNS} FROM chat_conversations WHERE id = ?", (conversation_id,)
+    ).fetchone()
+    return _conversation(row) if row is not None else None
+
+
+def _conversation(row: sqlite3.Row) -> Conversation:
+    return Conversation(
+        id=row["id"],
+        device_id=row["device_id"],
+        title=row["title"],
+        summary=row["summary"],
+        created_at=datetime.fromisoformat(row["created_at"]),
+        updated_at=datetime.fromisoformat(row["updated_at"]),
+        message_count=int(row["message_count"]),
+    )
+
+
+def _with_messages(found: Conversation, messages: tuple[StoredMessage, ...]) -> Conversation:
+    return Conversation(
+        found.id,
+        found.device_id,
+        found.title,
+        found.summary,
+        found.created_at,
+        found.updated_at,
+        found.message_count,
+        messages,
+    )
+
+
+def _message(row: sqlite3.Row) -> StoredMessage:
+    try:
+        metadata = json.loads(row["metadata"])
+    except ValueError:
+        metadata = {}
+    role: MessageRole = "assistant" if row["role"] == "assistant" else "user"
+    return StoredMessage(
+        role, row["content"], datetime.fromisoformat(row["created_at"]), metadata or {}
+    )
+
+
+def _title(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= TITLE_LENGTH else text[: TITLE_LENGTH - 1] + "…"

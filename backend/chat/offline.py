@@ -1,0 +1,420 @@
+"""Offline mode: what the assistant does when no model answers.
+
+1. Device requests are routed to tools by rules (`IntentDetector`): concepts found in the
+   request (volume, brightness, theme, LED, status; Vietnamese and English words) are matched
+   against concepts found in each tool's name and description; arguments are filled from the
+   request (numbers, on/off, enumerated words like dark/light) and fitted against the tool's
+   `inputSchema` (types, minimum, maximum, required). A tool is called only at a confidence of at
+   least `threshold`, so a vague request never moves a device.
+2. Questions get an extractive answer: the sentences of the search / knowledge-base results that
+   share the most terms with the question.
+
+A combined request ("set the volume to 30 and tell me how long I should brush") is split into
+clauses; device clauses become tool calls and the rest is answered as a question.
+"""
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from backend.chat.lexicon import (
+    ACTION_WORDS,
+    CLAUSE_SPLIT,
+    CONCEPTS,
+    DENTAL_PHRASES,
+    MAX_WORDS,
+    MIN_WORDS,
+    MUTE_WORDS,
+    OFF_WORDS,
+    ON_WORDS,
+    PRIMARY_CONCEPTS,
+    VALUE_SYNONYMS,
+    PhraseMatcher,
+)
+from backend.chat.llm.base import FunctionSpec
+from backend.chat.search import SearchResult, kb_terms
+from backend.chat.text import Language, clip, sentences
+
+DEFAULT_THRESHOLD = 0.7
+_NUMBER = re.compile(r"(?<![\w.])(-?\d{1,4})(?:\s*(?:%|phần trăm|percent|phan tram))?(?![\w])")
+_QUOTED = re.compile(r"[\"'“”‘’`]([A-Za-z][\w-]{0,30})[\"'“”‘’`]")
+_NAME_SPLIT = re.compile(r"[^a-z0-9]+")
+
+_concepts = {concept: PhraseMatcher(phrases) for concept, phrases in CONCEPTS.items()}
+_dental = PhraseMatcher(DENTAL_PHRASES)
+_actions = PhraseMatcher(ACTION_WORDS)
+_on = PhraseMatcher(ON_WORDS)
+_off = PhraseMatcher(OFF_WORDS)
+_max = PhraseMatcher(MAX_WORDS)
+_min = PhraseMatcher(MIN_WORDS)
+_mute = PhraseMatcher(MUTE_WORDS)
+_values = {value: PhraseMatcher(words) for value, words in VALUE_SYNONYMS.items()}
+
+
+def concepts_in(text: str) -> set[str]:
+    """Device concepts a text mentions; the longest phrase wins across concepts."""
+    spans: list[tuple[int, int, int, str]] = []
+    for concept, matcher in _concepts.items():
+        for hit in matcher.find(text):
+            spans.append((hit.start, hit.end, hit.end - hit.start, concept))
+    spans.sort(key=lambda span: (-span[2], span[0]))
+    taken: list[tuple[int, int]] = []
+    found: set[str] = set()
+    for start, end, _length, concept in spans:
+        if any(start < other_end and other_start < end for other_start, other_end in taken):
+            continue
+        taken.append((start, end))
+        found.add(concept)
+    return found
+
+
+def is_dental(text: str) -> bool:
+    return bool(_dental.find(text))
+
+
+def split_clauses(text: str) -> list[str]:
+    parts = (part.strip(" .,") for part in CLAUSE_SPLIT.split(text))
+    return [part for part in parts if part]
+
+
+@dataclass(frozen=True, slots=True)
+class Intent:
+    """A device request found in the text: the function, its arguments, how sure we are."""
+
+    llm_name: str
+    arguments: dict[str, Any]
+    confidence: float
+    clause: str
+    concept: str
+    missing: tuple[str, ...] = ()  # required arguments the text did not give
+    problem: str | None = None  # e.g. a value outside the tool's range
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What offline mode does with a request: tool calls, and the question left to answer."""
+
+    intents: list[Intent] = field(default_factory=list)
+    rejected: list[Intent] = field(default_factory=list)  # device-like but below the threshold
+    question: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class _Profile:
+    spec: FunctionSpec
+    weights: dict[str, float]
+
+
+class IntentDetector:
+    def __init__(self, threshold: float = DEFAULT_THRESHOLD) -> None:
+        self.threshold = threshold
+        self._profiles: dict[tuple[str, str], _Profile] = {}
+
+    def profile(self, spec: FunctionSpec) -> _Profile:
+        key = (spec.llm_name, spec.description)
+        cached = self._profiles.get(key)
+        if cached is not None:
+            return cached
+        weights: dict[str, float] = {}
+        name_text = " ".join(_NAME_SPLIT.split(spec.llm_name.lower()))
+        for concept in concepts_in(spec.description):
+            weights[concept] = 0.5
+        for concept in concepts_in(name_text):
+            weights[concept] = 1.0
+        if "brightness" in weights and "led" in weights and weights["led"] == 1.0:
+            weights["brightness"] = min(weights["brightness"], 0.5)
+        profile = _Profile(spec, weights)
+        self._profiles[key] = profile
+        return profile
+
+    def detect(self, text: str, functions: Sequence[FunctionSpec]) -> Intent | None:
+        """The best device intent of one clause (whatever its confidence), or None."""
+        if not functions:
+            return None
+        wanted = concepts_in(text)
+        if not wanted & PRIMARY_CONCEPTS:
+            return None
+        scored: list[tuple[float, int, _Profile, str]] = []
+        for position, spec in enumerate(functions):
+            profile = self.profile(spec)
+            score = 0.0
+            main = ""
+            for concept in wanted:
+                weight = profile.weights.get(concept, 0.0)
+                if concept not in PRIMARY_CONCEPTS:
+                    weight *= 0.3
+                score += weight
+                if concept in PRIMARY_CONCEPTS and weight >= 0.5 and not main:
+                    main = concept
+            if score > 0 and main:
+                scored.append((score, position, profile, main))
+        if not scored:
+            return None
+        scored.sort(key=lambda item: (-item[0], item[1]))
+        score, _position, profile, concept = scored[0]
+        ambiguous = len(scored) > 1 and scored[1][0] == score
+        arguments, missing, problem, given = fill_arguments(text, profile.spec.parameters)
+        confidence = 0.5 if profile.weights.get(concept, 0) >= 1.0 else 0.35
+        if _actions.find(text) or given:
+            confidence += 0.25
+        if not missing and problem is None and (given or not _properties(profile.spec)):
+            confidence += 0.25
+        if ambiguous:
+            confidence -= 0.3
+        if missing or problem is not None:
+            confidence = min(confidence, 0.5)
+        return Intent(
+            profile.spec.llm_name,
+            arguments,
+            round(confidence, 2),
+            text,
+            concept,
+            tuple(missing),
+            problem,
+        )
+
+    def plan(self, text: str, functions: Sequence[FunctionSpec]) -> Plan:
+        """Split a request into device calls (at or above the threshold) and a question."""
+        intents: list[Intent] = []
+        rejected: list[Intent] = []
+        rest: list[str] = []
+        for clause in split_clauses(text) or [text]:
+            intent = self.detect(clause, functions)
+            if intent is not None and intent.confidence >= self.threshold:
+                intents.append(intent)
+            elif intent is not None and not is_dental(clause):
+                rejected.append(intent)
+            else:
+                rest.append(clause)
+        return Plan(intents, rejected, ", ".join(rest))
+
+    def is_device_request(self, text: str, functions: Sequence[FunctionSpec]) -> bool:
+        """Whether some clause asks for something these functions do (for the guardrail)."""
+        for clause in split_clauses(text) or [text]:
+            intent = self.detect(clause, functions)
+            if intent is not None and (
+                intent.confidence >= self.threshold or _actions.find(clause)
+            ):
+                return True
+        return False
+
+
+def _properties(spec: FunctionSpec) -> dict[str, Any]:
+    properties = spec.parameters.get("properties")
+    return properties if isinstance(properties, dict) else {}
+
+
+def fill_arguments(
+    text: str, schema: dict[str, Any]
+) -> tuple[dict[str, Any], list[str], str | None, bool]:
+    """Arguments for `schema` from `text`: (arguments, missing required, problem, any given)."""
+    properties = schema.get("properties")
+    properties = properties if isinstance(properties, dict) else {}
+    required = schema.get("required")
+    required_names = set(required) if isinstance(required, list) else set()
+    numbers = [int(match.group(1)) for match in _NUMBER.finditer(text)]
+    arguments: dict[str, Any] = {}
+    problem: str | None = None
+    given = False
+    for name, prop in properties.items():
+        if not isinstance(prop, dict):
+            continue
+        kind = prop.get("type")
+        value: Any = None
+        if kind in ("integer", "number"):
+            value, problem_here = _number_for(text, numbers, prop)
+            problem = problem or problem_here
+        elif kind == "boolean":
+            value = _switch(text)
+        elif kind == "string":
+            value = _choice(text, prop, schema)
+        if value is not None:
+            arguments[name] = value
+            given = True
+    for name, prop in properties.items():
+        # "đèn sáng 40" / "LED at 40%": a level for a switchable thing means switch it on.
+        if (
+            name not in arguments
+            and isinstance(prop, dict)
+            and prop.get("type") == "boolean"
+            and name.lower() in ("on", "enabled", "enable", "power")
+            and any(
+                isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in arguments.values()
+            )
+        ):
+            arguments[name] = True
+    missing = [
+        name
+        for name in sorted(required_names)
+        if name not in arguments
+        and not (isinstance(properties.get(name), dict) and "default" in properties[name])
+    ]
+    return arguments, missing, problem, given
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _number_for(
+    text: str, numbers: list[int], prop: dict[str, Any]
+) -> tuple[int | None, str | None]:
+    low = prop.get("minimum")
+    high = prop.get("maximum")
+    if numbers:
+        value = numbers[0]
+    elif _mute.find(text) and isinstance(low, int):
+        value = low
+    elif _max.find(text) and isinstance(high, int):
+        value = high
+    elif _min.find(text) and isinstance(low, int):
+        value = low
+    else:
+        return None, None
+    if isinstance(low, int | float) and value < low:
+        return None, f"{value} is below the minimum {low}"
+    if isinstance(high, int | float) and value > high:
+        return None, f"{value} is above the maximum {high}"
+    return value, None
+
+
+def _switch(text: str) -> bool | None:
+    on = _on.find(text)
+    off = _off.find(text)
+    if off and not on:
+        return False
+    if on and not off:
+        return True
+    if on and off:  # the later word wins ("tắt rồi bật" is rare; keep the last one said)
+        return on[-1].start > off[-1].start
+    return None
+
+
+def _choice(text: str, prop: dict[str, Any], schema: dict[str, Any]) -> str | None:
+    options = prop.get("enum")
+    if not isinstance(options, list):
+        options = _QUOTED.findall(str(prop.get("description", "")))
+        if not options:
+            options = _QUOTED.findall(str(schema.get("description", "")))
+    candidates = [str(option) for option in options] or list(VALUE_SYNONYMS)
+    lowered = text.lower()
+    for option in candidates:
+        if re.search(rf"(?<!\w){re.escape(option.lower())}(?!\w)", lowered):
+            return option
+    for option in candidates:
+        matcher = _values.get(option.lower())
+        if matcher is not None and matcher.find(text):
+            return option
+    return None
+
+
+def with_description_choices(spec: FunctionSpec) -> FunctionSpec:
+    """The spec, with quoted choices of its description copied into string properties that
+    have no enum (`Set the screen theme: "light" or "dark"` → theme enum [light, dark])."""
+    choices = _QUOTED.findall(spec.description)
+    if not choices:
+        return spec
+    properties = _properties(spec)
+    changed = {
+        name: {**prop, "description": prop.get("description", "") + " " + spec.description}
+        for name, prop in properties.items()
+        if isinstance(prop, dict) and prop.get("type") == "string" and "enum" not in prop
+    }
+    if not changed:
+        return spec
+    parameters = {**spec.parameters, "properties": {**properties, **changed}}
+    return FunctionSpec(spec.llm_name, spec.description, parameters)
+
+
+# ---- extractive answers -----------------------------------------------------------------------
+
+OFFLINE_NOTE = {
+    "vi": "(Chế độ ngoại tuyến: câu trả lời được trích từ tài liệu tham khảo.)",
+    "en": "(Offline mode: this answer is quoted from the reference material.)",
+}
+NOTHING_FOUND = {
+    "vi": "Hiện tôi không kết nối được mô hình ngôn ngữ và không tìm thấy thông tin phù hợp. "
+    "Bạn hãy hỏi lại sau hoặc hỏi ý kiến nha sĩ.",
+    "en": "I can't reach the language model right now and found nothing relevant. Please try "
+    "again later or ask your dentist.",
+}
+
+
+def extractive_answer(
+    question: str, results: Sequence[SearchResult], language: Language, max_sentences: int = 3
+) -> str:
+    """The sentences of `results` closest to `question`, in their original order."""
+    wanted = set(kb_terms(question))
+    candidates: list[tuple[float, int, int, str]] = []
+    for rank, result in enumerate(results[:3]):
+        for position, sentence in enumerate(sentences(result.content)):
+            overlap = len(wanted & set(kb_terms(sentence)))
+            if overlap:
+                # Earlier results and earlier sentences break ties.
+                candidates.append((overlap - 0.5 * rank, rank, position, sentence))
+    if not candidates:
+        if results:
+            first = sentences(results[0].content)
+            return " ".join(first[:max_sentences])
+        return NOTHING_FOUND[language]
+    best = sorted(candidates, key=lambda item: (-item[0], item[1], item[2]))[:max_sentences]
+    best.sort(key=lambda item: (item[1], item[2]))
+    return " ".join(sentence for _score, _rank, _position, sentence in best)
+
+
+def extractive_summary(answer: str, language: Language, limit: int = 240) -> str:
+    """The first sentences of an answer, as the summary of a turn when no model can summarise."""
+    parts = [s for s in sentences(answer) if not s.startswith("(")]
+    text = " ".join(parts[:2]) if parts else answer
+    return clip(text, limit)
+
+
+# ---- device replies ---------------------------------------------------------------------------
+
+_DONE = {
+    "volume": {"vi": "Đã chỉnh âm lượng thành {value}.", "en": "Volume set to {value}."},
+    "brightness": {
+        "vi": "Đã chỉnh độ sáng màn hình thành {value}.",
+        "en": "Screen brightness set to {value}.",
+    },
+    "theme": {"vi": "Đã đổi giao diện sang {value}.", "en": "Theme changed to {value}."},
+    "led_on": {"vi": "Đã bật đèn.", "en": "The light is on."},
+    "led_off": {"vi": "Đã tắt đèn.", "en": "The light is off."},
+    "status": {"vi": "Trạng thái thiết bị: {value}", "en": "Device status: {value}"},
+}
+_GENERIC_DONE = {"vi": "Đã thực hiện lệnh trên thiết bị.", "en": "Done on the device."}
+_FAILED = {
+    "vi": "Thiết bị không thực hiện được lệnh này.",
+    "en": "The device could not carry out that request.",
+}
+_NEEDS_VALUE = {
+    "vi": "Tôi chưa rõ bạn muốn đặt giá trị nào; hãy nói ví dụ \u201cđặt âm lượng 50\u201d.",
+    "en": "I'm not sure which value you want; say for example \u201cset the volume to 50\u201d.",
+}
+_OUT_OF_RANGE = {
+    "vi": "Giá trị đó nằm ngoài khoảng thiết bị cho phép ({problem}).",
+    "en": "That value is outside what the device accepts ({problem}).",
+}
+
+
+def device_reply(intent: Intent, result_text: str, ok: bool, language: Language) -> str:
+    """One sentence about a tool call, for offline answers (never the raw device error)."""
+    if not ok:
+        return _FAILED[language]
+    key = intent.concept
+    value: Any = next(iter(intent.arguments.values()), "")
+    if key == "led":
+        key = "led_off" if intent.arguments.get("on") is False else "led_on"
+    if key == "status":
+        value = clip(result_text, 200)
+    template = _DONE.get(key)
+    if template is None:
+        return _GENERIC_DONE[language]
+    return template[language].format(value=value)
+
+
+def rejected_reply(intent: Intent, language: Language) -> str:
+    if intent.problem:
+        return _OUT_OF_RANGE[language].format(problem=intent.problem)
+    return _NEEDS_VALUE[language]

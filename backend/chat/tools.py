@@ -1,0 +1,148 @@
+"""The seam between a chat turn and device tools.
+
+A turn sees a `ToolBox`: the functions it may offer the model, a way back from an LLM function
+name to the device's MCP tool name (for events), and `call`, which never raises for tool or
+device failures: they come back as an error `ToolOutcome` that the model is told about.
+
+`DeviceToolBox` adapts anything shaped like the core's `Device` (`ToolSource`): model-visible
+tools only (user-only tools stay with the user), LLM-safe names from `ToolNameMap`, the full
+`inputSchema` as parameters. `unavailable_reason` (e.g. "missing scope devices:call") keeps the
+functions visible for intent detection, but the turn offers no tools and reports why.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import structlog
+
+from backend.chat.llm.base import FunctionSpec
+from backend.errors import BridgeError
+from backend.mcp_session import CallResult, McpError, Tool, ToolNameMap, UnknownToolName
+from backend.mcp_session.names import llm_functions
+
+log = structlog.get_logger("chat")
+
+
+@dataclass(frozen=True, slots=True)
+class ToolOutcome:
+    """What a call gave: the text for the model, and whether it is an error.
+
+    `failed` means the call did not complete (device error, timeout, disconnect, bad arguments);
+    a tool that ran and answered `isError: true` has `is_error` but not `failed`.
+    """
+
+    text: str
+    is_error: bool = False
+    failed: bool = False
+
+
+class ToolBox(Protocol):
+    unavailable_reason: str | None
+
+    def functions(self) -> list[FunctionSpec]: ...
+
+    def device_tool_name(self, llm_name: str) -> str: ...
+
+    async def call(self, llm_name: str, arguments: dict[str, Any]) -> ToolOutcome: ...
+
+
+class ToolSource(Protocol):
+    """The part of the core's `Device` that tools need (satisfied by `backend.devices.Device`)."""
+
+    device_id: str
+
+    def tool_list(self, *, include_user_only: bool = True) -> list[Tool]: ...
+
+    async def call_tool(
+        self,
+        name: str,
+        arguments: dict[str, Any] | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> CallResult: ...
+
+
+class DeviceToolBox:
+    """The model-visible tools of one device, as LLM functions."""
+
+    def __init__(
+        self,
+        source: ToolSource,
+        *,
+        unavailable_reason: str | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        self.source = source
+        self.unavailable_reason = unavailable_reason
+        self.timeout_s = timeout_s
+        self._tools: list[Tool] = []
+        self._names = ToolNameMap(())
+        self._functions: list[FunctionSpec] = []
+        self.refresh()
+
+    @property
+    def device_id(self) -> str:
+        return self.source.device_id
+
+    def refresh(self) -> None:
+        """Re-read the device's tools (they may change on `notifications/tools/list_changed`)."""
+        tools = self.source.tool_list(include_user_only=False)
+        if tools == self._tools:
+            return
+        self._tools = tools
+        self._names = ToolNameMap(tool.name for tool in tools)
+        self._functions = [
+            FunctionSpec(item["name"], item["description"], item["parameters"])
+            for item in llm_functions(tools, self._names)
+        ]
+
+    def functions(self) -> list[FunctionSpec]:
+        self.refresh()
+        return list(self._functions)
+
+    def device_tool_name(self, llm_name: str) -> str:
+        try:
+            return self._names.from_llm(llm_name)
+        except UnknownToolName:
+            return llm_name
+
+    async def call(self, llm_name: str, arguments: dict[str, Any]) -> ToolOutcome:
+        if self.unavailable_reason is not None:
+            return ToolOutcome(f"error: {self.unavailable_reason}", is_error=True, failed=True)
+        try:
+            name = self._names.from_llm(llm_name)
+        except UnknownToolName:
+            known = ", ".join(spec.llm_name for spec in self._functions) or "none"
+            return ToolOutcome(
+                f"error: there is no function {llm_name!r}; available: {known}",
+                is_error=True,
+                failed=True,
+            )
+        try:
+            result = await self.source.call_tool(name, arguments, timeout_s=self.timeout_s)
+        except (BridgeError, McpError) as exc:
+            return ToolOutcome(f"error: {exc}", is_error=True, failed=True)
+        except Exception as exc:
+            # The core's device-layer errors (invalid arguments, device busy, not ready) do not
+            # derive from BridgeError yet; their messages are one line for an operator too.
+            log.warning(
+                "tool call failed", device_id=self.device_id, tool=name, error=type(exc).__name__
+            )
+            return ToolOutcome(f"error: {exc}", is_error=True, failed=True)
+        text = result.text or ("(no output)" if not result.is_error else "error")
+        return ToolOutcome(text, is_error=result.is_error)
+
+
+class NoTools:
+    """The empty toolbox (a turn without a device)."""
+
+    unavailable_reason: str | None = None
+
+    def functions(self) -> list[FunctionSpec]:
+        return []
+
+    def device_tool_name(self, llm_name: str) -> str:
+        return llm_name
+
+    async def call(self, llm_name: str, arguments: dict[str, Any]) -> ToolOutcome:
+        return ToolOutcome(f"error: there is no function {llm_name!r}", is_error=True, failed=True)

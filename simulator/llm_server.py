@@ -1,0 +1,294 @@
+"""A fake LLM service on loopback that speaks both real wire formats.
+
+One `http.server` on 127.0.0.1:0 in a daemon thread serves:
+- OpenAI-compatible `POST /v1/chat/completions`: a JSON reply, or SSE (`data: {chunk}` lines
+  ending with `data: [DONE]`) whose tool calls arrive as deltas joined by `index`, with the
+  `arguments` string split into several fragments;
+- Ollama `POST /api/chat`: one JSON object (`"stream": false`), or NDJSON lines ending with
+  `"done": true`; tool-call `arguments` is an object and calls carry no `id`.
+
+Replies are scripted per kind of request (`chat`, `guardrail`, `summary`; the last two are
+recognised by the markers the prompts start with) and fall back to defaults. Every request body
+is recorded, so tests assert on the `messages` and `tools` that were sent. `stop()` closes the
+port, which is the "LLM down" behaviour.
+"""
+
+import contextlib
+import json
+import socket
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from backend.chat.prompts import GUARDRAIL_MARKER, SUMMARY_MARKER
+
+
+@dataclass
+class FakeCall:
+    """A tool call to send; `arguments` as a str is sent raw (it may be malformed JSON)."""
+
+    name: str
+    arguments: dict[str, Any] | str = field(default_factory=dict)
+
+
+@dataclass
+class Reply:
+    text: str = ""
+    calls: list[FakeCall] = field(default_factory=list)
+    status: int = 200  # e.g. 503 to look overloaded
+
+
+@dataclass
+class Recorded:
+    path: str
+    kind: str
+    body: dict[str, Any]
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        return list(self.body.get("messages", []))
+
+    @property
+    def tools(self) -> list[dict[str, Any]]:
+        return list(self.body.get("tools", []))
+
+
+class FakeLlm:
+    def __init__(self) -> None:
+        self.requests: list[Recorded] = []
+        self.scripts: dict[str, deque[Reply]] = {
+            "chat": deque(),
+            "guardrail": deque(),
+            "summary": deque(),
+        }
+        self.defaults = {
+            "chat": Reply("Brush twice a day for two minutes."),
+            "guardrail": Reply("YES"),
+        }
+        self._lock = threading.Lock()
+        self._summaries = 0
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+        self.url = ""
+
+    # ---- control ------------------------------------------------------------------------------
+
+    def start(self) -> "FakeLlm":
+        fake = self
+
+        class Handler(_Handler):
+            owner = fake
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        port = self._server.server_address[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Close the port (later requests get `connection refused`)."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def script(self, kind: str, *replies: Reply) -> None:
+        with self._lock:
+            self.scripts[kind].extend(replies)
+
+    def of_kind(self, kind: str) -> list[Recorded]:
+        return [request for request in self.requests if request.kind == kind]
+
+    # ---- serving ------------------------------------------------------------------------------
+
+    def next_reply(self, kind: str) -> Reply:
+        with self._lock:
+            if self.scripts[kind]:
+                return self.scripts[kind].popleft()
+            if kind == "summary":
+                self._summaries += 1
+                return Reply(f"Summary {self._summaries}.")
+            return self.defaults[kind]
+
+    def record(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> str:
+        kind = _kind(body)
+        with self._lock:
+            self.requests.append(Recorded(path, kind, body, headers))
+        return kind
+
+
+def _kind(body: dict[str, Any]) -> str:
+    for message in body.get("messages", []):
+        content = message.get("content") or ""
+        if isinstance(content, str) and content.startswith(GUARDRAIL_MARKER):
+            return "guardrail"
+        if isinstance(content, str) and content.startswith(SUMMARY_MARKER):
+            return "summary"
+    return "chat"
+
+
+def _pieces(text: str) -> list[str]:
+    """Text split into word-sized deltas (spaces kept)."""
+    words = text.split(" ")
+    return [word + (" " if i < len(words) - 1 else "") for i, word in enumerate(words) if word]
+
+
+def _fragments(text: str, count: int = 3) -> list[str]:
+    size = max(1, -(-len(text) // count))
+    return [text[i : i + size] for i in range(0, len(text), size)] or [""]
+
+
+def _raw_arguments(call: FakeCall) -> str:
+    return call.arguments if isinstance(call.arguments, str) else json.dumps(call.arguments)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    owner: FakeLlm
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def handle(self) -> None:
+        with contextlib.suppress(ConnectionResetError, BrokenPipeError):
+            super().handle()  # the client may close a kept-alive connection at any time
+
+    def setup(self) -> None:
+        super().setup()
+        # Like real model servers (Go's net/http, uvicorn): no Nagle, or each small SSE chunk
+        # waits for the client's delayed ACK (~40 ms on Linux loopback).
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = json.loads(self.rfile.read(length) or b"{}")
+        headers = {key.lower(): value for key, value in self.headers.items()}
+        kind = self.owner.record(self.path, body, headers)
+        reply = self.owner.next_reply(kind)
+        if reply.status != 200:
+            self._send(reply.status, "application/json", b'{"error": "scripted failure"}')
+            return
+        stream = bool(body.get("stream", self.path == "/api/chat"))
+        if self.path == "/v1/chat/completions":
+            if stream:
+                self._stream("text/event-stream", self._openai_chunks(reply))
+            else:
+                self._send(200, "application/json", json.dumps(self._openai(reply)).encode())
+        elif self.path == "/api/chat":
+            if stream:
+                self._stream("application/x-ndjson", self._ollama_lines(body, reply))
+            else:
+                self._send(200, "application/json", json.dumps(self._ollama(body, reply)).encode())
+        else:
+            self._send(404, "application/json", b'{"error": "not found"}')
+
+    # -- OpenAI --
+
+    def _openai(self, reply: Reply) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": reply.text or None}
+        if reply.calls:
+            message["tool_calls"] = [
+                {
+                    "id": f"call_{i + 1}",
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": _raw_arguments(call)},
+                }
+                for i, call in enumerate(reply.calls)
+            ]
+        finish = "tool_calls" if reply.calls else "stop"
+        return {
+            "id": "chatcmpl-fake",
+            "object": "chat.completion",
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+        }
+
+    def _openai_chunks(self, reply: Reply) -> list[bytes]:
+        def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+            data = {
+                "id": "chatcmpl-fake",
+                "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            }
+            return f"data: {json.dumps(data)}\n\n".encode()
+
+        out = [chunk({"role": "assistant", "content": ""})]
+        out += [chunk({"content": piece}) for piece in _pieces(reply.text)]
+        for index, call in enumerate(reply.calls):
+            head = {
+                "index": index,
+                "id": f"call_{index + 1}",
+                "type": "function",
+                "function": {"name": call.name, "arguments": ""},
+            }
+            out.append(chunk({"tool_calls": [head]}))
+            for fragment in _fragments(_raw_arguments(call)):
+                piece = {"index": index, "function": {"arguments": fragment}}
+                out.append(chunk({"tool_calls": [piece]}))
+        out.append(chunk({}, "tool_calls" if reply.calls else "stop"))
+        out.append(b"data: [DONE]\n\n")
+        return out
+
+    # -- Ollama --
+
+    def _ollama_message(self, reply: Reply, text: str) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if reply.calls:
+            message["tool_calls"] = [
+                {"function": {"name": call.name, "arguments": call.arguments}}
+                for call in reply.calls
+            ]
+        return message
+
+    def _ollama(self, body: dict[str, Any], reply: Reply) -> dict[str, Any]:
+        return {
+            "model": body.get("model"),
+            "created_at": "2026-11-26T00:00:00Z",
+            "message": self._ollama_message(reply, reply.text),
+            "done": True,
+            "done_reason": "stop",
+        }
+
+    def _ollama_lines(self, body: dict[str, Any], reply: Reply) -> list[bytes]:
+        model = body.get("model")
+        lines = [
+            {"model": model, "message": {"role": "assistant", "content": piece}, "done": False}
+            for piece in _pieces(reply.text)
+        ]
+        if reply.calls:
+            lines.append(
+                {"model": model, "message": self._ollama_message(reply, ""), "done": False}
+            )
+        lines.append(
+            {
+                "model": model,
+                "message": {"role": "assistant", "content": ""},
+                "done": True,
+                "done_reason": "stop",
+                "eval_count": 7,
+            }
+        )
+        return [json.dumps(line).encode() + b"\n" for line in lines]
+
+    # -- HTTP --
+
+    def _send(self, status: int, content_type: str, data: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _stream(self, content_type: str, parts: list[bytes]) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for part in parts:
+            self.wfile.write(f"{len(part):x}\r\n".encode() + part + b"\r\n")
+            self.wfile.flush()
+        self.wfile.write(b"0\r\n\r\n")
