@@ -130,3 +130,37 @@ class LogBudget:
             self._log.warning(
                 f"{event} (repeated)", repeated=suppressed, total=self._counts.get(event, 0)
             )
+
+
+class DeviceLog:
+    """A logger for one device link: every line carries `device_id` and `session_id`.
+
+    It holds two strings instead of a bound structlog logger (a context dict and a wrapper per
+    device), which matters with ten thousand idle devices; the binding happens per line, and
+    device lines are rare (connect, ready, disconnect, trouble).
+    """
+
+    __slots__ = ("_logger", "device_id", "session_id")
+
+    def __init__(self, logger: Any, device_id: str, session_id: str) -> None:
+        self._logger = logger
+        self.device_id = device_id
+        self.session_id = session_id
+
+    def _bound(self) -> Any:
+        return self._logger.bind(device_id=self.device_id, session_id=self.session_id)
+
+    def debug(self, event: str, **fields: Any) -> None:
+        self._bound().debug(event, **fields)
+
+    def info(self, event: str, **fields: Any) -> None:
+        self._bound().info(event, **fields)
+
+    def warning(self, event: str, **fields: Any) -> None:
+        self._bound().warning(event, **fields)
+
+    def error(self, event: str, **fields: Any) -> None:
+        self._bound().error(event, **fields)
+
+    def exception(self, event: str, **fields: Any) -> None:
+        self._bound().exception(event, **fields)

@@ -1,13 +1,15 @@
 """The `esp32-bridge` CLI against a running bridge, as a real subprocess."""
 
+import asyncio
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from backend.config import Settings
 from backend.server import Bridge
-from tests.helpers import run_cli, wait_state
+from tests.helpers import DEVICE_TOKEN, run_cli, wait_state
 from tests.stock_device import WireDevice
 
 
@@ -140,3 +142,26 @@ async def test_device_commands_without_a_device_token(tmp_path, command):
     assert code == 1
     assert "no device token: pass --token" in err and str(tmp_path / "device.token") in err
     assert "Traceback" not in err
+
+
+async def test_simulate_spreads_devices_over_workers_and_stops_them_on_sigterm(bridge):
+    import signal
+
+    from simulator.fleet import device_id_for
+    from tests.helpers import CLI, STARTED, eventually
+
+    env = {**os.environ, "BRIDGE_DEVICE_TOKEN": DEVICE_TOKEN}
+    process = await asyncio.create_subprocess_exec(
+        *CLI, "simulate", "--url", bridge.ws_url, "--devices", "5", "--workers", "2",
+        "--first-index", "11", stdout=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+    STARTED.append(process)
+    wanted = {device_id_for(index) for index in range(11, 16)}
+    await eventually(lambda: {d.device_id for d in bridge.registry} == wanted, timeout_s=30)
+    for device_id in wanted:
+        await wait_state(bridge, device_id, timeout_s=30)
+    process.send_signal(signal.SIGTERM)
+    await asyncio.wait_for(process.wait(), 30)
+    await eventually(lambda: len(bridge.registry) == 0, timeout_s=30)  # the workers are gone
+    assert process.stdout is not None
+    assert b"5 simulated devices over 2 worker processes" in await process.stdout.read()

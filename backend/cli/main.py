@@ -72,15 +72,29 @@ def simulate(
     url: Annotated[str | None, typer.Option("--url", help="Device endpoint ws:// URL.")] = None,
     devices: Annotated[int, typer.Option("--devices", min=1, help="Simulated devices.")] = 1,
     tools: Annotated[int, typer.Option("--tools", min=0, help="Extra synthetic tools.")] = 0,
+    workers: Annotated[
+        int,
+        typer.Option(
+            "--workers", min=0, help="Processes to spread the devices over (0: one per 5,000)."
+        ),
+    ] = 0,
+    first_index: Annotated[
+        int, typer.Option("--first-index", min=1, help="Index of the first device (its id).")
+    ] = 1,
     token: Annotated[str | None, typer.Option("--token", help="Device token.")] = None,
     data_dir: DataDirOpt = None,
     config: ConfigOpt = None,
 ) -> None:
     """Connect N simulated devices (the real firmware code on a fake HAL) to a bridge."""
-    from backend.cli.runs import run_simulator
+    from backend.cli.runs import run_simulator, simulator_workers
 
     url, token = device_endpoint(cli_settings(config, data_dir=data_dir), url, token)
-    _run(run_simulator(url, token, devices, tools, console))
+    processes = simulator_workers(devices, workers)
+    _run(
+        run_simulator(
+            url, token, devices, tools, console, workers=processes, first_index=first_index
+        )
+    )
 
 
 # ---- admin commands ---------------------------------------------------------------------------

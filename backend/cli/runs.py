@@ -2,6 +2,9 @@
 
 import asyncio
 import json
+import os
+import signal
+import sys
 from typing import Any
 
 import httpx
@@ -9,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from backend.config import Settings
+from backend.errors import BridgeError
 from backend.logs import configure_logging
 from backend.runtime import tune_gc_for_many_devices
 from backend.server import Bridge
@@ -72,18 +76,98 @@ async def _demo_calls(bridge: Bridge, device_id: str, console: Console) -> None:
             console.print_json(json.dumps(result))
 
 
+class WorkerFailed(BridgeError):
+    """A simulator worker process ended with an error."""
+
+
+# One simulator process comfortably keeps about this many devices busy; more go to workers.
+DEVICES_PER_WORKER = 5000
+
+
+def simulator_workers(devices: int, requested: int) -> int:
+    """`--workers 0` (auto): one process per DEVICES_PER_WORKER devices, leaving one CPU to the
+    bridge (usually on the same machine when one simulates a fleet)."""
+    if requested > 0:
+        return min(requested, devices)
+    wanted = -(-devices // DEVICES_PER_WORKER)
+    return max(1, min(wanted, (os.cpu_count() or 1) - 1))
+
+
 async def run_simulator(
-    url: str, token: str | None, count: int, extra_tools: int, console: Console
+    url: str,
+    token: str | None,
+    count: int,
+    extra_tools: int,
+    console: Console,
+    *,
+    workers: int = 1,
+    first_index: int = 1,
 ) -> None:
+    """`count` simulated devices: in this process, or split over `workers` child processes
+    (each runs this command for its share; device indexes, hence ids, never overlap)."""
+    if workers > 1:
+        await _run_workers(url, token, count, extra_tools, console, workers, first_index)
+        return
     from simulator import run_fleet
+
+    tune_gc_for_many_devices()
 
     def log(*parts: Any) -> None:
         if count <= 10:
             console.print("[dim]" + " ".join(str(p) for p in parts), highlight=False)
 
-    devices = await run_fleet(url, token, count, extra_tools=extra_tools, log=log)
-    console.print(f"{count} simulated device(s) connecting to {url}; Ctrl-C stops them")
+    devices = await run_fleet(
+        url, token, count, extra_tools=extra_tools, first_index=first_index, log=log
+    )
+    last = first_index + count - 1
+    console.print(
+        f"{count} simulated device(s) (indexes {first_index}-{last}) connecting to {url}; "
+        "Ctrl-C stops them"
+    )
     try:
         await asyncio.Event().wait()
     finally:
         await asyncio.gather(*(device.stop() for device in devices))
+
+
+async def _run_workers(
+    url: str,
+    token: str | None,
+    count: int,
+    extra_tools: int,
+    console: Console,
+    workers: int,
+    first_index: int,
+) -> None:
+    shares = [count // workers + (1 if i < count % workers else 0) for i in range(workers)]
+    # The token goes through the environment: other users can read a command line, not it.
+    env = {**os.environ, "BRIDGE_DEVICE_TOKEN": token or ""}
+    children = []
+    start = first_index
+    for share in shares:
+        argv = [
+            sys.executable, "-m", "backend.cli", "simulate", "--url", url,
+            "--devices", str(share), "--tools", str(extra_tools),
+            "--first-index", str(start), "--workers", "1",
+        ]  # fmt: skip
+        children.append(await asyncio.create_subprocess_exec(*argv, env=env))
+        start += share
+    console.print(f"{count} simulated devices over {workers} worker processes; Ctrl-C stops them")
+    # SIGTERM would end this process at once and orphan the workers: stop them first.
+    loop = asyncio.get_running_loop()
+    waiting = asyncio.ensure_future(asyncio.gather(*(child.wait() for child in children)))
+    loop.add_signal_handler(signal.SIGTERM, waiting.cancel)
+    try:
+        try:
+            codes = await waiting
+        except asyncio.CancelledError:
+            return  # SIGTERM: the workers are stopped below
+        failed = [code for code in codes if code not in (0, -signal.SIGINT, -signal.SIGTERM)]
+        if failed:
+            raise WorkerFailed(f"{len(failed)} of {workers} simulator workers failed")
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        for child in children:
+            if child.returncode is None:
+                child.terminate()
+        await asyncio.gather(*(child.wait() for child in children))

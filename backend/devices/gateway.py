@@ -3,7 +3,7 @@
 from backend.config import Settings
 from backend.devices.conversation import ConversationHub
 from backend.devices.registry import DeviceRegistry
-from backend.devices.session import DeviceSession
+from backend.devices.session import DeviceSession, timeout_policy
 from backend.transports.base import DeviceLink, LinkHandler
 
 
@@ -14,8 +14,9 @@ class DeviceGateway:
         self._registry = registry
         self._hub = hub
         self._settings = settings
+        self._timeouts = timeout_policy(settings)
 
     def open_link(self, link: DeviceLink) -> LinkHandler:
-        session = DeviceSession(link, self._registry, self._hub, self._settings)
+        session = DeviceSession(link, self._registry, self._hub, self._settings, self._timeouts)
         session.start()
         return session

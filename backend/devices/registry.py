@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from enum import StrEnum
+from types import MappingProxyType
 from typing import Any, Protocol
 
 import structlog
@@ -112,6 +113,25 @@ class ToolSet:
 
 EMPTY_TOOLS = ToolSet("", (), {})
 _TOOL_SETS: "weakref.WeakValueDictionary[str, ToolSet]" = weakref.WeakValueDictionary()
+
+
+_SERVER_INFOS: dict[str, Mapping[str, Any]] = {}
+
+
+def _shared_info(info: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """One copy of each distinct serverInfo (a fleet of one model reports the same one)."""
+    if info is None:
+        return None
+    try:
+        key = json.dumps(info, sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError):
+        return info
+    shared = _SERVER_INFOS.get(key)
+    if shared is None:
+        if len(_SERVER_INFOS) >= 1024:
+            _SERVER_INFOS.clear()
+        shared = _SERVER_INFOS[key] = MappingProxyType(dict(info))
+    return shared
 
 
 def is_user_only(tool: Tool) -> bool:
@@ -451,6 +471,7 @@ class DeviceRegistry:
         if not self._is_current(device):
             return
         tool_set = ToolSet.of(tools)
+        server_info = _shared_info(server_info)
         device._state = DeviceState.READY
         device._server_info = server_info
         device._tools = tool_set

@@ -23,7 +23,7 @@ import structlog
 from backend.config import Settings
 from backend.devices.conversation import Conversation, ConversationHub, HandlerResult
 from backend.devices.registry import Device, DeviceRegistry, DeviceState
-from backend.logs import LogBudget, clip
+from backend.logs import DeviceLog, LogBudget, clip
 from backend.mcp_session import DeviceDisconnected, McpClient, McpError, TimeoutPolicy, Tool
 from backend.protocol import (
     Abort,
@@ -85,6 +85,7 @@ class DeviceSession:
         registry: DeviceRegistry,
         hub: ConversationHub,
         settings: Settings,
+        timeouts: TimeoutPolicy | None = None,
     ) -> None:
         identity = link.identity
         self.link = link
@@ -92,20 +93,18 @@ class DeviceSession:
         self._hub = hub
         self._settings = settings
         self._session_id = new_session_id()
-        self._log = log.bind(device_id=identity.device_id, session_id=self._session_id)
+        self._log = DeviceLog(log, identity.device_id, self._session_id)
         self.hello: DeviceHello | None = None
         self.mcp = McpClient(
             self._send_mcp,
-            timeouts=TimeoutPolicy(
-                default_s=settings.call_timeout_s, per_tool=dict(settings.tool_timeouts)
-            ),
+            timeouts=timeouts if timeouts is not None else timeout_policy(settings),
             vision=_vision_capability(settings),
             on_tools_changed=self._on_tools_changed,
             log=self._log,
         )
         self.conversation = Conversation(identity.device_id, self)
         self._device: Device | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks: set[asyncio.Task[Any]] | None = None  # created on first use
         self._handler_tasks = 0
         self._hello_timer: asyncio.TimerHandle | None = None
         self._drops: LogBudget | None = None
@@ -178,7 +177,7 @@ class DeviceSession:
         self._closed = True
         if self._hello_timer is not None:
             self._hello_timer.cancel()
-        for task in list(self._tasks):
+        for task in list(self._tasks or ()):
             task.cancel()
         self.mcp.close(reason)
         if self._device is not None:
@@ -229,7 +228,7 @@ class DeviceSession:
             # A persistent link: a new hello opens a new conversation and replaces a stale one.
             self._conversation_over("replaced by a new hello")
             self._session_id = new_session_id()
-            self._log = self._log.bind(session_id=self._session_id)
+            self._log.session_id = self._session_id
         self.hello = hello
         # The stock device waits 10 s for this reply; it goes out before any other work.
         await self.link.send_text(self._server_hello())
@@ -353,6 +352,8 @@ class DeviceSession:
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)
+        if self._tasks is None:
+            self._tasks = set()
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
@@ -369,6 +370,11 @@ async def _awaited(outcome: Awaitable[None]) -> None:
 
 def _clipped(message: Listen) -> str | None:
     return clip(message.text) if message.text is not None else None
+
+
+def timeout_policy(settings: Settings) -> TimeoutPolicy:
+    """The MCP reply deadlines of the settings (one object shared by every session)."""
+    return TimeoutPolicy(default_s=settings.call_timeout_s, per_tool=dict(settings.tool_timeouts))
 
 
 def _vision_capability(settings: Settings) -> dict[str, str] | None:

@@ -23,7 +23,7 @@ from backend.config import Settings
 from backend.logs import LogBudget
 from backend.protocol.audio import AudioFrame, AudioFrameError, decode_audio, encode_audio
 from backend.transports.admission import Admission, HandshakeRefused, HandshakeRequest
-from backend.transports.base import DeviceIdentity, LinkAcceptor, LinkClosed, LinkHandler
+from backend.transports.base import DeviceIdentity, LinkAcceptor, LinkClosed
 
 log = structlog.get_logger("transport.websocket")
 
@@ -162,15 +162,7 @@ class WebSocketTransport:
         except Exception:
             self._links.discard(link)
             raise
-        try:
-            await self._pump(connection, link, handler)
-        finally:
-            self._links.discard(link)
-            handler.on_closed(_close_reason(connection))
-
-    async def _pump(
-        self, connection: ServerConnection, link: WebSocketLink, handler: LinkHandler
-    ) -> None:
+        # One coroutine frame per device for the whole link: no helper coroutine held open.
         version = link.identity.protocol_version
         drops: LogBudget | None = None
         try:
@@ -192,6 +184,8 @@ class WebSocketTransport:
         finally:
             if drops is not None:
                 drops.close()
+            self._links.discard(link)
+            handler.on_closed(_close_reason(connection))
 
 
 def _refuse(
