@@ -22,6 +22,7 @@ from backend.protocol.audio import AudioFrame
 from backend.transports.ratelimit import RateLimitedLog
 from backend.transports.udp import (
     HEADER_SIZE,
+    CtrKeystream,
     DropReason,
     PacketError,
     UdpAudioChannel,
@@ -148,6 +149,18 @@ def test_ctr_uses_the_whole_header_as_one_128_bit_counter() -> None:
     start = int.from_bytes(header, "big")
     stream = b"".join(ecb.update(((start + i) % 2**128).to_bytes(16, "big")) for i in range(3))
     assert ctr_xor(key, header, data) == stream[:40]
+
+
+@given(
+    key=st.binary(min_size=16, max_size=16),
+    header=st.sampled_from([bytes(16), b"\xff" * 16, b"\x01" + b"\x00" * 11 + b"\xff" * 4])
+    | st.binary(min_size=16, max_size=16),
+    data=st.binary(max_size=1500),
+)
+def test_the_fast_keystream_equals_aes_ctr(key: bytes, header: bytes, data: bytes) -> None:
+    reference = Cipher(algorithms.AES(key), modes.CTR(header)).encryptor().update(data)
+    assert CtrKeystream(key).xor(header, data) == reference
+    assert ctr_xor(key, header, data) == reference
 
 
 def test_seal_and_open_round_trip_with_the_device_side() -> None:
