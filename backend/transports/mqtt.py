@@ -28,6 +28,7 @@ import random
 import ssl
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
 import aiomqtt
@@ -36,7 +37,14 @@ import structlog
 from backend.errors import BridgeError
 from backend.protocol.audio import AudioFrame
 from backend.transports.admission import Admission, HandshakeRefused, HandshakeRequest
-from backend.transports.base import DeviceIdentity, LinkAcceptor, LinkClosed, LinkHandler
+from backend.transports.base import (
+    DeviceIdentity,
+    DeviceLink,
+    LinkAcceptor,
+    LinkClosed,
+    LinkHandler,
+    Transport,
+)
 from backend.transports.mqtt_topics import (
     DEFAULT_PREFIX,
     TopicError,
@@ -601,3 +609,9 @@ class MqttTransport:
 def _same_device(claimed: str, device_id: str) -> bool:
     normalized = claimed.strip().lower() if ":" in claimed else claimed.strip()
     return normalized == device_id or normalized.replace("_", ":") == device_id
+
+
+if TYPE_CHECKING:  # the seam, checked by mypy: these classes satisfy the core's protocols
+
+    def _conforms(link: MqttLink, transport: MqttTransport) -> tuple[DeviceLink, Transport]:
+        return link, transport
