@@ -232,13 +232,22 @@ class DevicePresencePlugin(BasePlugin[BrokerContext]):
         if client_session.attributes.get(_ROLE) != _DEVICE:
             return
         key = client_session.attributes[_KEY]
-        await self.context.add_subscription(client_id, self._policy.scheme.down(key), 1)
+        # Both steps below run before this task first yields, and it was scheduled before amqtt
+        # starts reading the client's packets: the downlink subscription exists before the bridge
+        # hears `online`, and `online` is queued before anything the device publishes.
+        self._subscribe(client_session, self._policy.scheme.down(key))
         clients = self._policy.online.setdefault(key, {})
         first = not clients
         clients[client_id] = client_session.attributes.get(_CLIENT)
         if first:
             await self._publish_status(key, Presence(True, clients[client_id]))
         log.info("device connected to broker", device_key=key, remote=client_session.remote_address)
+
+    def _subscribe(self, session: Session, topic: str) -> None:
+        """Subscribe a session at QoS 1 without yielding (amqtt's own call awaits its ACL)."""
+        subscribers = self.context.subscriptions.setdefault(topic, [])
+        if all(existing.client_id != session.client_id for existing, _qos in subscribers):
+            subscribers.append((session, 1))
 
     async def on_broker_client_disconnected(
         self, *, client_id: str, client_session: Session
