@@ -95,14 +95,20 @@ class RawMqttClient:
     async def publish(
         self, topic: str, payload: bytes | str, *, qos: int = 0, retain: bool = False
     ) -> None:
+        """PUBLISH; at QoS 1, wait for the broker's PUBACK (so the broker has the message)."""
         assert self.writer is not None
         data = payload.encode() if isinstance(payload, str) else payload
         body = _string(topic)
+        packet_id = self._next_id()
         if qos:
-            body += struct.pack(">H", self._next_id())
+            body += struct.pack(">H", packet_id)
         flags = (qos << 1) | (1 if retain else 0)
         self.writer.write(packet(PUBLISH, flags, body + data))
         await self.writer.drain()
+        if qos:
+            async with asyncio.timeout(10):
+                while await self.pubacks.get() != packet_id:
+                    pass
 
     async def subscribe(self, topic: str, qos: int = 1) -> list[int]:
         """SUBSCRIBE and return the SUBACK return codes (0x80 = refused)."""

@@ -13,8 +13,15 @@ import pytest
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from backend.protocol.audio import AudioFrame
-from backend.transports.base import LinkClosed
-from backend.transports.mqtt import BROKER_LOST, SHUTDOWN, BrokerAddress, MqttConfigError
+from backend.transports.admission import Admission
+from backend.transports.base import DeviceLink, LinkClosed
+from backend.transports.mqtt import (
+    BROKER_LOST,
+    SHUTDOWN,
+    BrokerAddress,
+    MqttConfigError,
+    MqttTransport,
+)
 from backend.transports.mqtt_broker import BrokerSettings, EmbeddedBroker
 from backend.transports.mqtt_credentials import DerivedCredentials
 from backend.transports.mqtt_topics import parse_presence
@@ -24,10 +31,13 @@ from tests.mqtt_helpers import (
     DEVICE_B,
     ID_A,
     ID_B,
+    PASSWORDS,
     SCHEME,
     BrokerUnderTest,
     EmbeddedUnderTest,
+    MosquittoUnderTest,
     RecordingAcceptor,
+    RecordingHandler,
     broker_of_kind,
     device,
     eventually,
@@ -170,8 +180,12 @@ async def test_a_slow_device_does_not_hold_up_the_others(broker: BrokerUnderTest
         device(broker.port, DEVICE_B) as dev_b,
     ):
         await eventually(lambda: bool(acceptor.of(ID_A) and acceptor.of(ID_B)))
+        received = transport.counters["received"]
         for index in range(10):
             await dev_a.publish(SCHEME.up(DEVICE_A), f'{{"n":{index}}}')
+        # All ten reached the transport: A's worker holds one, its queue is full, the rest
+        # were dropped. B is served all the same.
+        await eventually(lambda: transport.counters["received"] >= received + 10)
         await dev_b.publish(SCHEME.up(DEVICE_B), '{"n":"b"}')
         await eventually(lambda: acceptor.latest(ID_B).texts == ['{"n":"b"}'], what="B served")
         dropped = transport.counters.get("dropped_queue_full", 0)
@@ -536,3 +550,129 @@ async def test_embedded_broker_survives_subscription_churn_during_traffic(
     finally:
         await broker.stop()
     assert "dictionary changed size" not in caplog.text
+
+
+# ---- link lifecycle details ---------------------------------------------------------------------
+
+
+class _RefuseB:
+    def refusal(self, device_id: str, presented: str | None) -> str | None:
+        return "not on the allow-list" if device_id == ID_B else None
+
+
+async def test_admission_decides_who_gets_a_link(mosquitto: BrokerUnderTest) -> None:
+    acceptor = RecordingAcceptor()
+    transport = MqttTransport(transport_settings(mosquitto.bridge_url), Admission(_RefuseB()))
+    await transport.start(acceptor)
+    try:
+        await transport.wait_connected(10)
+        async with device(mosquitto.port, DEVICE_A), device(mosquitto.port, DEVICE_B) as dev_b:
+            await dev_b.publish(SCHEME.up(DEVICE_B), '{"type":"mcp"}')
+            await eventually(lambda: bool(acceptor.of(ID_A)))
+            await eventually(lambda: transport.counters.get("dropped_refused", 0) >= 2)
+            assert acceptor.of(ID_B) == []
+    finally:
+        await transport.stop()
+
+
+async def test_offline_hands_over_queued_messages_before_closing(broker: BrokerUnderTest) -> None:
+    acceptor = RecordingAcceptor()
+    acceptor.gates[ID_A] = asyncio.Event()
+    async with running_transport(broker.bridge_url, acceptor) as transport:
+        async with device(broker.port, DEVICE_A) as dev:
+            await eventually(lambda: bool(acceptor.of(ID_A)))
+            for index in range(3):
+                await dev.publish(SCHEME.up(DEVICE_A), f'{{"n":{index}}}', qos=1)
+            await dev.publish(SCHEME.up(DEVICE_A), '{"type":"goodbye"}', qos=1)
+        handler = acceptor.latest(ID_A)
+        # The will arrives while the session is still held on the first message.
+        await eventually(lambda: transport.links() == {}, what="device forgotten on offline")
+        assert handler.closed == [] and handler.texts == []
+        acceptor.gates[ID_A].set()
+        await eventually(lambda: handler.closed == ["device offline"], what="closed after drain")
+        assert handler.texts == ['{"n":0}', '{"n":1}', '{"n":2}', '{"type":"goodbye"}']
+
+
+class _ClosingHandler(RecordingHandler):
+    async def on_text(self, text: str) -> None:
+        await super().on_text(text)
+        if text == '{"type":"close me"}':
+            await self.link.close(1008, "closed from inside on_text")
+            await asyncio.sleep(0)  # the session keeps running after close() returns
+
+
+async def test_closing_a_link_from_inside_its_own_handler(embedded: EmbeddedUnderTest) -> None:
+    handlers: list[_ClosingHandler] = []
+
+    class Acceptor:
+        def open_link(self, link: DeviceLink) -> _ClosingHandler:
+            handlers.append(_ClosingHandler(link))
+            return handlers[-1]
+
+    async with (
+        running_transport(embedded.bridge_url, Acceptor()) as transport,  # type: ignore[arg-type]
+        device(embedded.port, DEVICE_A) as dev,
+    ):
+        await eventually(lambda: bool(handlers))
+        await dev.publish(SCHEME.up(DEVICE_A), '{"type":"close me"}', qos=1)
+        await eventually(lambda: bool(handlers[0].closed))
+        assert handlers[0].closed == ["closed from inside on_text"]
+        assert handlers[0].texts == ['{"type":"close me"}']
+        assert transport.links() == {}
+        await dev.publish(SCHEME.up(DEVICE_A), '{"type":"mcp"}', qos=1)
+        await eventually(lambda: len(handlers) == 2 and handlers[1].texts == ['{"type":"mcp"}'])
+        assert handlers[0].closed == ["closed from inside on_text"]
+    tasks = [t for t in asyncio.all_tasks() if t.get_name().startswith("mqtt-device-")]
+    assert tasks == []  # no worker left behind
+
+
+async def test_late_messages_after_offline_do_not_reopen_a_link(
+    mosquitto: BrokerUnderTest,
+) -> None:
+    # A broker may deliver a device's last messages after its presence event (amqtt does).
+    # Mosquitto delivers in order, so the bridge account can stage exactly that order.
+    acceptor = RecordingAcceptor()
+    assert isinstance(mosquitto, MosquittoUnderTest)
+    bridge = mosquitto.broker.bridge
+    async with (
+        running_transport(mosquitto.bridge_url, acceptor) as transport,
+        device(mosquitto.port, DEVICE_A),
+        device(mosquitto.port, DEVICE_B),
+    ):
+        await eventually(lambda: bool(acceptor.of(ID_A) and acceptor.of(ID_B)))
+        stager = RawMqttClient("127.0.0.1", mosquitto.port)
+        await stager.connect("stager", bridge.username, bridge.password)
+        await stager.publish(SCHEME.status(DEVICE_A), b"offline", qos=1)
+        await stager.publish(SCHEME.up(DEVICE_A), b'{"type":"mcp","late":true}', qos=1)
+        await stager.publish(SCHEME.up(DEVICE_B), b'{"type":"mcp","marker":true}', qos=1)
+        await eventually(lambda: bool(acceptor.latest(ID_B).texts), what="the marker")
+        assert acceptor.latest(ID_A).closed == ["device offline"]
+        assert len(acceptor.of(ID_A)) == 1
+        assert transport.counters["dropped_after_offline"] == 1
+        # A new `online` lifts it at once.
+        await stager.publish(SCHEME.status(DEVICE_A), b"online", qos=1)
+        await eventually(lambda: len(acceptor.of(ID_A)) == 2)
+        await stager.disconnect()
+
+
+async def test_embedded_presence_comes_before_a_fast_device_first_message(
+    embedded: EmbeddedUnderTest,
+) -> None:
+    # Stock firmware connects on demand when a conversation starts and publishes its hello at
+    # once: the link must come from the presence event (with the client uuid), not the hello.
+    acceptor = RecordingAcceptor()
+    async with running_transport(embedded.bridge_url, acceptor):
+        for attempt in range(5):
+            client = RawMqttClient("127.0.0.1", embedded.port)
+            await client.connect(
+                f"GID_t@@@{DEVICE_A}@@@uuid-{attempt}", DEVICE_A, PASSWORDS[DEVICE_A]
+            )
+            await client.publish(SCHEME.up(DEVICE_A), f'{{"type":"hello","n":{attempt}}}', qos=1)
+            await eventually(lambda n=attempt: len(acceptor.of(ID_A)) == n + 1)
+            handler = acceptor.latest(ID_A)
+            assert handler.link.identity.client_id == f"uuid-{attempt}"
+            await eventually(
+                lambda h=handler, n=attempt: h.texts == [f'{{"type":"hello","n":{n}}}']
+            )
+            await client.disconnect()
+            await eventually(lambda h=handler: h.closed == ["device offline"])

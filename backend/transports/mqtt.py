@@ -65,6 +65,7 @@ SHUTDOWN = "bridge shutting down"
 # checked the device's own login and confined it to its topics (see `BrokerVouched`).
 BROKER_CREDENTIAL = "mqtt-broker-authenticated"
 _CLOSE = object()  # queue sentinel: process what came before, then close
+_MAX_OFFLINE_NOTES = 10_000
 
 
 class MqttConfigError(BridgeError):
@@ -134,8 +135,12 @@ class MqttSettings:
     # this long is considered gone (1.5 × its 240 s keepalive).
     silence_timeout_s: float = 360.0
     silence_check_s: float = 5.0
+    # After `offline`, uplink messages of that device that arrive late (a broker may deliver a
+    # device's last messages after its presence event) are dropped instead of reopening a link.
+    offline_grace_s: float = 5.0
     inbound_queue: int = 64  # per device
     broker_queue: int = 4096  # the client's own incoming queue
+    outbound_queue: int = 1024  # publishes waiting for the broker; beyond it send_text fails
     reconnect_min_s: float = 0.5
     reconnect_max_s: float = 5.0
     publish_timeout_s: float = 10.0
@@ -270,6 +275,8 @@ class MqttTransport:
         self._connected = asyncio.Event()
         self._stopping = False
         self._draining: set[_Device] = set()
+        self._workers: set[asyncio.Task[None]] = set()
+        self._offline_at: dict[str, float] = {}  # device key -> when `offline` came (bounded)
         self._drops = RateLimitedLog(log, "mqtt message dropped")
 
     # ---- Transport ------------------------------------------------------------------------------
@@ -295,6 +302,8 @@ class MqttTransport:
         )
         self._runner = self._sweeper = None
         self._close_all(SHUTDOWN)
+        if self._workers:  # idle ones are cancelled; a busy one ends when its call returns
+            await asyncio.wait(set(self._workers), timeout=self.settings.publish_timeout_s)
         await self.udp.stop()
 
     def endpoints(self) -> dict[str, str]:
@@ -357,6 +366,7 @@ class MqttTransport:
             clean_session=True,
             tls_context=tls,
             max_queued_incoming_messages=self.settings.broker_queue,
+            max_queued_outgoing_messages=self.settings.outbound_queue,
             timeout=self.settings.publish_timeout_s,
         )
 
@@ -439,13 +449,31 @@ class MqttTransport:
             return
         device = self._devices.get(key)
         if presence.online:
+            self._offline_at.pop(key, None)
             if device is None:
                 self._open(key, presence=True, client_id=presence.client_id)
             else:
                 device.presence = True
                 device.last_seen = time.monotonic()
-        elif device is not None:
+            return
+        self._note_offline(key)
+        if device is not None:
             self._close_device(device, "device offline", drain=True)
+
+    def _note_offline(self, key: str) -> None:
+        now = time.monotonic()
+        self._offline_at.pop(key, None)
+        self._offline_at[key] = now  # insertion order = age order
+        grace = self.settings.offline_grace_s
+        while self._offline_at:
+            oldest, at = next(iter(self._offline_at.items()))
+            if now - at <= grace and len(self._offline_at) <= _MAX_OFFLINE_NOTES:
+                break
+            del self._offline_at[oldest]
+
+    def _just_went_offline(self, key: str) -> bool:
+        at = self._offline_at.get(key)
+        return at is not None and time.monotonic() - at <= self.settings.offline_grace_s
 
     def _on_uplink(self, key: str, payload: bytes) -> None:
         try:
@@ -455,9 +483,14 @@ class MqttTransport:
             return
         if '"device_id"' in text and not self._claim_matches(key, text):
             return
-        device = self._devices.get(key) or self._open(key, presence=False, client_id=None)
+        device = self._devices.get(key)
         if device is None:
-            return
+            if self._just_went_offline(key):
+                self._drop("after_offline", device_key=key)
+                return
+            device = self._open(key, presence=False, client_id=None)
+            if device is None:
+                return
         device.last_seen = time.monotonic()
         try:
             device.queue.put_nowait(text)
@@ -511,6 +544,8 @@ class MqttTransport:
             self._drop("open_failed", device_key=key, detail=f"{type(exc).__name__}: {exc}")
             return None
         device.worker = asyncio.create_task(self._work(device), name=f"mqtt-device-{key}")
+        self._workers.add(device.worker)
+        device.worker.add_done_callback(self._workers.discard)
         self.count("links_opened")
         link.log.info("mqtt device online", presence=presence)
         return device
