@@ -5,8 +5,17 @@ import sys
 
 from bench.common import REPO, parse_args
 
-# The bridge-core benchmarks, then the firmware's heap benchmark (needs the MicroPython unix port).
-BENCHMARKS = ("tool_call", "sdk_compare", "hello_ready", "fleet", "disconnect", "firmware_memory")
+# The bridge-core benchmarks, the UDP audio channel, then the firmware's heap benchmark (needs the
+# MicroPython unix port).
+BENCHMARKS = (
+    "tool_call",
+    "sdk_compare",
+    "hello_ready",
+    "fleet",
+    "disconnect",
+    "udp",
+    "firmware_memory",
+)
 
 
 def main(argv: list[str] | None = None) -> None:
