@@ -19,13 +19,14 @@ from backend.transports.mqtt import (
     BROKER_LOST,
     SHUTDOWN,
     BrokerAddress,
+    BrokerVouched,
     MqttConfigError,
     MqttTransport,
 )
 from backend.transports.mqtt_broker import BrokerSettings, EmbeddedBroker
 from backend.transports.mqtt_credentials import DerivedCredentials
 from backend.transports.mqtt_topics import parse_presence
-from tests.mosquitto import mosquitto_available
+from tests.mosquitto import Mosquitto, mosquitto_available
 from tests.mqtt_helpers import (
     DEVICE_A,
     DEVICE_B,
@@ -676,3 +677,112 @@ async def test_embedded_presence_comes_before_a_fast_device_first_message(
             )
             await client.disconnect()
             await eventually(lambda h=handler: h.closed == ["device offline"])
+
+
+# ---- TLS ----------------------------------------------------------------------------------------
+
+
+def _tls_files(directory: Path) -> tuple[Path, Path, Path]:
+    """A CA and a server certificate for 127.0.0.1, made here with `cryptography`."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "bridge test CA")])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(
+            x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    server = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    paths = (directory / "ca.pem", directory / "server.pem", directory / "server.key")
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(server.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return paths
+
+
+async def test_mqtts_to_a_tls_mosquitto(tmp_path: Path) -> None:
+    if not mosquitto_available():
+        pytest.skip("mosquitto not installed")
+    ca, cert, key = _tls_files(tmp_path)
+    broker = Mosquitto(tmp_path / "broker", PASSWORDS)
+    with broker.conf.open("a") as conf:
+        conf.write(f"certfile {cert}\nkeyfile {key}\ncafile {ca}\n")
+    await broker.start()
+    try:
+        acceptor = RecordingAcceptor()
+        bridge = broker.bridge
+        url = f"mqtts://{bridge.username}:{bridge.password}@127.0.0.1:{broker.port}"
+        async with running_transport(url, acceptor, tls_ca_file=str(ca)) as transport:
+            assert transport.endpoints()["mqtt"] == f"mqtts://bridge@127.0.0.1:{broker.port}"
+            # The test device client speaks plain TCP only: the bridge's own publish, coming
+            # back through its subscription, proves the TLS channel both ways.
+            await transport.publish(SCHEME.status(DEVICE_A), "online")
+            await eventually(lambda: bool(acceptor.of(ID_A)), what="own publish seen over TLS")
+        # Without the CA the server certificate is refused.
+        untrusting = MqttTransport(transport_settings(url), Admission(BrokerVouched()))
+        await untrusting.start(RecordingAcceptor())
+        try:
+            await eventually(
+                lambda: untrusting.counters.get("broker_connect_failures", 0) >= 1,
+                what="a refused TLS handshake",
+            )
+            assert not untrusting.connected
+        finally:
+            await untrusting.stop()
+    finally:
+        await broker.stop()
