@@ -272,6 +272,8 @@ async def test_address_learned_from_the_latest_valid_uplink_only(
 
     assert not channel.send(session, AudioFrame(b"too early"))  # no uplink yet: nowhere to send
     assert channel.counters["drop_no_peer"] == 1
+    assert not channel.send(session, AudioFrame(bytes(1001)))  # above max_payload: never sent
+    assert channel.counters["drop_oversized"] == 1
 
     first.send(device_packet(key, nonce, b"a", 1))
     await eventually(lambda: len(frames) == 1)

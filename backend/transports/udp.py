@@ -378,7 +378,8 @@ class UdpAudioChannel:
         if self._transport is None or session.closed:
             raise UdpError("udp session is closed")
         if len(frame.payload) > self.max_payload:
-            raise UdpError(f"downlink payload of {len(frame.payload)} bytes exceeds the bound")
+            self._drop(DropReason.OVERSIZED, f"downlink of {len(frame.payload)} bytes", session)
+            return False
         if session.peer is None:
             self._drop(DropReason.NO_PEER, "no uplink received yet", session)
             return False
