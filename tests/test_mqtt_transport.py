@@ -24,7 +24,7 @@ from backend.transports.mqtt import (
     MqttTransport,
 )
 from backend.transports.mqtt_broker import BrokerSettings, EmbeddedBroker
-from backend.transports.mqtt_credentials import DerivedCredentials
+from backend.transports.mqtt_credentials import BridgeAccount, DerivedCredentials
 from backend.transports.mqtt_topics import parse_presence
 from tests.mosquitto import Mosquitto, mosquitto_available
 from tests.mqtt_helpers import (
@@ -784,5 +784,19 @@ async def test_mqtts_to_a_tls_mosquitto(tmp_path: Path) -> None:
             assert not untrusting.connected
         finally:
             await untrusting.stop()
+    finally:
+        await broker.stop()
+
+
+async def test_bridge_url_round_trips_ipv6_and_odd_passwords() -> None:
+    broker = EmbeddedBroker(
+        BrokerSettings(host="::1", port=0),
+        DerivedCredentials(b"0123456789abcdef!"),
+        BridgeAccount(password="p@ss:w/rd"),
+    )
+    await broker.start()
+    try:
+        address = BrokerAddress.parse(broker.bridge_url())
+        assert (address.host, address.port, address.password) == ("::1", broker.port, "p@ss:w/rd")
     finally:
         await broker.stop()

@@ -40,6 +40,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Self
+from urllib.parse import quote
 
 import structlog
 from amqtt.adapters import StreamReaderAdapter, StreamWriterAdapter
@@ -366,7 +367,10 @@ class EmbeddedBroker:
     def bridge_url(self, host: str | None = None) -> str:
         """`mqtt://user:password@host:port` for the bridge's own client (a secret: never log it)."""
         target = host or _reachable(self.settings.host)
-        return f"mqtt://{self.bridge.username}:{self.bridge.password}@{target}:{self._port}"
+        if ":" in target:
+            target = f"[{target}]"
+        user, password = quote(self.bridge.username, safe=""), quote(self.bridge.password, safe="")
+        return f"mqtt://{user}:{password}@{target}:{self._port}"
 
     def stats(self) -> dict[str, int]:
         return {
