@@ -5,7 +5,8 @@ import sys
 
 from bench.common import REPO, parse_args
 
-# The bridge-core benchmarks, then the firmware's heap benchmark (needs the MicroPython unix port).
+# The bridge-core benchmarks, the UDP audio channel, then the firmware's heap benchmark (needs the
+# MicroPython unix port).
 BENCHMARKS = (
     "tool_call",
     "sdk_compare",
@@ -13,6 +14,7 @@ BENCHMARKS = (
     "fleet",
     "disconnect",
     "chat",
+    "udp",
     "firmware_memory",
 )
 

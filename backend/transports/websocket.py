@@ -81,7 +81,7 @@ class WebSocketTransport:
     @property
     def port(self) -> int:
         assert self._server is not None, "transport not started"
-        port: int = self._server.sockets[0].getsockname()[1]
+        port: int = next(iter(self._server.sockets)).getsockname()[1]
         return port
 
     @property

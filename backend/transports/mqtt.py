@@ -1,0 +1,652 @@
+"""MQTT + UDP device transport (protocol reference §2) on `aiomqtt`.
+
+The bridge is one MQTT client of a broker (the embedded one, EMQX, or Mosquitto for devices that
+subscribe themselves). It subscribes to every device's uplink and presence topics
+(`mqtt_topics`) and keeps one `DeviceLink` per online device:
+
+- a device comes online with a retained `online` on its status topic (our firmware and the
+  simulator set it, with a last will `offline`), with the embedded broker's presence event, or —
+  stock firmware on a broker without presence events — with its first uplink message;
+- it goes offline with `offline` (last will or presence event), after `silence_timeout_s` without
+  any message when no presence was ever seen for it, or when the bridge loses the broker (then
+  every link closes at once with "broker connection lost" and devices come back as they publish
+  again);
+- a message on `<prefix>/<key>/up` is that device's, whatever it says: the topic is the identity
+  (the broker's ACL confines each device to its own topics) and a message whose content claims
+  another device id is dropped;
+- messages are handed to the session in order per device, through a bounded queue and one task
+  per device, so a slow device never holds up the others; a full queue drops (counted, logged).
+
+Audio rides on UDP (`udp.UdpAudioChannel`), opened by the session's hello (`hello_fields`) and
+dropped by `conversation_ended`. The transport reconnects to the broker with exponential backoff
+and jitter, forever, until `stop`.
+"""
+
+import asyncio
+import json
+import random
+import ssl
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+from urllib.parse import unquote, urlsplit
+
+import aiomqtt
+import structlog
+
+from backend.errors import BridgeError
+from backend.protocol.audio import AudioFrame
+from backend.transports.admission import Admission, HandshakeRefused, HandshakeRequest
+from backend.transports.base import (
+    DeviceIdentity,
+    DeviceLink,
+    LinkAcceptor,
+    LinkClosed,
+    LinkHandler,
+    Transport,
+)
+from backend.transports.mqtt_topics import (
+    DEFAULT_PREFIX,
+    TopicError,
+    TopicKind,
+    TopicScheme,
+    device_id_from_key,
+    parse_presence,
+)
+from backend.transports.ratelimit import RateLimitedLog
+from backend.transports.udp import DEFAULT_MAX_PAYLOAD, UdpAudioChannel, UdpError, UdpSession
+
+log = structlog.get_logger("transport.mqtt")
+
+TRANSPORT = "mqtt"
+BROKER_LOST = "broker connection lost"
+SHUTDOWN = "bridge shutting down"
+# What the transport presents to Admission as the device's credential: the broker has already
+# checked the device's own login and confined it to its topics (see `BrokerVouched`).
+BROKER_CREDENTIAL = "mqtt-broker-authenticated"
+_CLOSE = object()  # queue sentinel: process what came before, then close
+_MAX_OFFLINE_NOTES = 10_000
+
+
+class MqttConfigError(BridgeError):
+    """The MQTT settings cannot work (bad broker URL, no public UDP address)."""
+
+
+class BrokerVouched:
+    """`DeviceCredentials` for MQTT: a device the broker let publish on its own topic is in.
+
+    `Admission(BrokerVouched())` is what the core hands this transport; anything else that
+    implements `refusal` (an allow-list, a registry lookup) can replace it.
+    """
+
+    def refusal(self, device_id: str, presented: str | None) -> str | None:
+        return None if presented == BROKER_CREDENTIAL else "not authenticated by the broker"
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerAddress:
+    """`mqtt://[user:pass@]host[:port]` (1883) or `mqtts://…` (TLS, 8883)."""
+
+    host: str
+    port: int
+    tls: bool = False
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+
+    @classmethod
+    def parse(cls, url: str) -> "BrokerAddress":
+        try:
+            parts = urlsplit(url)
+            port = parts.port
+        except ValueError as exc:
+            raise MqttConfigError(f"invalid broker URL: {exc}") from None
+        if parts.scheme not in ("mqtt", "mqtts"):
+            raise MqttConfigError("broker URL must start with mqtt:// or mqtts://")
+        if not parts.hostname:
+            raise MqttConfigError("broker URL has no host")
+        tls = parts.scheme == "mqtts"
+        return cls(
+            host=parts.hostname,
+            port=port or (8883 if tls else 1883),
+            tls=tls,
+            username=unquote(parts.username) if parts.username else None,
+            password=unquote(parts.password) if parts.password is not None else None,
+        )
+
+    def redacted(self) -> str:
+        """The URL without the password, for logs and `endpoints()`."""
+        user = f"{self.username}@" if self.username else ""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{'mqtts' if self.tls else 'mqtt'}://{user}{host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class MqttSettings:
+    broker_url: str = field(default="mqtt://127.0.0.1:1883", repr=False)  # may hold a password
+    client_id: str = "esp32-mcp-bridge"
+    topic_prefix: str = DEFAULT_PREFIX
+    keepalive_s: int = 60
+    # UDP audio: where to bind, and the address devices are told in the hello.
+    udp_host: str = "0.0.0.0"
+    udp_port: int = 8884
+    udp_public_host: str | None = None
+    max_udp_payload: int = DEFAULT_MAX_PAYLOAD
+    # Stock firmware sets no last will: without presence events, a device that sent nothing for
+    # this long is considered gone (1.5 × its 240 s keepalive).
+    silence_timeout_s: float = 360.0
+    silence_check_s: float = 5.0
+    # After `offline`, uplink messages of that device that arrive late (a broker may deliver a
+    # device's last messages after its presence event) are dropped instead of reopening a link.
+    offline_grace_s: float = 5.0
+    inbound_queue: int = 64  # per device
+    broker_queue: int = 4096  # the client's own incoming queue
+    outbound_queue: int = 1024  # publishes waiting for the broker; beyond it send_text fails
+    reconnect_min_s: float = 0.5
+    reconnect_max_s: float = 5.0
+    publish_timeout_s: float = 10.0
+    tls_ca_file: str | None = None
+
+    def address(self) -> BrokerAddress:
+        return BrokerAddress.parse(self.broker_url)
+
+    def announced_udp_host(self) -> str:
+        if self.udp_public_host:
+            return self.udp_public_host
+        if self.udp_host in ("", "0.0.0.0", "::"):
+            raise MqttConfigError(
+                "udp_public_host must be set when the UDP socket binds to all interfaces "
+                "(devices are told this address in the hello)"
+            )
+        return self.udp_host
+
+
+class MqttLink:
+    """One online device as the session sees it. Texts go out on its downlink topic (QoS 1),
+    audio on its current UDP session."""
+
+    conversation_scoped = False
+
+    def __init__(self, transport: "MqttTransport", identity: DeviceIdentity, key: str) -> None:
+        self._transport = transport
+        self._identity = identity
+        self.device_key = key
+        self.down_topic = transport.scheme.down(key)
+        self.handler: LinkHandler | None = None
+        self.udp: UdpSession | None = None
+        self.closed = False
+        self.closed_reason = "closed"
+        self.log = log.bind(device_id=identity.device_id)
+
+    @property
+    def identity(self) -> DeviceIdentity:
+        return self._identity
+
+    async def send_text(self, text: str) -> None:
+        if self.closed:
+            raise LinkClosed("link closed")
+        await self._transport.publish(self.down_topic, text)
+
+    async def send_audio(self, frame: AudioFrame) -> None:
+        if self.closed:
+            raise LinkClosed("link closed")
+        udp = self.udp
+        if udp is None:
+            self._transport.count("udp_no_session")
+            return
+        try:
+            self._transport.udp.send(udp, frame)
+        except UdpError as exc:
+            raise LinkClosed(str(exc)) from None
+
+    def hello_fields(self, session_id: str) -> dict[str, object]:
+        """Open a fresh UDP session (replacing any earlier one) and describe it for the hello."""
+        if self.closed:
+            raise LinkClosed("link closed")
+        channel = self._transport.udp
+        if self.udp is not None:
+            channel.close_session(self.udp)
+        self.udp = channel.open_session(self._identity.device_id, session_id, self._on_audio)
+        block = self.udp.hello_block(self._transport.udp_public_host, channel.port)
+        return {"transport": "udp", "udp": block}
+
+    def conversation_ended(self, session_id: str) -> None:
+        udp = self.udp
+        if udp is not None and udp.session_id == session_id:
+            self._transport.udp.close_session(udp)
+            self.udp = None
+
+    async def close(self, code: int = 1000, reason: str = "") -> None:
+        """Forget the device until it shows up again (MQTT cannot disconnect it from here)."""
+        self._transport.close_link(self, reason or f"closed by the bridge ({code})")
+
+    def _on_audio(self, frame: AudioFrame) -> None:
+        handler = self.handler
+        if handler is not None and not self.closed:
+            handler.on_audio(frame)
+
+    def _release_udp(self) -> None:
+        if self.udp is not None:
+            self._transport.udp.close_session(self.udp)
+            self.udp = None
+
+
+class _Device:
+    """Per-device state: the link, its handler, the bounded inbound queue and its worker."""
+
+    __slots__ = ("busy", "closing", "key", "last_seen", "link", "presence", "queue", "worker")
+
+    def __init__(self, key: str, link: MqttLink, queue_size: int, presence: bool) -> None:
+        self.key = key
+        self.link = link
+        self.queue: asyncio.Queue[str | object] = asyncio.Queue(queue_size)
+        self.worker: asyncio.Task[None] | None = None
+        self.last_seen = time.monotonic()
+        self.presence = presence
+        self.closing = False
+        self.busy = False
+
+
+class MqttTransport:
+    """Devices over MQTT (control, MCP) and UDP (audio), one link per online device."""
+
+    name = TRANSPORT
+
+    def __init__(
+        self,
+        settings: MqttSettings,
+        admission: Admission,
+        *,
+        udp: UdpAudioChannel | None = None,
+    ) -> None:
+        self.settings = settings
+        self.admission = admission
+        self.address = settings.address()
+        self.scheme = TopicScheme(settings.topic_prefix)
+        self.udp = udp or UdpAudioChannel(
+            settings.udp_host, settings.udp_port, max_payload=settings.max_udp_payload
+        )
+        self.udp_public_host = settings.announced_udp_host()
+        self.counters: dict[str, int] = {}
+        self._acceptor: LinkAcceptor | None = None
+        self._devices: dict[str, _Device] = {}
+        self._client: aiomqtt.Client | None = None
+        self._runner: asyncio.Task[None] | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+        self._connected = asyncio.Event()
+        self._stopping = False
+        self._draining: set[_Device] = set()
+        self._workers: set[asyncio.Task[None]] = set()
+        self._offline_at: dict[str, float] = {}  # device key -> when `offline` came (bounded)
+        self._drops = RateLimitedLog(log, "mqtt message dropped")
+
+    # ---- Transport ------------------------------------------------------------------------------
+
+    async def start(self, acceptor: LinkAcceptor) -> None:
+        """Bind UDP and start the broker connection loop (it keeps retrying in the background)."""
+        self._acceptor = acceptor
+        self._stopping = False
+        if not self.udp.running:
+            await self.udp.start()
+        self._runner = asyncio.create_task(self._run(), name="mqtt-transport")
+        self._sweeper = asyncio.create_task(self._sweep_silent(), name="mqtt-silence")
+
+    async def stop(self) -> None:
+        """Close every link, disconnect from the broker, release the UDP socket."""
+        self._stopping = True
+        for task in (self._runner, self._sweeper):
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(
+            *(task for task in (self._runner, self._sweeper) if task is not None),
+            return_exceptions=True,
+        )
+        self._runner = self._sweeper = None
+        self._close_all(SHUTDOWN)
+        if self._workers:  # idle ones are cancelled; a busy one ends when its call returns
+            await asyncio.wait(set(self._workers), timeout=self.settings.publish_timeout_s)
+        await self.udp.stop()
+
+    def endpoints(self) -> dict[str, str]:
+        return {
+            "mqtt": self.address.redacted(),
+            "udp": f"{self.udp_public_host}:{self.udp.port}",
+        }
+
+    # ---- state for the bridge and tests ---------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    async def wait_connected(self, timeout_s: float = 10.0) -> None:
+        """Until the broker connection is up and subscribed (TimeoutError otherwise)."""
+        async with asyncio.timeout(timeout_s):
+            await self._connected.wait()
+
+    def links(self) -> dict[str, MqttLink]:
+        """Live links by device id."""
+        return {device.link.identity.device_id: device.link for device in self._devices.values()}
+
+    def count(self, name: str, amount: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + amount
+
+    def stats(self) -> dict[str, int]:
+        udp = {f"udp_{name}": value for name, value in self.udp.stats().items()}
+        return {**self.counters, "links": len(self._devices), **udp}
+
+    # ---- outgoing -------------------------------------------------------------------------------
+
+    async def publish(self, topic: str, text: str) -> None:
+        """Publish one message at QoS 1; LinkClosed if the broker is not reachable."""
+        client = self._client
+        if client is None or not self._connected.is_set():
+            raise LinkClosed(BROKER_LOST)
+        try:
+            await client.publish(
+                topic, text.encode(), qos=1, timeout=self.settings.publish_timeout_s
+            )
+        except aiomqtt.MqttError as exc:
+            raise LinkClosed(f"publish failed: {exc}") from None
+        self.count("published")
+
+    # ---- broker connection ----------------------------------------------------------------------
+
+    def _client_for(self) -> aiomqtt.Client:
+        address = self.address
+        tls: ssl.SSLContext | None = None
+        if address.tls:
+            tls = ssl.create_default_context(cafile=self.settings.tls_ca_file)
+        return aiomqtt.Client(
+            address.host,
+            address.port,
+            username=address.username,
+            password=address.password,
+            identifier=self.settings.client_id,
+            keepalive=self.settings.keepalive_s,
+            clean_session=True,
+            tls_context=tls,
+            max_queued_incoming_messages=self.settings.broker_queue,
+            max_queued_outgoing_messages=self.settings.outbound_queue,
+            timeout=self.settings.publish_timeout_s,
+        )
+
+    async def _run(self) -> None:
+        attempt = 0
+        while not self._stopping:
+            try:
+                async with self._client_for() as client:
+                    await client.subscribe(
+                        [
+                            (self.scheme.filter(TopicKind.UP), 1),
+                            (self.scheme.filter(TopicKind.STATUS), 1),
+                        ]
+                    )
+                    self._client = client
+                    self._connected.set()
+                    attempt = 0
+                    self.count("broker_connects")
+                    log.info("connected to mqtt broker", broker=self.address.redacted())
+                    async for message in client.messages:
+                        self._dispatch(message)
+            except aiomqtt.MqttError as exc:
+                self._lost(str(exc))
+            except asyncio.CancelledError:
+                self._lost(None)
+                raise
+            if self._stopping:
+                return
+            attempt += 1
+            delay = self._backoff(attempt)
+            log.info("reconnecting to mqtt broker", attempt=attempt, delay_s=round(delay, 2))
+            await asyncio.sleep(delay)
+
+    def _backoff(self, attempt: int) -> float:
+        """Exponential from reconnect_min_s up to reconnect_max_s, times a random 0.5-1.0."""
+        growth: float = 2.0 ** min(attempt - 1, 30)
+        base = min(self.settings.reconnect_max_s, self.settings.reconnect_min_s * growth)
+        return base * random.uniform(0.5, 1.0)
+
+    def _lost(self, error: str | None) -> None:
+        was_connected = self._connected.is_set()
+        self._client = None
+        self._connected.clear()
+        if error is not None:
+            if was_connected:
+                self.count("broker_losses")
+                log.warning("mqtt broker connection lost", error=error, links=len(self._devices))
+            else:
+                self.count("broker_connect_failures")
+                log.warning("mqtt broker unreachable", broker=self.address.redacted(), error=error)
+        if not self._stopping:
+            self._close_all(BROKER_LOST)
+
+    # ---- incoming -------------------------------------------------------------------------------
+
+    def _dispatch(self, message: aiomqtt.Message) -> None:
+        self.count("received")
+        topic = message.topic.value
+        try:
+            parsed = self.scheme.parse(topic)
+        except TopicError as exc:
+            self._drop("bad_topic", topic=topic[:120], detail=str(exc))
+            return
+        payload = message.payload
+        if not isinstance(payload, bytes | bytearray):
+            self._drop("bad_payload", device_key=parsed.device_key)
+            return
+        if parsed.kind is TopicKind.STATUS:
+            self._on_presence(parsed.device_key, bytes(payload))
+        elif parsed.kind is TopicKind.UP:
+            self._on_uplink(parsed.device_key, bytes(payload))
+
+    def _on_presence(self, key: str, payload: bytes) -> None:
+        if not payload:
+            return  # a cleared retained status
+        try:
+            presence = parse_presence(payload)
+        except TopicError as exc:
+            self._drop("bad_presence", device_key=key, detail=str(exc))
+            return
+        device = self._devices.get(key)
+        if presence.online:
+            self._offline_at.pop(key, None)
+            if device is None:
+                self._open(key, presence=True, client_id=presence.client_id)
+            else:
+                device.presence = True
+                device.last_seen = time.monotonic()
+            return
+        self._note_offline(key)
+        if device is not None:
+            self._close_device(device, "device offline", drain=True)
+
+    def _note_offline(self, key: str) -> None:
+        now = time.monotonic()
+        self._offline_at.pop(key, None)
+        self._offline_at[key] = now  # insertion order = age order
+        grace = self.settings.offline_grace_s
+        while self._offline_at:
+            oldest, at = next(iter(self._offline_at.items()))
+            if now - at <= grace and len(self._offline_at) <= _MAX_OFFLINE_NOTES:
+                break
+            del self._offline_at[oldest]
+
+    def _just_went_offline(self, key: str) -> bool:
+        at = self._offline_at.get(key)
+        return at is not None and time.monotonic() - at <= self.settings.offline_grace_s
+
+    def _on_uplink(self, key: str, payload: bytes) -> None:
+        try:
+            text = payload.decode("utf-8")
+        except UnicodeDecodeError:
+            self._drop("not_utf8", device_key=key)
+            return
+        if '"device_id"' in text and not self._claim_matches(key, text):
+            return
+        device = self._devices.get(key)
+        if device is None:
+            if self._just_went_offline(key):
+                self._drop("after_offline", device_key=key)
+                return
+            device = self._open(key, presence=False, client_id=None)
+            if device is None:
+                return
+        device.last_seen = time.monotonic()
+        try:
+            device.queue.put_nowait(text)
+        except asyncio.QueueFull:
+            self._drop("queue_full", device_key=key, queued=device.queue.qsize())
+
+    def _claim_matches(self, key: str, text: str) -> bool:
+        """A message naming a device id must name the topic's device (the topic is who sent it)."""
+        try:
+            message = json.loads(text)
+        except ValueError:
+            return True  # the session decides what to do with unparsable text
+        claimed = message.get("device_id") if isinstance(message, dict) else None
+        if claimed is None:
+            return True
+        if isinstance(claimed, str) and _same_device(claimed, device_id_from_key(key)):
+            return True
+        self._drop("claims_other_device", device_key=key, claimed=str(claimed)[:64])
+        return False
+
+    def _drop(self, reason: str, **fields: object) -> None:
+        self.count(f"dropped_{reason}")
+        self._drops.hit(reason, **fields)
+
+    # ---- links ----------------------------------------------------------------------------------
+
+    def _open(self, key: str, *, presence: bool, client_id: str | None) -> _Device | None:
+        acceptor = self._acceptor
+        if acceptor is None or self._stopping:
+            return None
+        request = HandshakeRequest(
+            transport=TRANSPORT,
+            credential=BROKER_CREDENTIAL,
+            device_id=device_id_from_key(key),
+            client_id=client_id,
+            protocol_version="1",
+        )
+        try:
+            identity = self.admission.admit(request)
+        except HandshakeRefused as exc:
+            self._drop("refused", device_key=key, detail=exc.reason)
+            return None
+        link = MqttLink(self, identity, key)
+        device = _Device(key, link, self.settings.inbound_queue, presence)
+        self._devices[key] = device
+        try:
+            link.handler = acceptor.open_link(link)
+        except Exception as exc:
+            del self._devices[key]
+            link.closed = True
+            self._drop("open_failed", device_key=key, detail=f"{type(exc).__name__}: {exc}")
+            return None
+        device.worker = asyncio.create_task(self._work(device), name=f"mqtt-device-{key}")
+        self._workers.add(device.worker)
+        device.worker.add_done_callback(self._workers.discard)
+        self.count("links_opened")
+        link.log.info("mqtt device online", presence=presence)
+        return device
+
+    async def _work(self, device: _Device) -> None:
+        """Feed one device's messages to its handler, in order, until the link closes."""
+        handler = device.link.handler
+        assert handler is not None
+        try:
+            while not device.link.closed:
+                item = await device.queue.get()
+                if item is _CLOSE:
+                    break
+                if not isinstance(item, str):
+                    continue
+                device.busy = True
+                try:
+                    await handler.on_text(item)
+                except Exception as exc:  # the session's bug must not stop this device's queue
+                    self._drop("handler_error", device_key=device.key, detail=f"{exc!r}"[:200])
+                finally:
+                    device.busy = False
+        finally:
+            self._draining.discard(device)
+        self._finish(device)
+
+    def close_link(self, link: MqttLink, reason: str) -> None:
+        """Close at once (the core's `link.close`): queued messages are dropped."""
+        device = self._devices.get(link.device_key)
+        if device is not None and device.link is link:
+            self._close_device(device, reason, drain=False)
+        elif not link.closed:
+            link.closed = True
+            link._release_udp()
+
+    def _close_device(self, device: _Device, reason: str, *, drain: bool) -> None:
+        """Forget the device; `on_closed` after its queued messages (drain) or right now.
+
+        A message the handler is processing is never interrupted: the link is marked closed
+        (sends raise LinkClosed) and the worker ends when that call returns.
+        """
+        if device.closing:
+            return
+        device.closing = True
+        if self._devices.get(device.key) is device:
+            del self._devices[device.key]
+        device.link._release_udp()
+        device.link.closed_reason = reason
+        worker = device.worker
+        if drain and worker is not None and not worker.done():
+            try:
+                device.queue.put_nowait(_CLOSE)
+                self._draining.add(device)
+                return
+            except asyncio.QueueFull:
+                pass
+        if worker is not None and not device.busy and worker is not asyncio.current_task():
+            worker.cancel()
+        self._finish(device)
+
+    def _finish(self, device: _Device) -> None:
+        link = device.link
+        if link.closed:
+            return
+        link.closed = True
+        self.count("links_closed")
+        link.log.info("mqtt device link closed", reason=link.closed_reason)
+        handler = link.handler
+        if handler is not None:
+            try:
+                handler.on_closed(link.closed_reason)
+            except Exception as exc:
+                self._drop("handler_error", device_key=device.key, detail=f"{exc!r}"[:200])
+
+    def _close_all(self, reason: str) -> None:
+        for device in list(self._devices.values()):
+            self._close_device(device, reason, drain=False)
+        for device in list(self._draining):  # still working through their last messages
+            self._draining.discard(device)
+            device.closing = False
+            device.link.closed_reason = reason
+            self._close_device(device, reason, drain=False)
+
+    async def _sweep_silent(self) -> None:
+        """Close presence-less links that sent nothing for silence_timeout_s."""
+        timeout = self.settings.silence_timeout_s
+        while True:
+            await asyncio.sleep(min(self.settings.silence_check_s, timeout / 2))
+            now = time.monotonic()
+            for device in list(self._devices.values()):
+                if not device.presence and now - device.last_seen > timeout:
+                    self.count("silence_timeouts")
+                    self._close_device(device, f"no message for {timeout:g} s", drain=True)
+
+
+def _same_device(claimed: str, device_id: str) -> bool:
+    normalized = claimed.strip().lower() if ":" in claimed else claimed.strip()
+    return normalized == device_id or normalized.replace("_", ":") == device_id
+
+
+if TYPE_CHECKING:  # the seam, checked by mypy: these classes satisfy the core's protocols
+
+    def _conforms(link: MqttLink, transport: MqttTransport) -> tuple[DeviceLink, Transport]:
+        return link, transport

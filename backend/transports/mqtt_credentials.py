@@ -1,0 +1,306 @@
+"""Per-device broker credentials, and the ACL files of the brokers the bridge works with.
+
+A device's broker username is its device key (`a4_cf_12_34_56_78`, see `mqtt_topics`), so one
+pattern line per topic confines every device to its own topics: `%u` in Mosquitto's `acl_file`,
+`${username}` in EMQX. Passwords are either derived (HMAC-SHA256 of a bridge secret and the key:
+nothing to store, the bridge can hand a device its password again at any time) or random (held as
+PBKDF2 hashes in a `CredentialTable`). The bridge itself has one account that may touch every
+topic under the prefix.
+
+Generated here, to be deployed next to an external broker:
+- Mosquitto: `password_file` lines in `mosquitto_passwd`'s own format (`$7$`, PBKDF2-SHA512),
+  written directly or by calling the tool, and an `acl_file`.
+- EMQX: `acl.conf` authorization rules and the `auto_subscribe` block that gives a stock device
+  (which subscribes to nothing) its downlink.
+Mosquitto has no server-side subscription: stock firmware never gets a downlink through it.
+"""
+
+import base64
+import hashlib
+import hmac
+import secrets
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from backend.errors import BridgeError
+from backend.transports.mqtt_topics import (
+    DEFAULT_PREFIX,
+    TopicKind,
+    TopicScheme,
+    device_key,
+    validate_device_key,
+)
+
+MOSQUITTO_ITERATIONS = 101  # what mosquitto_passwd 2.0 writes
+MOSQUITTO_SALT_BYTES = 12
+_TABLE_ITERATIONS = 20_000
+_PASSWORD_BYTES = 18  # 24 characters of URL-safe base64
+
+
+class CredentialError(BridgeError):
+    """Credentials cannot be issued or written (bad name, tool missing or failing)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceCredential:
+    """What a device needs to log in to the broker (the OTA answer's `mqtt` username/password)."""
+
+    device_id: str
+    username: str
+    password: str = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class BridgeAccount:
+    """The bridge's own broker login: may publish and subscribe to everything under the prefix."""
+
+    username: str = "bridge"
+    password: str = field(default_factory=lambda: secrets.token_urlsafe(24), repr=False)
+
+
+class CredentialProvider(Protocol):
+    """Checks a device login; the embedded broker asks it for every CONNECT of a device."""
+
+    def verify(self, username: str, password: str) -> bool: ...
+
+
+class DerivedCredentials:
+    """Password = URL-safe base64 of HMAC-SHA256(secret, "mqtt-device:" + key), 32 characters.
+
+    Nothing is stored per device: whoever holds the secret can issue and check any password.
+    """
+
+    def __init__(self, secret: bytes) -> None:
+        if len(secret) < 16:
+            raise CredentialError("the credential secret must be at least 16 bytes")
+        self._secret = secret
+
+    def issue(self, device_id: str) -> DeviceCredential:
+        key = device_key(device_id)
+        return DeviceCredential(device_id, key, self._password(key))
+
+    def verify(self, username: str, password: str) -> bool:
+        try:
+            validate_device_key(username)
+        except BridgeError:
+            return False
+        return hmac.compare_digest(self._password(username).encode(), password.encode())
+
+    def _password(self, key: str) -> str:
+        digest = hmac.new(self._secret, b"mqtt-device:" + key.encode(), hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(digest).decode()[:32]
+
+
+class CredentialTable:
+    """Random per-device passwords, kept only as salted PBKDF2-SHA256 hashes (in memory)."""
+
+    def __init__(self) -> None:
+        self._hashes: dict[str, tuple[bytes, bytes]] = {}
+
+    def issue(self, device_id: str) -> DeviceCredential:
+        """A new random password for the device (replaces any earlier one)."""
+        key = device_key(device_id)
+        password = secrets.token_urlsafe(_PASSWORD_BYTES)
+        self.set(key, password)
+        return DeviceCredential(device_id, key, password)
+
+    def set(self, username: str, password: str) -> None:
+        validate_device_key(username)
+        salt = secrets.token_bytes(16)
+        self._hashes[username] = (salt, _pbkdf2(password, salt))
+
+    def revoke(self, device_id: str) -> None:
+        self._hashes.pop(device_key(device_id), None)
+
+    def verify(self, username: str, password: str) -> bool:
+        entry = self._hashes.get(username)
+        if entry is None:
+            return False
+        salt, expected = entry
+        return hmac.compare_digest(_pbkdf2(password, salt), expected)
+
+    def __contains__(self, username: object) -> bool:
+        return username in self._hashes
+
+
+def _pbkdf2(password: str, salt: bytes) -> bytes:
+    return hashlib.pbkdf2_hmac("sha256", password.encode(), salt, _TABLE_ITERATIONS)
+
+
+# ---- Mosquitto ----------------------------------------------------------------------------------
+
+
+def mosquitto_hash(
+    password: str, salt: bytes | None = None, iterations: int = MOSQUITTO_ITERATIONS
+) -> str:
+    """A `password_file` hash as mosquitto_passwd 2.0 writes it: `$7$<iter>$<salt>$<hash>`."""
+    salt = salt if salt is not None else secrets.token_bytes(MOSQUITTO_SALT_BYTES)
+    digest = hashlib.pbkdf2_hmac("sha512", password.encode(), salt, iterations)
+    encoded_salt = base64.b64encode(salt).decode()
+    return f"$7${iterations}${encoded_salt}${base64.b64encode(digest).decode()}"
+
+
+def mosquitto_hash_matches(hashed: str, password: str) -> bool:
+    """Check a password against a `$7$` (PBKDF2-SHA512) or `$6$` (salted SHA-512) hash."""
+    parts = hashed.split("$")
+    try:
+        if len(parts) == 5 and parts[1] == "7":
+            iterations, salt = int(parts[2]), base64.b64decode(parts[3])
+            digest = hashlib.pbkdf2_hmac("sha512", password.encode(), salt, iterations)
+        elif len(parts) == 4 and parts[1] == "6":
+            salt = base64.b64decode(parts[2])
+            digest = hashlib.sha512(password.encode() + salt).digest()
+        else:
+            return False
+        return hmac.compare_digest(base64.b64encode(digest).decode(), parts[-1])
+    except ValueError:
+        return False
+
+
+def _checked_login(username: str, password: str) -> None:
+    if not username or any(char in username for char in ":\n\r\0"):
+        raise CredentialError("a broker username may not be empty or hold ':' or line breaks")
+    if any(char in password for char in "\n\r\0"):
+        raise CredentialError("a broker password may not hold line breaks")
+
+
+def mosquitto_password_file(logins: Iterable[tuple[str, str]]) -> str:
+    """The text of a `password_file` for (username, password) pairs."""
+    lines = []
+    for username, password in logins:
+        _checked_login(username, password)
+        lines.append(f"{username}:{mosquitto_hash(password)}")
+    return "\n".join(lines) + "\n"
+
+
+def write_mosquitto_password_file(
+    path: Path,
+    logins: Iterable[tuple[str, str]],
+    *,
+    use_tool: bool = False,
+    tool: str = "mosquitto_passwd",
+) -> Path:
+    """Write a `password_file` (mode 0600), hashing here or with `mosquitto_passwd -b`.
+
+    With the tool, passwords travel on its command line (visible to local `ps` while it runs):
+    prefer the in-process hashing on shared machines.
+    """
+    pairs = list(logins)
+    for username, password in pairs:
+        _checked_login(username, password)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not use_tool:
+        path.touch(mode=0o600)
+        path.chmod(0o600)
+        path.write_text(mosquitto_password_file(pairs))
+        return path
+    executable = shutil.which(tool)
+    if executable is None:
+        raise CredentialError(f"{tool} not found on PATH")
+    with tempfile.TemporaryDirectory() as scratch:
+        staged = Path(scratch) / "passwords"
+        staged.touch(mode=0o600)
+        for username, password in pairs:
+            done = subprocess.run(
+                [executable, "-b", str(staged), username, password],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if done.returncode != 0:
+                raise CredentialError(f"{tool} failed for {username!r}: {done.stderr.strip()}")
+        path.write_bytes(staged.read_bytes())
+    path.chmod(0o600)
+    return path
+
+
+def mosquitto_acl(prefix: str = DEFAULT_PREFIX, bridge_username: str = "bridge") -> str:
+    """An `acl_file`: the bridge may do anything under the prefix; a device (username = its
+    key) may publish only to its own uplink and status, and read only its own downlink."""
+    scheme = TopicScheme(prefix)
+    _checked_login(bridge_username, "")
+    return "\n".join(
+        (
+            "# Generated by esp32-mcp-bridge (backend/transports/mqtt_credentials.py).",
+            "# Devices log in with username = device key (MAC with '_' for ':').",
+            f"user {bridge_username}",
+            f"topic readwrite {scheme.all_topics}",
+            "",
+            "# Every client, by its own username (%u).",
+            f"pattern write {scheme.prefix}/%u/{TopicKind.UP.value}",
+            f"pattern write {scheme.prefix}/%u/{TopicKind.STATUS.value}",
+            f"pattern read {scheme.prefix}/%u/{TopicKind.DOWN.value}",
+            "",
+        )
+    )
+
+
+def mosquitto_conf(
+    *,
+    port: int,
+    password_file: Path,
+    acl_file: Path,
+    bind_address: str = "127.0.0.1",
+    persistence: bool = False,
+    run_as: str | None = None,
+) -> str:
+    """A minimal `mosquitto.conf` for one listener with the files above (no anonymous login).
+
+    `run_as`: the `user` Mosquitto switches to when started as root (default `mosquitto`, which
+    may not be able to read files that only their owner can read).
+    """
+    lines = [
+        f"listener {port} {bind_address}",
+        "allow_anonymous false",
+        f"password_file {password_file}",
+        f"acl_file {acl_file}",
+        f"persistence {'true' if persistence else 'false'}",
+    ]
+    if run_as is not None:
+        lines.append(f"user {run_as}")
+    return "\n".join(lines) + "\n"
+
+
+# ---- EMQX ---------------------------------------------------------------------------------------
+
+
+def emqx_acl(prefix: str = DEFAULT_PREFIX, bridge_username: str = "bridge") -> str:
+    """EMQX 5 file authorization (`acl.conf`, Erlang terms) with the same rules as above."""
+    scheme = TopicScheme(prefix)
+    _checked_login(bridge_username, "")
+    up, status, down = (
+        f"{scheme.prefix}/${{username}}/{kind.value}"
+        for kind in (TopicKind.UP, TopicKind.STATUS, TopicKind.DOWN)
+    )
+    return "\n".join(
+        (
+            "%% Generated by esp32-mcp-bridge (backend/transports/mqtt_credentials.py).",
+            f'{{allow, {{username, "{bridge_username}"}}, all, ["{scheme.all_topics}"]}}.',
+            f'{{allow, all, publish, ["{up}", "{status}"]}}.',
+            f'{{allow, all, subscribe, ["{down}"]}}.',
+            "{deny, all}.",
+            "",
+        )
+    )
+
+
+def emqx_auto_subscribe(prefix: str = DEFAULT_PREFIX, qos: int = 1) -> str:
+    """The EMQX 5 `auto_subscribe` block (HOCON): each device is subscribed to its own
+    downlink when it connects, which is what stock firmware (subscribing to nothing) needs."""
+    scheme = TopicScheme(prefix)
+    topic = f"{scheme.prefix}/${{username}}/{TopicKind.DOWN.value}"
+    return "\n".join(
+        (
+            "auto_subscribe {",
+            "  topics = [",
+            f'    {{ topic = "{topic}", qos = {qos} }}',
+            "  ]",
+            "}",
+            "",
+        )
+    )

@@ -1,0 +1,143 @@
+"""A real Mosquitto for tests: its own config, password file and ACL file, on a free loopback port.
+
+Never the broker the machine may already run on 1883: every instance gets a port of its own and a
+scratch directory. The password file is written with `mosquitto_passwd` (the real tool) and the
+ACL file by `backend.transports.mqtt_credentials`, so the tests exercise what an operator deploys.
+"""
+
+import asyncio
+import contextlib
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from backend.transports.mqtt_credentials import (
+    BridgeAccount,
+    mosquitto_acl,
+    mosquitto_conf,
+    write_mosquitto_password_file,
+)
+
+START_TIMEOUT_S = 10.0
+
+
+def free_port(kind: int = socket.SOCK_STREAM) -> int:
+    with socket.socket(socket.AF_INET, kind) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _find_broker() -> str | None:
+    # Debian installs the broker in /usr/sbin, which is not on every user's PATH.
+    return shutil.which("mosquitto") or shutil.which("mosquitto", path="/usr/sbin:/sbin")
+
+
+def mosquitto_available() -> bool:
+    return _find_broker() is not None and shutil.which("mosquitto_passwd") is not None
+
+
+def _executable() -> str:
+    found = _find_broker()
+    if found is None:
+        raise RuntimeError("mosquitto is not installed (scripts/test installs it)")
+    return found
+
+
+class Mosquitto:
+    """One broker process; `start`, `stop` and `restart` keep the same port and files."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        devices: dict[str, str],
+        *,
+        prefix: str = "xiaozhi",
+        bridge: BridgeAccount | None = None,
+    ) -> None:
+        self.workdir = workdir
+        self.devices = dict(devices)  # device key -> password
+        self.prefix = prefix
+        self.bridge = bridge or BridgeAccount()
+        self.port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+        self.log_path = workdir / "mosquitto.log"
+        self._write_files()
+
+    def _write_files(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        logins = [(self.bridge.username, self.bridge.password), *self.devices.items()]
+        passwords = write_mosquitto_password_file(self.workdir / "passwords", logins, use_tool=True)
+        acl = self.workdir / "acl"
+        acl.write_text(mosquitto_acl(self.prefix, self.bridge.username))
+        run_as = pwd.getpwuid(os.getuid()).pw_name if os.getuid() == 0 else None
+        self.conf = self.workdir / "mosquitto.conf"
+        self.conf.write_text(
+            mosquitto_conf(port=self.port, password_file=passwords, acl_file=acl, run_as=run_as)
+        )
+
+    @property
+    def bridge_url(self) -> str:
+        return f"mqtt://{self.bridge.username}:{self.bridge.password}@127.0.0.1:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        with self.log_path.open("ab") as log:
+            return subprocess.Popen(
+                [_executable(), "-c", str(self.conf)], stdout=log, stderr=subprocess.STDOUT
+            )
+
+    async def start(self) -> None:
+        self.process = await asyncio.to_thread(self._spawn)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"mosquitto exited:\n{self.log_path.read_text()}")
+            with contextlib.suppress(OSError):
+                _reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+                writer.close()
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"mosquitto not accepting on {self.port}")
+            await asyncio.sleep(0.02)
+
+    async def stop(self) -> None:
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        process.terminate()
+        try:
+            await asyncio.wait_for(asyncio.to_thread(process.wait), 10)
+        except TimeoutError:
+            process.kill()
+            await asyncio.to_thread(process.wait)
+
+    async def kill(self) -> None:
+        """SIGKILL: the broker vanishes without sending wills or closing connections cleanly."""
+        process, self.process = self.process, None
+        if process is not None and process.poll() is None:
+            process.kill()
+            await asyncio.to_thread(process.wait)
+
+    async def restart(self) -> None:
+        await self.stop()
+        await self.start()
+
+
+@contextlib.asynccontextmanager
+async def running_mosquitto(
+    workdir: Path, devices: dict[str, str], **kwargs: object
+) -> AsyncIterator[Mosquitto]:
+    broker = Mosquitto(workdir, devices, **kwargs)  # type: ignore[arg-type]
+    await broker.start()
+    try:
+        yield broker
+    finally:
+        await broker.stop()

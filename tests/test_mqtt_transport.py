@@ -1,0 +1,802 @@
+"""The MQTT + UDP transport against real brokers: Mosquitto (its own process, password and ACL
+files) and the embedded amqtt broker, with a recording LinkAcceptor in place of the core."""
+
+import asyncio
+import json
+import socket
+import struct
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+from backend.protocol.audio import AudioFrame
+from backend.transports.admission import Admission
+from backend.transports.base import DeviceLink, LinkClosed
+from backend.transports.mqtt import (
+    BROKER_LOST,
+    SHUTDOWN,
+    BrokerAddress,
+    BrokerVouched,
+    MqttConfigError,
+    MqttTransport,
+)
+from backend.transports.mqtt_broker import BrokerSettings, EmbeddedBroker
+from backend.transports.mqtt_credentials import BridgeAccount, DerivedCredentials
+from backend.transports.mqtt_topics import parse_presence
+from tests.mosquitto import Mosquitto, mosquitto_available
+from tests.mqtt_helpers import (
+    DEVICE_A,
+    DEVICE_B,
+    ID_A,
+    ID_B,
+    PASSWORDS,
+    SCHEME,
+    BrokerUnderTest,
+    EmbeddedUnderTest,
+    MosquittoUnderTest,
+    RecordingAcceptor,
+    RecordingHandler,
+    broker_of_kind,
+    device,
+    eventually,
+    running_transport,
+    transport_settings,
+)
+from tests.mqtt_wire import MqttRefused, RawMqttClient
+
+KINDS = [
+    pytest.param(
+        "mosquitto",
+        marks=pytest.mark.skipif(not mosquitto_available(), reason="mosquitto not installed"),
+    ),
+    "embedded",
+]
+
+
+@pytest.fixture(params=KINDS)
+async def broker(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[BrokerUnderTest]:
+    async with broker_of_kind(request.param, tmp_path) as running:
+        yield running
+
+
+@pytest.fixture
+async def embedded(tmp_path: Path) -> AsyncIterator[EmbeddedUnderTest]:
+    async with broker_of_kind("embedded", tmp_path, keepalive_check_s=0.1) as running:
+        assert isinstance(running, EmbeddedUnderTest)
+        yield running
+
+
+@pytest.fixture
+async def mosquitto(tmp_path: Path) -> AsyncIterator[BrokerUnderTest]:
+    if not mosquitto_available():
+        pytest.skip("mosquitto not installed")
+    async with broker_of_kind("mosquitto", tmp_path) as running:
+        yield running
+
+
+# ---- links, order, presence ---------------------------------------------------------------------
+
+
+async def test_presence_opens_a_link_and_the_last_will_closes_it(broker: BrokerUnderTest) -> None:
+    acceptor = RecordingAcceptor()
+    async with running_transport(broker.bridge_url, acceptor) as transport:
+        async with device(broker.port, DEVICE_A) as dev:
+            await eventually(lambda: bool(acceptor.of(ID_A)), what="open_link")
+            handler = acceptor.latest(ID_A)
+            identity = handler.link.identity
+            assert (identity.device_id, identity.transport, identity.protocol_version) == (
+                ID_A,
+                "mqtt",
+                1,
+            )
+            assert handler.link.conversation_scoped is False
+            messages = [json.dumps({"type": "mcp", "n": index}) for index in range(50)]
+            for text in messages:
+                await dev.publish(SCHEME.up(DEVICE_A), text)
+            await eventually(lambda: len(handler.texts) == 50, what="50 uplink messages")
+            assert handler.texts == messages
+            assert handler.closed == []
+        # `device` aborts the TCP connection: the broker publishes the last will.
+        await eventually(lambda: bool(handler.closed), what="on_closed after the will")
+        assert handler.closed == ["device offline"]
+        assert transport.links() == {}
+        assert len(acceptor.of(ID_A)) == 1
+
+
+async def test_send_text_reaches_the_device_downlink(broker: BrokerUnderTest) -> None:
+    acceptor = RecordingAcceptor()
+    async with running_transport(broker.bridge_url, acceptor), device(broker.port, DEVICE_A) as dev:
+        await eventually(lambda: bool(acceptor.of(ID_A)))
+        link = acceptor.latest(ID_A).link
+        for index in range(3):
+            await link.send_text(json.dumps({"type": "mcp", "id": index}))
+        received = [await dev.next_publish() for _ in range(3)]
+        assert [json.loads(p.payload)["id"] for p in received] == [0, 1, 2]
+        assert {p.topic for p in received} == {SCHEME.down(DEVICE_A)}
+        assert {p.qos for p in received} == {1}
+
+
+async def test_a_device_cannot_publish_as_another_or_read_its_downlink(
+    broker: BrokerUnderTest,
+) -> None:
+    acceptor = RecordingAcceptor()
+    async with (
+        running_transport(broker.bridge_url, acceptor) as transport,
+        device(broker.port, DEVICE_A) as dev_a,
+        device(broker.port, DEVICE_B) as dev_b,
+    ):
+        await eventually(lambda: bool(acceptor.of(ID_A) and acceptor.of(ID_B)))
+        handler_b = acceptor.latest(ID_B)
+        # A tries B's topics, and wildcards; then a marker on its own uplink.
+        await dev_a.publish(SCHEME.up(DEVICE_B), '{"type":"mcp","spoofed":true}', qos=1)
+        await dev_a.publish(SCHEME.status(DEVICE_B), b"offline", qos=1, retain=True)
+        # amqtt refuses the subscription (0x80); Mosquitto 2.0 grants it and filters every
+        # message by the ACL's read rule at delivery. Either way nothing of B's may arrive.
+        refused = [0x80] if broker.kind == "embedded" else [1]
+        for pattern in (SCHEME.down(DEVICE_B), "xiaozhi/+/down", "#"):
+            assert await dev_a.subscribe(pattern) == refused
+        await dev_a.publish(SCHEME.up(DEVICE_A), '{"type":"mcp","marker":true}', qos=1)
+        await eventually(lambda: bool(acceptor.latest(ID_A).texts), what="A's marker")
+        assert handler_b.texts == [] and handler_b.closed == []
+
+        await handler_b.link.send_text('{"type":"mcp","for":"b"}')
+        await acceptor.latest(ID_A).link.send_text('{"type":"mcp","for":"a"}')
+        got_b = await dev_b.next_publish()
+        assert got_b.payload.startswith(b"{"), got_b
+        assert json.loads(got_b.payload)["for"] == "b"
+        # B's message was published first: had it leaked to A, it would be there before A's.
+        seen_by_a = [await dev_a.next_publish()]
+        while not dev_a.publishes.empty():
+            seen_by_a.append(dev_a.publishes.get_nowait())
+        assert {p.topic for p in seen_by_a} == {SCHEME.down(DEVICE_A)}
+        assert json.loads(seen_by_a[0].payload)["for"] == "a"
+        assert transport.links().keys() == {ID_A, ID_B}
+
+
+async def test_a_message_claiming_another_device_id_is_dropped(broker: BrokerUnderTest) -> None:
+    acceptor = RecordingAcceptor()
+    async with (
+        running_transport(broker.bridge_url, acceptor) as transport,
+        device(broker.port, DEVICE_A) as dev,
+    ):
+        await eventually(lambda: bool(acceptor.of(ID_A)))
+        handler = acceptor.latest(ID_A)
+        await dev.publish(SCHEME.up(DEVICE_A), json.dumps({"type": "hello", "device_id": ID_B}))
+        await dev.publish(SCHEME.up(DEVICE_A), json.dumps({"type": "hello", "device_id": ID_A}))
+        await eventually(lambda: bool(handler.texts))
+        assert [json.loads(text)["device_id"] for text in handler.texts] == [ID_A]
+        assert transport.counters["dropped_claims_other_device"] == 1
+        assert acceptor.of(ID_B) == []
+
+
+async def test_a_slow_device_does_not_hold_up_the_others(broker: BrokerUnderTest) -> None:
+    acceptor = RecordingAcceptor()
+    acceptor.gates[ID_A] = asyncio.Event()
+    async with (
+        running_transport(broker.bridge_url, acceptor, inbound_queue=4) as transport,
+        device(broker.port, DEVICE_A) as dev_a,
+        device(broker.port, DEVICE_B) as dev_b,
+    ):
+        await eventually(lambda: bool(acceptor.of(ID_A) and acceptor.of(ID_B)))
+        received = transport.counters["received"]
+        for index in range(10):
+            await dev_a.publish(SCHEME.up(DEVICE_A), f'{{"n":{index}}}')
+        # All ten reached the transport: A's worker holds one, its queue is full, the rest
+        # were dropped. B is served all the same.
+        await eventually(lambda: transport.counters["received"] >= received + 10)
+        await dev_b.publish(SCHEME.up(DEVICE_B), '{"n":"b"}')
+        await eventually(lambda: acceptor.latest(ID_B).texts == ['{"n":"b"}'], what="B served")
+        dropped = transport.counters.get("dropped_queue_full", 0)
+        assert dropped >= 5  # at most 4 queued plus the one the worker holds
+        acceptor.gates[ID_A].set()
+        await eventually(lambda: len(acceptor.latest(ID_A).texts) == 10 - dropped)
+        # The ones delivered are the first ones, in order.
+        assert acceptor.latest(ID_A).texts == [f'{{"n":{i}}}' for i in range(10 - dropped)]
+
+
+async def test_broker_restart_closes_links_and_they_come_back(broker: BrokerUnderTest) -> None:
+    acceptor = RecordingAcceptor()
+    async with running_transport(broker.bridge_url, acceptor) as transport:
+        async with device(broker.port, DEVICE_A):
+            await eventually(lambda: bool(acceptor.of(ID_A)))
+            first = acceptor.latest(ID_A)
+            await broker.crash()
+            await eventually(lambda: bool(first.closed), what="links closed on broker loss")
+            assert first.closed == [BROKER_LOST]
+            with pytest.raises(LinkClosed):
+                await first.link.send_text('{"type":"mcp"}')
+            assert not transport.connected
+
+            await broker.start()
+            restarted = time.monotonic()
+            # The device reconnects on its own schedule and republishes its presence.
+            dev = RawMqttClient("127.0.0.1", broker.port)
+            async with asyncio.timeout(10):
+                while True:
+                    try:
+                        await dev.connect(
+                            f"GID_test@@@{DEVICE_A}@@@0b1c2d3e-uuid",
+                            DEVICE_A,
+                            "password-of-device-a",
+                            will=(SCHEME.status(DEVICE_A), b"offline", 1, True),
+                        )
+                        break
+                    except OSError:
+                        await asyncio.sleep(0.05)
+            assert await dev.subscribe(SCHEME.down(DEVICE_A)) == [1]
+            await dev.publish(SCHEME.status(DEVICE_A), b"online", qos=1, retain=True)
+            await eventually(lambda: len(acceptor.of(ID_A)) == 2, 10, "link back after restart")
+            assert time.monotonic() - restarted < 10
+            await transport.wait_connected(1)
+            second = acceptor.latest(ID_A)
+            assert second.closed == []
+            await second.link.send_text('{"type":"mcp","after":"restart"}')
+            assert json.loads((await dev.next_publish()).payload)["after"] == "restart"
+            await dev.abort()
+        assert transport.counters["broker_losses"] == 1
+
+
+async def test_stop_closes_every_link(broker: BrokerUnderTest) -> None:
+    acceptor = RecordingAcceptor()
+    async with running_transport(broker.bridge_url, acceptor), device(broker.port, DEVICE_A):
+        await eventually(lambda: bool(acceptor.of(ID_A)))
+    assert acceptor.latest(ID_A).closed == [SHUTDOWN]
+
+
+async def test_link_close_forgets_the_device_until_it_speaks_again(broker: BrokerUnderTest) -> None:
+    acceptor = RecordingAcceptor()
+    async with (
+        running_transport(broker.bridge_url, acceptor) as transport,
+        device(broker.port, DEVICE_A) as dev,
+    ):
+        await eventually(lambda: bool(acceptor.of(ID_A)))
+        first = acceptor.latest(ID_A)
+        await first.link.close(1008, "policy violation")
+        assert first.closed == ["policy violation"]
+        await first.link.close()  # idempotent: on_closed stays at one call
+        assert first.closed == ["policy violation"]
+        with pytest.raises(LinkClosed):
+            await first.link.send_text("{}")
+        assert transport.links() == {}
+        await dev.publish(SCHEME.up(DEVICE_A), '{"type":"mcp","again":1}')
+        await eventually(lambda: len(acceptor.of(ID_A)) == 2, what="a new link")
+        await eventually(lambda: acceptor.latest(ID_A).texts == ['{"type":"mcp","again":1}'])
+
+
+# ---- UDP through the transport ------------------------------------------------------------------
+
+
+async def test_hello_fields_open_a_udp_session_that_carries_audio(broker: BrokerUnderTest) -> None:
+    acceptor = RecordingAcceptor()
+    async with (
+        running_transport(broker.bridge_url, acceptor) as transport,
+        device(broker.port, DEVICE_A),
+    ):
+        await eventually(lambda: bool(acceptor.of(ID_A)))
+        handler = acceptor.latest(ID_A)
+        fields = handler.link.hello_fields("session-1")
+        assert fields["transport"] == "udp"
+        udp = fields["udp"]
+        assert isinstance(udp, dict)
+        assert udp["server"] == "127.0.0.1" and udp["port"] == transport.udp.port
+        key, nonce = bytes.fromhex(udp["key"]), bytes.fromhex(udp["nonce"])
+        assert nonce[0] == 1 and len(key) == 16
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.connect(("127.0.0.1", udp["port"]))
+        sock.setblocking(False)
+        try:
+            sock.send(_device_packet(key, nonce, b"mic", 1))
+            await eventually(lambda: handler.audio == [AudioFrame(b"mic", 0)], what="uplink")
+            await handler.link.send_audio(AudioFrame(b"speaker", 60))
+            datagram = await asyncio.wait_for(asyncio.get_running_loop().sock_recv(sock, 2048), 5)
+            assert struct.unpack_from(">I", datagram, 12)[0] == 1  # downlink sequence starts at 1
+            plain = Cipher(algorithms.AES(key), modes.CTR(datagram[:16])).decryptor()
+            assert plain.update(datagram[16:]) == b"speaker"
+
+            handler.link.conversation_ended("another-session")  # not this one: kept
+            sock.send(_device_packet(key, nonce, b"mic2", 2))
+            await eventually(lambda: len(handler.audio) == 2)
+            handler.link.conversation_ended("session-1")
+            sock.send(_device_packet(key, nonce, b"mic3", 3))
+            await eventually(lambda: transport.udp.counters.get("drop_unknown_cookie") == 1)
+            await handler.link.send_audio(AudioFrame(b"after the end"))  # nowhere to go
+            assert transport.counters["udp_no_session"] == 1
+            assert len(handler.audio) == 2
+        finally:
+            sock.close()
+
+
+def _device_packet(key: bytes, nonce: bytes, payload: bytes, sequence: int) -> bytes:
+    header = bytearray(nonce)
+    header[2:4] = struct.pack(">H", len(payload))
+    header[8:16] = struct.pack(">II", 0, sequence)
+    encryptor = Cipher(algorithms.AES(key), modes.CTR(bytes(header))).encryptor()
+    return bytes(header) + encryptor.update(payload)
+
+
+# ---- stock firmware: no subscription, no will ---------------------------------------------------
+
+
+async def test_stock_device_gets_its_downlink_through_the_embedded_broker(
+    embedded: EmbeddedUnderTest,
+) -> None:
+    acceptor = RecordingAcceptor()
+    async with running_transport(embedded.bridge_url, acceptor):
+        async with device(
+            embedded.port, DEVICE_A, will=False, online=False, subscribe=False
+        ) as stock:
+            # The broker's presence event opens the link: MCP can start before any message.
+            await eventually(lambda: bool(acceptor.of(ID_A)), what="link from presence event")
+            handler = acceptor.latest(ID_A)
+            assert handler.link.identity.client_id == "0b1c2d3e-uuid"
+            await handler.link.send_text('{"type":"mcp","payload":{"id":1}}')
+            got = await stock.next_publish()
+            assert got.topic == SCHEME.down(DEVICE_A)
+            assert json.loads(got.payload)["payload"] == {"id": 1}
+        # No will was set: the broker's own presence event closes the link.
+        await eventually(lambda: handler.closed == ["device offline"], what="closed")
+
+
+async def test_stock_device_gets_nothing_through_mosquitto(mosquitto: BrokerUnderTest) -> None:
+    # What docs/mqtt.md states: Mosquitto cannot push to a client that never subscribed.
+    acceptor = RecordingAcceptor()
+    async with (
+        running_transport(mosquitto.bridge_url, acceptor, silence_timeout_s=60),
+        device(mosquitto.port, DEVICE_A, will=False, online=False, subscribe=False) as stock,
+        device(mosquitto.port, DEVICE_B) as ours,
+    ):
+        await stock.publish(SCHEME.up(DEVICE_A), '{"type":"mcp","payload":{}}')
+        await eventually(lambda: bool(acceptor.of(ID_A) and acceptor.of(ID_B)))
+        await acceptor.latest(ID_A).link.send_text('{"type":"mcp","to":"stock"}')
+        await acceptor.latest(ID_B).link.send_text('{"type":"mcp","to":"ours"}')
+        assert json.loads((await ours.next_publish()).payload)["to"] == "ours"
+        assert stock.publishes.empty()
+
+
+async def test_a_stock_device_without_presence_times_out_on_silence(
+    mosquitto: BrokerUnderTest,
+) -> None:
+    acceptor = RecordingAcceptor()
+    async with (
+        running_transport(
+            mosquitto.bridge_url, acceptor, silence_timeout_s=0.5, silence_check_s=0.05
+        ) as transport,
+        device(mosquitto.port, DEVICE_A, will=False, online=False, subscribe=False) as stock,
+    ):
+        await stock.publish(SCHEME.up(DEVICE_A), '{"type":"mcp","payload":{}}')
+        await eventually(lambda: bool(acceptor.of(ID_A)), what="link from the first message")
+        handler = acceptor.latest(ID_A)
+        await eventually(lambda: bool(handler.closed), what="silence timeout")
+        assert handler.closed == ["no message for 0.5 s"]
+        assert transport.counters["silence_timeouts"] == 1
+
+
+async def test_embedded_broker_enforces_keepalive_and_publishes_offline(
+    embedded: EmbeddedUnderTest,
+) -> None:
+    acceptor = RecordingAcceptor()
+    async with running_transport(embedded.bridge_url, acceptor):
+        # A stock-like client with a 1 s keepalive that then goes silent (unplugged, no FIN).
+        async with device(
+            embedded.port, DEVICE_A, will=False, online=False, subscribe=False, keepalive=1
+        ) as silent:
+            await eventually(lambda: bool(acceptor.of(ID_A)))
+            handler = acceptor.latest(ID_A)
+            await eventually(lambda: handler.closed == ["device offline"], what="keepalive")
+            await asyncio.wait_for(silent.closed.wait(), 5)  # the broker dropped the connection
+        assert embedded.broker.stats()["keepalive_expired"] == 1
+
+
+async def test_embedded_broker_keeps_a_pinging_client(embedded: EmbeddedUnderTest) -> None:
+    async with device(embedded.port, DEVICE_A, keepalive=1) as dev:
+        for _ in range(6):  # 3 s of pings every 0.5 s: three times the keepalive
+            await dev.ping()
+            await asyncio.sleep(0.5)
+        assert not dev.closed.is_set()
+        assert embedded.broker.online_devices() == [DEVICE_A]
+
+
+async def test_embedded_broker_authentication(embedded: EmbeddedUnderTest) -> None:
+    attempts = [
+        ("GID_t@@@a4_cf_12_34_56_78@@@u1", DEVICE_A, "wrong password"),
+        ("GID_t@@@a4_cf_12_34_56_79@@@u1", DEVICE_A, "password-of-device-a"),  # names B
+        ("plain-id", "not a key!", "x"),
+        ("plain-id", None, None),
+        ("bridge-2", embedded.broker.bridge.username, "not the bridge password"),
+    ]
+    for client_id, username, password in attempts:
+        client = RawMqttClient("127.0.0.1", embedded.port)
+        with pytest.raises(MqttRefused):
+            await client.connect(client_id, username, password)
+        await client.abort()
+    assert embedded.broker.stats()["logins_refused"] == len(attempts)
+    ok = RawMqttClient("127.0.0.1", embedded.port)
+    await ok.connect("any-client-id", DEVICE_A, "password-of-device-a")
+    await ok.disconnect()
+
+
+async def test_embedded_broker_presence_payload_and_kick(embedded: EmbeddedUnderTest) -> None:
+    watcher = RawMqttClient("127.0.0.1", embedded.port)
+    bridge = embedded.broker.bridge
+    await watcher.connect("watcher", bridge.username, bridge.password)
+    assert await watcher.subscribe(SCHEME.status(DEVICE_A)) == [1]
+    async with device(embedded.port, DEVICE_A, will=False, online=False, subscribe=False) as dev:
+        online = await watcher.next_publish()
+        assert parse_presence(online.payload).online
+        assert parse_presence(online.payload).client_id == "0b1c2d3e-uuid"
+        assert await embedded.broker.disconnect_device(DEVICE_A)
+        offline = await watcher.next_publish()
+        assert not parse_presence(offline.payload).online
+        await asyncio.wait_for(dev.closed.wait(), 5)
+    assert not await embedded.broker.disconnect_device(DEVICE_A)
+    await watcher.disconnect()
+
+
+# ---- settings -----------------------------------------------------------------------------------
+
+
+def test_broker_urls() -> None:
+    plain = BrokerAddress.parse("mqtt://127.0.0.1")
+    assert (plain.host, plain.port, plain.tls, plain.username) == ("127.0.0.1", 1883, False, None)
+    secure = BrokerAddress.parse("mqtts://bridge:p%40ss%3Aword@broker.example:9999")
+    assert (secure.port, secure.tls, secure.username, secure.password) == (
+        9999,
+        True,
+        "bridge",
+        "p@ss:word",
+    )
+    assert BrokerAddress.parse("mqtts://h").port == 8883
+    assert "p@ss" not in repr(secure) and "p@ss" not in secure.redacted()
+    assert secure.redacted() == "mqtts://bridge@broker.example:9999"
+    for bad in ("http://h:1", "mqtt://", "mqtt://h:99999", "h:1883"):
+        with pytest.raises(MqttConfigError):
+            BrokerAddress.parse(bad)
+
+
+def test_udp_public_host_is_required_when_binding_everywhere() -> None:
+    settings = transport_settings("mqtt://127.0.0.1:1", udp_host="0.0.0.0")
+    with pytest.raises(MqttConfigError):
+        settings.announced_udp_host()
+    assert (
+        transport_settings(
+            "mqtt://127.0.0.1:1", udp_host="0.0.0.0", udp_public_host="192.0.2.7"
+        ).announced_udp_host()
+        == "192.0.2.7"
+    )
+    assert "secret" not in repr(transport_settings("mqtt://u:secret@127.0.0.1:1"))
+
+
+# ---- embedded broker: amqtt defects worked around -----------------------------------------------
+
+
+async def test_embedded_broker_stores_no_retained_message_to_leak(
+    embedded: EmbeddedUnderTest,
+) -> None:
+    # amqtt 0.12.1 sends a connecting client every retained message that matches anyone's
+    # subscription, without the ACL. A's retained status must therefore never reach B.
+    acceptor = RecordingAcceptor()
+    async with running_transport(embedded.bridge_url, acceptor):
+        async with device(embedded.port, DEVICE_A) as dev_a:  # publishes retained "online"
+            await dev_a.publish(SCHEME.up(DEVICE_A), b'{"type":"mcp"}', qos=1, retain=True)
+            await eventually(lambda: bool(acceptor.of(ID_A) and acceptor.latest(ID_A).texts))
+            async with device(
+                embedded.port, DEVICE_B, will=False, online=False, subscribe=False
+            ) as dev_b:
+                await eventually(lambda: bool(acceptor.of(ID_B)))
+                await acceptor.latest(ID_B).link.send_text('{"type":"mcp","marker":1}')
+                first = await dev_b.next_publish()
+                assert first.topic == SCHEME.down(DEVICE_B), first
+        assert embedded.broker.stats()["retain_flags_cleared"] >= 2
+
+
+async def test_a_bridge_that_connects_late_learns_who_is_online(
+    embedded: EmbeddedUnderTest,
+) -> None:
+    async with device(embedded.port, DEVICE_A, will=False, online=False, subscribe=False):
+        acceptor = RecordingAcceptor()
+        async with running_transport(embedded.bridge_url, acceptor):
+            await eventually(lambda: bool(acceptor.of(ID_A)), what="link from re-announcement")
+
+
+async def test_embedded_broker_survives_subscription_churn_during_traffic(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # amqtt 0.12.1 iterates its subscription table while awaiting the ACL: devices connecting
+    # during a broadcast used to lose that message ("dictionary changed size during iteration").
+    credentials = DerivedCredentials(b"churn-test-secret-0123456789")
+    broker = EmbeddedBroker(
+        BrokerSettings(host="127.0.0.1", port=0, topic_prefix="xiaozhi"), credentials
+    )
+    await broker.start()
+    acceptor = RecordingAcceptor()
+    steady_key = "steady-device"
+    try:
+        async with (
+            running_transport(broker.bridge_url("127.0.0.1"), acceptor),
+            device(
+                broker.port,
+                steady_key,
+                password=credentials.issue(steady_key).password,
+                will=False,
+                online=False,
+                subscribe=False,
+            ) as steady,
+        ):
+            await eventually(lambda: bool(acceptor.of(steady_key)))
+            link = acceptor.latest(steady_key).link
+
+            async def join_and_leave(key: str) -> None:
+                client = RawMqttClient("127.0.0.1", broker.port)
+                await client.connect(key, key, credentials.issue(key).password)
+                await client.subscribe(SCHEME.down(key))
+                await client.abort()
+
+            async def churn() -> None:
+                for wave in range(10):
+                    await asyncio.gather(*(join_and_leave(f"churn-{wave}-{i}") for i in range(10)))
+
+            async def traffic() -> None:
+                for burst in range(10):
+                    await asyncio.gather(
+                        *(link.send_text(json.dumps({"n": burst * 50 + i})) for i in range(50))
+                    )
+
+            await asyncio.gather(churn(), traffic())
+            received = [json.loads((await steady.next_publish()).payload)["n"] for _ in range(500)]
+            assert sorted(received) == list(range(500))
+    finally:
+        await broker.stop()
+    assert "dictionary changed size" not in caplog.text
+
+
+# ---- link lifecycle details ---------------------------------------------------------------------
+
+
+class _RefuseB:
+    def refusal(self, device_id: str, presented: str | None) -> str | None:
+        return "not on the allow-list" if device_id == ID_B else None
+
+
+async def test_admission_decides_who_gets_a_link(mosquitto: BrokerUnderTest) -> None:
+    acceptor = RecordingAcceptor()
+    transport = MqttTransport(transport_settings(mosquitto.bridge_url), Admission(_RefuseB()))
+    await transport.start(acceptor)
+    try:
+        await transport.wait_connected(10)
+        async with device(mosquitto.port, DEVICE_A), device(mosquitto.port, DEVICE_B) as dev_b:
+            await dev_b.publish(SCHEME.up(DEVICE_B), '{"type":"mcp"}')
+            await eventually(lambda: bool(acceptor.of(ID_A)))
+            await eventually(lambda: transport.counters.get("dropped_refused", 0) >= 2)
+            assert acceptor.of(ID_B) == []
+    finally:
+        await transport.stop()
+
+
+async def test_offline_hands_over_queued_messages_before_closing(broker: BrokerUnderTest) -> None:
+    acceptor = RecordingAcceptor()
+    acceptor.gates[ID_A] = asyncio.Event()
+    async with running_transport(broker.bridge_url, acceptor) as transport:
+        async with device(broker.port, DEVICE_A) as dev:
+            await eventually(lambda: bool(acceptor.of(ID_A)))
+            for index in range(3):
+                await dev.publish(SCHEME.up(DEVICE_A), f'{{"n":{index}}}', qos=1)
+            await dev.publish(SCHEME.up(DEVICE_A), '{"type":"goodbye"}', qos=1)
+        handler = acceptor.latest(ID_A)
+        # The will arrives while the session is still held on the first message.
+        await eventually(lambda: transport.links() == {}, what="device forgotten on offline")
+        assert handler.closed == [] and handler.texts == []
+        acceptor.gates[ID_A].set()
+        await eventually(lambda: handler.closed == ["device offline"], what="closed after drain")
+        assert handler.texts == ['{"n":0}', '{"n":1}', '{"n":2}', '{"type":"goodbye"}']
+
+
+class _ClosingHandler(RecordingHandler):
+    async def on_text(self, text: str) -> None:
+        await super().on_text(text)
+        if text == '{"type":"close me"}':
+            await self.link.close(1008, "closed from inside on_text")
+            await asyncio.sleep(0)  # the session keeps running after close() returns
+
+
+async def test_closing_a_link_from_inside_its_own_handler(embedded: EmbeddedUnderTest) -> None:
+    handlers: list[_ClosingHandler] = []
+
+    class Acceptor:
+        def open_link(self, link: DeviceLink) -> _ClosingHandler:
+            handlers.append(_ClosingHandler(link))
+            return handlers[-1]
+
+    async with (
+        running_transport(embedded.bridge_url, Acceptor()) as transport,  # type: ignore[arg-type]
+        device(embedded.port, DEVICE_A) as dev,
+    ):
+        await eventually(lambda: bool(handlers))
+        await dev.publish(SCHEME.up(DEVICE_A), '{"type":"close me"}', qos=1)
+        await eventually(lambda: bool(handlers[0].closed))
+        assert handlers[0].closed == ["closed from inside on_text"]
+        assert handlers[0].texts == ['{"type":"close me"}']
+        assert transport.links() == {}
+        await dev.publish(SCHEME.up(DEVICE_A), '{"type":"mcp"}', qos=1)
+        await eventually(lambda: len(handlers) == 2 and handlers[1].texts == ['{"type":"mcp"}'])
+        assert handlers[0].closed == ["closed from inside on_text"]
+    tasks = [t for t in asyncio.all_tasks() if t.get_name().startswith("mqtt-device-")]
+    assert tasks == []  # no worker left behind
+
+
+async def test_late_messages_after_offline_do_not_reopen_a_link(
+    mosquitto: BrokerUnderTest,
+) -> None:
+    # A broker may deliver a device's last messages after its presence event (amqtt does).
+    # Mosquitto delivers in order, so the bridge account can stage exactly that order.
+    acceptor = RecordingAcceptor()
+    assert isinstance(mosquitto, MosquittoUnderTest)
+    bridge = mosquitto.broker.bridge
+    async with (
+        running_transport(mosquitto.bridge_url, acceptor) as transport,
+        device(mosquitto.port, DEVICE_A),
+        device(mosquitto.port, DEVICE_B),
+    ):
+        await eventually(lambda: bool(acceptor.of(ID_A) and acceptor.of(ID_B)))
+        stager = RawMqttClient("127.0.0.1", mosquitto.port)
+        await stager.connect("stager", bridge.username, bridge.password)
+        await stager.publish(SCHEME.status(DEVICE_A), b"offline", qos=1)
+        await stager.publish(SCHEME.up(DEVICE_A), b'{"type":"mcp","late":true}', qos=1)
+        await stager.publish(SCHEME.up(DEVICE_B), b'{"type":"mcp","marker":true}', qos=1)
+        await eventually(lambda: bool(acceptor.latest(ID_B).texts), what="the marker")
+        assert acceptor.latest(ID_A).closed == ["device offline"]
+        assert len(acceptor.of(ID_A)) == 1
+        assert transport.counters["dropped_after_offline"] == 1
+        # A new `online` lifts it at once.
+        await stager.publish(SCHEME.status(DEVICE_A), b"online", qos=1)
+        await eventually(lambda: len(acceptor.of(ID_A)) == 2)
+        await stager.disconnect()
+
+
+async def test_embedded_presence_comes_before_a_fast_device_first_message(
+    embedded: EmbeddedUnderTest,
+) -> None:
+    # Stock firmware connects on demand when a conversation starts and publishes its hello at
+    # once: the link must come from the presence event (with the client uuid), not the hello.
+    acceptor = RecordingAcceptor()
+    async with running_transport(embedded.bridge_url, acceptor):
+        for attempt in range(5):
+            client = RawMqttClient("127.0.0.1", embedded.port)
+            await client.connect(
+                f"GID_t@@@{DEVICE_A}@@@uuid-{attempt}", DEVICE_A, PASSWORDS[DEVICE_A]
+            )
+            await client.publish(SCHEME.up(DEVICE_A), f'{{"type":"hello","n":{attempt}}}', qos=1)
+            await eventually(lambda n=attempt: len(acceptor.of(ID_A)) == n + 1)
+            handler = acceptor.latest(ID_A)
+            assert handler.link.identity.client_id == f"uuid-{attempt}"
+            await eventually(
+                lambda h=handler, n=attempt: h.texts == [f'{{"type":"hello","n":{n}}}']
+            )
+            await client.disconnect()
+            await eventually(lambda h=handler: h.closed == ["device offline"])
+
+
+# ---- TLS ----------------------------------------------------------------------------------------
+
+
+def _tls_files(directory: Path) -> tuple[Path, Path, Path]:
+    """A CA and a server certificate for 127.0.0.1, made here with `cryptography`."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "bridge test CA")])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(
+            x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    server = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    paths = (directory / "ca.pem", directory / "server.pem", directory / "server.key")
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(server.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return paths
+
+
+async def test_mqtts_to_a_tls_mosquitto(tmp_path: Path) -> None:
+    if not mosquitto_available():
+        pytest.skip("mosquitto not installed")
+    ca, cert, key = _tls_files(tmp_path)
+    broker = Mosquitto(tmp_path / "broker", PASSWORDS)
+    with broker.conf.open("a") as conf:
+        conf.write(f"certfile {cert}\nkeyfile {key}\ncafile {ca}\n")
+    await broker.start()
+    try:
+        acceptor = RecordingAcceptor()
+        bridge = broker.bridge
+        url = f"mqtts://{bridge.username}:{bridge.password}@127.0.0.1:{broker.port}"
+        async with running_transport(url, acceptor, tls_ca_file=str(ca)) as transport:
+            assert transport.endpoints()["mqtt"] == f"mqtts://bridge@127.0.0.1:{broker.port}"
+            # The test device client speaks plain TCP only: the bridge's own publish, coming
+            # back through its subscription, proves the TLS channel both ways.
+            await transport.publish(SCHEME.status(DEVICE_A), "online")
+            await eventually(lambda: bool(acceptor.of(ID_A)), what="own publish seen over TLS")
+        # Without the CA the server certificate is refused.
+        untrusting = MqttTransport(transport_settings(url), Admission(BrokerVouched()))
+        await untrusting.start(RecordingAcceptor())
+        try:
+            await eventually(
+                lambda: untrusting.counters.get("broker_connect_failures", 0) >= 1,
+                what="a refused TLS handshake",
+            )
+            assert not untrusting.connected
+        finally:
+            await untrusting.stop()
+    finally:
+        await broker.stop()
+
+
+async def test_bridge_url_round_trips_ipv6_and_odd_passwords() -> None:
+    broker = EmbeddedBroker(
+        BrokerSettings(host="::1", port=0),
+        DerivedCredentials(b"0123456789abcdef!"),
+        BridgeAccount(password="p@ss:w/rd"),
+    )
+    await broker.start()
+    try:
+        address = BrokerAddress.parse(broker.bridge_url())
+        assert (address.host, address.port, address.password) == ("::1", broker.port, "p@ss:w/rd")
+    finally:
+        await broker.stop()
