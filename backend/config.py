@@ -48,6 +48,13 @@ class Settings(BaseSettings):
     max_message_bytes: int = Field(65536, ge=1024)
     max_queue: int = Field(16, ge=1)
     max_pending_calls: int = Field(256, ge=1)
+    # Bounds per device, so one hostile device cannot take memory, log space or time from others.
+    max_tools_per_device: int = Field(2000, ge=1)
+    max_tool_bytes_per_device: int = Field(1 << 20, ge=1024)
+    max_inbound_messages_per_s: float = Field(200.0, gt=0)
+    max_inbound_bytes_per_s: float = Field(2_000_000.0, gt=0)
+    write_timeout_s: float = Field(10.0, gt=0)
+    max_pending_handshakes: int = Field(4096, ge=1)
     hello_timeout_s: float = Field(10.0, gt=0)
     init_timeout_s: float = Field(10.0, gt=0)
     call_timeout_s: float = Field(10.0, gt=0)

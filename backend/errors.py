@@ -10,3 +10,12 @@ to show to an operator: it never echoes a secret and clips what a device sent.
 
 class BridgeError(Exception):
     """Base class of every error the bridge raises deliberately."""
+
+
+class MessageTooLarge(BridgeError):
+    """A message for a device is larger than the device accepts; it was not sent."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"message of {size} bytes exceeds the device's limit of {limit} bytes")
+        self.size = size
+        self.limit = limit

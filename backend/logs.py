@@ -101,10 +101,16 @@ class LogBudget:
         self._last_summary: dict[str, float] = {}
 
     def warning(self, event: str, **fields: Any) -> None:
+        self._emit("warning", event, fields)
+
+    def info(self, event: str, **fields: Any) -> None:
+        self._emit("info", event, fields)
+
+    def _emit(self, level: str, event: str, fields: dict[str, Any]) -> None:
         count = self._counts.get(event, 0) + 1
         self._counts[event] = count
         if count <= self._burst:
-            self._log.warning(event, **fields)
+            getattr(self._log, level)(event, **fields)
             return
         self._suppressed[event] = self._suppressed.get(event, 0) + 1
         now = time.monotonic()

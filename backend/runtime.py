@@ -8,6 +8,7 @@ import contextlib
 import gc
 import json
 import os
+import resource
 from pathlib import Path
 from typing import Any
 
@@ -49,3 +50,13 @@ def tune_gc_for_many_devices() -> None:
     """
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
+
+
+def raise_open_file_limit() -> tuple[int, int]:
+    """Raise the soft open-file limit to the hard one (each device link is one descriptor);
+    returns (before, after)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        return soft, hard
+    return soft, soft

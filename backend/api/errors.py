@@ -13,7 +13,7 @@ from backend.devices.errors import (
     UnknownDevice,
     UnknownTool,
 )
-from backend.errors import BridgeError
+from backend.errors import BridgeError, MessageTooLarge
 from backend.mcp_session import (
     DeviceDisconnected,
     DeviceError,
@@ -29,6 +29,7 @@ ERROR_TABLE: dict[type[BaseException], tuple[int, str]] = {
     DeviceNotReady: (409, "device_not_ready"),
     DeviceOnline: (409, "device_online"),
     InvalidArguments: (422, "invalid_arguments"),
+    MessageTooLarge: (413, "message_too_large"),
     DeviceBusy: (429, "device_busy"),
     DeviceError: (502, "device_error"),
     ProtocolViolation: (502, "device_protocol_error"),

@@ -14,12 +14,13 @@ from rich.table import Table
 from backend.config import Settings
 from backend.errors import BridgeError
 from backend.logs import configure_logging
-from backend.runtime import tune_gc_for_many_devices
+from backend.runtime import raise_open_file_limit, tune_gc_for_many_devices
 from backend.server import Bridge
 
 
 async def run_bridge(settings: Settings) -> None:
     configure_logging(settings.log_level, settings.log_format)
+    raise_open_file_limit()
     bridge = Bridge(settings)
     for path in bridge.tokens.created:
         print(f"created token file {path} (mode 0600)", flush=True)

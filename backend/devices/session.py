@@ -22,9 +22,11 @@ import structlog
 
 from backend.config import Settings
 from backend.devices.conversation import Conversation, ConversationHub, HandlerResult
+from backend.devices.limits import InboundLimit
 from backend.devices.registry import Device, DeviceRegistry, DeviceState
 from backend.logs import DeviceLog, LogBudget, clip
 from backend.mcp_session import DeviceDisconnected, McpClient, McpError, TimeoutPolicy, Tool
+from backend.mcp_session.models import ToolLimits
 from backend.protocol import (
     Abort,
     AudioFrame,
@@ -43,6 +45,7 @@ from backend.transports.base import DeviceLink
 log = structlog.get_logger("device")
 
 NO_HELLO_CLOSE = 1008
+POLICY_VIOLATION = 1008
 # Re-listing tools after `notifications/tools/list_changed`: one at a time, at most this often.
 RELIST_INTERVAL_S = 2.0
 # Pipeline handlers running at once for one device; more messages are dropped (and counted).
@@ -60,11 +63,13 @@ class DeviceSession:
     __slots__ = (
         "_closed",
         "_closing",
+        "_cut_off",
         "_device",
         "_drops",
         "_handler_tasks",
         "_hello_timer",
         "_hub",
+        "_inbound",
         "_last_relist",
         "_log",
         "_registry",
@@ -100,6 +105,7 @@ class DeviceSession:
             timeouts=timeouts if timeouts is not None else timeout_policy(settings),
             vision=_vision_capability(settings),
             on_tools_changed=self._on_tools_changed,
+            on_violation=self._cut_off_for,
             log=self._log,
         )
         self.conversation = Conversation(identity.device_id, self)
@@ -113,6 +119,12 @@ class DeviceSession:
         self._last_relist = 0.0
         self._closing: asyncio.Task[None] | None = None
         self._closed = False
+        self._cut_off = False
+        self._inbound = InboundLimit(
+            settings.max_inbound_messages_per_s,
+            settings.max_inbound_bytes_per_s,
+            reply_bytes=settings.max_message_bytes,
+        )
 
     def start(self) -> None:
         """Register with the registry (replacing an older link) and begin the conversation."""
@@ -142,6 +154,9 @@ class DeviceSession:
     # ---- inbound, called by the transport ------------------------------------------------------
 
     async def on_text(self, text: str) -> None:
+        if not self._inbound.allow(len(text)):
+            self._cut_off_for("inbound rate limit exceeded")
+            return
         try:
             data = decode_device_message(text)
             if data["type"] == "mcp" and "payload" in data:
@@ -166,6 +181,9 @@ class DeviceSession:
             await self._on_device_goodbye()
 
     def on_audio(self, frame: AudioFrame) -> None:
+        if not self._inbound.allow(len(frame.payload)):
+            self._cut_off_for("inbound rate limit exceeded")
+            return
         if self.hello is None:
             self._dropped("audio before hello dropped", size=len(frame.payload))
             return
@@ -187,6 +205,15 @@ class DeviceSession:
         if self._drops is not None:
             self._drops.close()
         self._log.info("device disconnected", reason=reason)
+
+    def _cut_off_for(self, reason: str) -> None:
+        """The device broke a bound (flooding, not reading our answers): close its link with
+        1008 once, and ignore what it sends until the link is gone."""
+        if self._cut_off:
+            return
+        self._cut_off = True
+        self._log.warning("device cut off", reason=reason)
+        self.disconnect(reason, POLICY_VIOLATION)
 
     # ---- called by the registry ----------------------------------------------------------------
 
@@ -293,7 +320,9 @@ class DeviceSession:
         self._registry.ready(self.device, result.server_info, tools)
 
     async def _list_tools(self) -> list[Tool]:
-        return await self.mcp.list_tools(with_user_tools=self._settings.list_user_tools)
+        settings = self._settings
+        limits = ToolLimits(settings.max_tools_per_device, settings.max_tool_bytes_per_device)
+        return await self.mcp.list_tools(with_user_tools=settings.list_user_tools, limits=limits)
 
     def _on_tools_changed(self) -> None:
         if self.device.state is not DeviceState.READY:
@@ -326,6 +355,8 @@ class DeviceSession:
 
     async def _send_mcp(self, payload: dict[str, Any]) -> None:
         await self.link.send_text(mcp_envelope(self._session_id, payload))
+        if "method" in payload and "id" in payload:
+            self._inbound.expect_reply()
 
     def _run_handler(self, handler: Callable[[Conversation, Any], HandlerResult], arg: Any) -> None:
         """Call a pipeline's handler; a coroutine runs as a task of this session (bounded)."""

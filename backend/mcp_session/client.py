@@ -17,6 +17,7 @@ every inbound payload through `feed`. Design points, each a lesson from existing
 
 import asyncio
 import inspect
+import json
 import math
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -24,6 +25,8 @@ from typing import Any
 import structlog
 
 from backend import __version__
+from backend.errors import MessageTooLarge
+from backend.logs import LogBudget
 from backend.mcp_session.errors import (
     DeviceDisconnected,
     DeviceError,
@@ -31,10 +34,12 @@ from backend.mcp_session.errors import (
     RequestTimeout,
 )
 from backend.mcp_session.models import (
+    DEFAULT_TOOL_LIMITS,
     CallResult,
     InitializeResult,
     TimeoutPolicy,
     Tool,
+    ToolLimits,
     clip,
     json_kind,
     parse_tools,
@@ -47,10 +52,16 @@ PROTOCOL_VERSION = "2024-11-05"
 # Versions whose tools/list and tools/call shapes we understand; others are used with a warning.
 KNOWN_PROTOCOL_VERSIONS = frozenset({"2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25"})
 MAX_LIST_PAGES = 64
+MAX_CURSOR_LENGTH = 1024
+# A request id from the device is echoed in our reply: a longer one is dropped, never echoed.
+MAX_DEVICE_ID_LENGTH = 128
+# Replies to the device's own requests (ping) waiting to be sent; more means it is not reading.
+MAX_DEVICE_REQUESTS = 16
 DEFAULT_CLIENT_INFO: dict[str, str] = {"name": "esp32-mcp-bridge", "version": __version__}
 DEFAULT_TIMEOUTS = TimeoutPolicy()
 METHOD_NOT_FOUND = -32601
 
+_COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 _TIMED_OUT: Any = object()  # resolves a waiter whose deadline passed
 _MISSING: Any = object()
 _MAX_ID_DIGITS = 18
@@ -64,8 +75,11 @@ class McpClient:
         "_closed_reason",
         "_log",
         "_next_id",
+        "_noise",
         "_on_tools_changed",
+        "_on_violation",
         "_pending",
+        "_replies_in_flight",
         "_send",
         "_tasks",
         "_timeouts",
@@ -80,6 +94,7 @@ class McpClient:
         client_info: dict[str, Any] | None = None,
         vision: dict[str, Any] | None = None,
         on_tools_changed: ToolsChangedFn | None = None,
+        on_violation: Callable[[str], None] | None = None,
         log: Any = None,
     ) -> None:
         self._send = send
@@ -92,6 +107,9 @@ class McpClient:
         self._next_id = 1
         self._closed_reason: str | None = None
         self._tasks: set[asyncio.Future[Any]] | None = None  # created on first use
+        self._on_violation = on_violation  # the device broke a bound: its link should close
+        self._replies_in_flight = 0
+        self._noise: LogBudget | None = None
 
     # ---- state ---------------------------------------------------------------------------------
 
@@ -125,11 +143,20 @@ class McpClient:
         return server
 
     async def list_tools(
-        self, *, with_user_tools: bool = False, timeout_s: float | None = None
+        self,
+        *,
+        with_user_tools: bool = False,
+        timeout_s: float | None = None,
+        limits: ToolLimits = DEFAULT_TOOL_LIMITS,
     ) -> list[Tool]:
-        """All pages of tools/list, merged and validated (`timeout_s` applies per page)."""
+        """All pages of tools/list, merged and validated (`timeout_s` applies per page).
+
+        A device declaring more than `limits` allow (tools or bytes of declarations) keeps the
+        first ones that fit; the rest are not requested, and one warning says so.
+        """
         timeout = _timeout_or(timeout_s, self._timeouts.default_s)
         raw_tools: list[Any] = []
+        declared_bytes = 0
         cursor = ""
         seen_cursors = {cursor}
         for _page in range(MAX_LIST_PAGES):
@@ -138,10 +165,20 @@ class McpClient:
                 params["withUserTools"] = True
             result = await self._roundtrip("tools/list", params, timeout)
             page_tools, next_cursor = _parse_tools_page(result)
+            declared_bytes += _json_size(page_tools)
             raw_tools.extend(page_tools)
+            if len(raw_tools) > limits.max_tools or declared_bytes > limits.max_bytes:
+                raw_tools = _within(raw_tools, limits)
+                self._log.warning(
+                    "tool list truncated", kept=len(raw_tools), limit=limits.max_tools,
+                    max_bytes=limits.max_bytes,
+                )  # fmt: skip
+                break
             # "" would restart from the first page (or is a zero-value "no more"): either way, done.
             if next_cursor is None or next_cursor == "":
                 break
+            if len(next_cursor) > MAX_CURSOR_LENGTH:
+                raise ProtocolViolation(f"tools/list cursor longer than {MAX_CURSOR_LENGTH}")
             if next_cursor in seen_cursors:
                 raise ProtocolViolation("tools/list repeated a cursor (pagination loop)")
             seen_cursors.add(next_cursor)
@@ -186,6 +223,8 @@ class McpClient:
         if self._closed_reason is not None:
             return
         self._closed_reason = reason
+        if self._noise is not None:
+            self._noise.close()
         pending = list(self._pending.values())
         self._pending.clear()
         for waiter in pending:
@@ -241,6 +280,8 @@ class McpClient:
     async def _send_or_disconnect(self, message: dict[str, Any]) -> None:
         try:
             await self._send(message)
+        except MessageTooLarge:
+            raise  # nothing was sent; the link is fine
         except Exception as exc:  # a broken link surfaces as whatever the transport raises
             raise DeviceDisconnected(f"send failed: {type(exc).__name__}: {exc}") from exc
 
@@ -262,7 +303,7 @@ class McpClient:
         """Handle one inbound `mcp` payload: any JSON value. Never raises."""
         if type(payload) is list:
             if not payload:
-                self._log.warning("dropped MCP payload", reason="empty batch")
+                self._dropped("dropped MCP payload", reason="empty batch")
             for message in payload:
                 self._feed_safely(message)
         else:
@@ -276,7 +317,7 @@ class McpClient:
 
     def _feed_message(self, message: Any) -> None:
         if type(message) is not dict:
-            self._log.warning("dropped MCP payload", reason=f"payload is {json_kind(message)}")
+            self._dropped("dropped MCP payload", reason=f"payload is {json_kind(message)}")
             return
         if self._closed_reason is not None:
             self._log.debug("MCP message after close dropped")
@@ -285,7 +326,7 @@ class McpClient:
         if method is _MISSING:
             self._on_reply(message)
         elif type(method) is not str:
-            self._log.warning("dropped MCP message", reason="method is not a string")
+            self._dropped("dropped MCP message", reason="method is not a string")
         elif message.get("id") is not None:
             self._on_device_request(method, message["id"])
         else:
@@ -301,27 +342,52 @@ class McpClient:
 
     def _log_stray_reply(self, message: dict[str, Any], request_id: int | None) -> None:
         if "result" not in message and "error" not in message:
-            self._log.warning("dropped MCP message", reason="no method, result or error")
+            self._dropped("dropped MCP message", reason="no method, result or error")
         elif request_id is not None and 0 < request_id < self._next_id:
             # Timed out, cancelled or answered twice: expected now and then, harmless.
-            self._log.info("late MCP reply dropped", request_id=request_id)
+            self._noisy().info("late MCP reply dropped", request_id=request_id)
         elif message.get("id") is None and message.get("error") is not None:
             error = _device_error(message["error"])
-            self._log.warning("device reported an error without request id", error=clip(str(error)))
+            self._dropped("device reported an error without request id", error=clip(str(error)))
         else:
-            self._log.warning("MCP reply with unknown id dropped", id=clip(repr(message.get("id"))))
+            self._dropped("MCP reply with unknown id dropped", id=clip(repr(message.get("id"))))
 
     def _on_device_request(self, method: str, request_id: Any) -> None:
         if type(request_id) not in (int, str, float):
-            self._log.warning("dropped device request", reason=f"id is {json_kind(request_id)}")
+            self._dropped("dropped device request", reason=f"id is {json_kind(request_id)}")
+            return
+        if type(request_id) is str and len(request_id) > MAX_DEVICE_ID_LENGTH:
+            self._dropped("dropped device request", reason="id too long to echo")
+            return
+        if self._replies_in_flight >= MAX_DEVICE_REQUESTS:
+            # It keeps asking but does not read our answers: nothing more is queued for it.
+            self._dropped("dropped device request", reason="too many requests in flight")
+            if self._on_violation is not None:
+                self._on_violation(f"more than {MAX_DEVICE_REQUESTS} requests in flight")
             return
         reply: dict[str, Any] = {"jsonrpc": "2.0", "id": request_id}
         if method == "ping":
             reply["result"] = {}
         else:
-            self._log.info("device request answered with method not found", method=clip(method))
+            self._noisy().info("device request answered with method not found", method=clip(method))
             reply["error"] = {"code": METHOD_NOT_FOUND, "message": f"Method not found: {method}"}
-        self._spawn(self._send_quietly(reply), "mcp-reply")
+        self._replies_in_flight += 1
+        self._spawn(self._send_reply(reply), "mcp-reply")
+
+    async def _send_reply(self, reply: dict[str, Any]) -> None:
+        try:
+            await self._send_quietly(reply)
+        finally:
+            self._replies_in_flight -= 1
+
+    def _noisy(self) -> LogBudget:
+        """The log for what the device sends wrong: a few lines each, then counted summaries."""
+        if self._noise is None:
+            self._noise = LogBudget(self._log)
+        return self._noise
+
+    def _dropped(self, event: str, **fields: Any) -> None:
+        self._noisy().warning(event, **fields)
 
     def _on_notification(self, method: str) -> None:
         if method != "notifications/tools/list_changed":
@@ -362,6 +428,25 @@ class McpClient:
             self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             self._log.error("MCP background task failed", exc_info=task.exception())
+
+
+def _json_size(value: Any) -> int:
+    try:
+        return len(_COMPACT.encode(value))
+    except (TypeError, ValueError, RecursionError):
+        return 0
+
+
+def _within(raw_tools: list[Any], limits: ToolLimits) -> list[Any]:
+    """The first declarations that fit both limits."""
+    kept: list[Any] = []
+    size = 0
+    for raw in raw_tools[: limits.max_tools]:
+        size += _json_size(raw)
+        if size > limits.max_bytes:
+            break
+        kept.append(raw)
+    return kept
 
 
 def _parse_tools_page(result: Any) -> tuple[list[Any], str | None]:

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
+from backend.logs import LogBudget
 from backend.mcp_session.errors import ProtocolViolation
 
 Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -35,6 +36,18 @@ class TimeoutPolicy(BaseModel):
 
     def for_tool(self, name: str) -> float:
         return self.per_tool.get(name, self.default_s)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolLimits:
+    """How much of a device's tool list the bridge keeps (a hostile device may declare
+    thousands): at most `max_tools` declarations and `max_bytes` of their JSON."""
+
+    max_tools: int = 2000
+    max_bytes: int = 1 << 20
+
+
+DEFAULT_TOOL_LIMITS = ToolLimits()
 
 
 class Tool(BaseModel):
@@ -129,18 +142,24 @@ _SHARED_TOOLS: "weakref.WeakValueDictionary[str, Tool]" = weakref.WeakValueDicti
 
 def parse_tools(raw_tools: Iterable[Any], log: Any = None) -> list[Tool]:
     """Keep every usable tool: drop nameless ones and duplicates, repair unusable schemas."""
-    log = log if log is not None else structlog.get_logger("mcp")
+    # A device declaring thousands of broken tools gets a few lines and a count, not thousands.
+    budget = LogBudget(log if log is not None else structlog.get_logger("mcp"))
     tools: list[Tool] = []
     seen: set[str] = set()
     for index, raw in enumerate(raw_tools):
-        tool = _parse_tool(index, raw, log)
+        try:
+            tool = _parse_tool(index, raw, budget)
+        except (ValueError, RecursionError) as exc:  # pydantic's ValidationError is a ValueError
+            budget.warning("tool dropped", index=index, reason=clip(str(exc).splitlines()[0]))
+            continue
         if tool is None:
             continue
         if tool.name in seen:
-            log.warning("duplicate tool name; keeping the first", tool=clip(tool.name))
+            budget.warning("duplicate tool name; keeping the first", tool=clip(tool.name))
             continue
         seen.add(tool.name)
         tools.append(tool)
+    budget.close()
     return tools
 
 
@@ -179,7 +198,7 @@ def _shared_tool(**fields: Any) -> Tool:
     """
     try:
         key = json.dumps(fields, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-    except (TypeError, ValueError):  # not JSON-shaped (only possible for non-wire input)
+    except (TypeError, ValueError, RecursionError):  # not JSON-shaped, or nested absurdly deep
         return Tool(**fields)
     tool = _SHARED_TOOLS.get(key)
     if tool is None:

@@ -10,6 +10,8 @@ an `AudioFrame`; frames larger than `max_message_bytes` close the link with 1009
 """
 
 import asyncio
+import resource
+from dataclasses import dataclass
 from http import HTTPStatus
 from urllib.parse import parse_qs, urlsplit
 
@@ -20,6 +22,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from backend.config import Settings
+from backend.errors import MessageTooLarge
 from backend.logs import LogBudget
 from backend.protocol.audio import AudioFrame, AudioFrameError, decode_audio, encode_audio
 from backend.transports.admission import Admission, HandshakeRefused, HandshakeRequest
@@ -35,25 +38,40 @@ SHUTDOWN = "bridge shutting down"
 class WebSocketLink:
     """A device connection as the session sees it. Stock devices open it for a conversation."""
 
-    __slots__ = ("connection", "identity")
+    __slots__ = ("_limits", "connection", "identity")
     conversation_scoped = True
 
-    def __init__(self, connection: ServerConnection, identity: DeviceIdentity) -> None:
+    def __init__(
+        self, connection: ServerConnection, identity: DeviceIdentity, limits: "LinkLimits"
+    ) -> None:
         self.connection = connection
         self.identity = identity
+        self._limits = limits
 
     async def send_text(self, text: str) -> None:
-        try:
-            await self.connection.send(text)
-        except ConnectionClosed as exc:
-            raise LinkClosed(f"link closed ({exc.rcvd.code if exc.rcvd else 1006})") from None
+        limit = self._limits.max_message_bytes
+        if len(text) * 4 > limit:  # only long texts need their UTF-8 size worked out
+            size = len(text.encode())
+            if size > limit:
+                raise MessageTooLarge(size, limit)
+        await self._send(text)
 
     async def send_audio(self, frame: AudioFrame) -> None:
         data = encode_audio(self.identity.protocol_version, frame.payload, frame.timestamp_ms)
+        if len(data) > self._limits.max_message_bytes:
+            raise MessageTooLarge(len(data), self._limits.max_message_bytes)
+        await self._send(data)
+
+    async def _send(self, data: str | bytes) -> None:
         try:
-            await self.connection.send(data)
+            async with asyncio.timeout(self._limits.write_timeout_s):
+                await self.connection.send(data)
         except ConnectionClosed as exc:
             raise LinkClosed(f"link closed ({exc.rcvd.code if exc.rcvd else 1006})") from None
+        except TimeoutError:
+            # The device stopped reading: its buffers are full and nothing more will fit.
+            self.connection.transport.abort()
+            raise LinkClosed("write timed out: the device is not reading") from None
 
     def hello_fields(self, session_id: str) -> dict[str, str]:
         # Must be present and exactly "websocket": a missing transport crashes stock firmware.
@@ -64,6 +82,57 @@ class WebSocketLink:
 
     async def close(self, code: int = 1000, reason: str = "") -> None:
         await self.connection.close(code, reason)
+
+
+@dataclass(frozen=True, slots=True)
+class LinkLimits:
+    max_message_bytes: int
+    write_timeout_s: float
+
+
+class HandshakeGuard:
+    """Caps connections that have not finished their handshake (slowloris, idle sockets, a
+    descriptor-exhaustion attempt): past the cap a new TCP connection is dropped at once."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.pending: set[ServerConnection] = set()
+        self.refused = 0
+        self._budget = LogBudget(log)
+
+    def admit(self, connection: ServerConnection) -> bool:
+        if len(self.pending) >= self.limit:
+            self.refused += 1
+            self._budget.warning("connection refused: too many handshakes in progress",
+                                 limit=self.limit, refused=self.refused)  # fmt: skip
+            return False
+        self.pending.add(connection)
+        return True
+
+    def done(self, connection: ServerConnection) -> None:
+        self.pending.discard(connection)
+
+    def connection_class(self) -> type[ServerConnection]:
+        guard = self
+
+        class GuardedConnection(ServerConnection):
+            _refused = False
+
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                if not guard.admit(self):
+                    self._refused = True
+                    if isinstance(transport, asyncio.Transport):
+                        transport.abort()
+                    return
+                super().connection_made(transport)
+
+            def connection_lost(self, exc: Exception | None) -> None:
+                if self._refused:
+                    return
+                guard.done(self)
+                super().connection_lost(exc)
+
+        return GuardedConnection
 
 
 class WebSocketTransport:
@@ -77,6 +146,8 @@ class WebSocketTransport:
         self._acceptor: LinkAcceptor | None = None
         self._server: Server | None = None
         self._links: set[WebSocketLink] = set()
+        self._limits = LinkLimits(settings.max_message_bytes, settings.write_timeout_s)
+        self.handshakes = HandshakeGuard(_handshake_cap(settings.max_pending_handshakes))
 
     @property
     def port(self) -> int:
@@ -110,6 +181,7 @@ class WebSocketTransport:
             # A fleet reconnecting at once overflows asyncio's default backlog of 100, and every
             # dropped SYN costs its device a retransmission second; the kernel caps this value.
             backlog=settings.ws_backlog,
+            create_connection=self.handshakes.connection_class(),
         )
 
     async def stop(self) -> None:
@@ -152,7 +224,8 @@ class WebSocketTransport:
 
     async def _handle(self, connection: ServerConnection) -> None:
         assert self._acceptor is not None
-        link = WebSocketLink(connection, getattr(connection, _IDENTITY_KEY))
+        self.handshakes.done(connection)
+        link = WebSocketLink(connection, getattr(connection, _IDENTITY_KEY), self._limits)
         # websockets keeps the handshake's response only for inspection (the request it needs:
         # `request is None` means "still in the handshake"); nothing reads it again.
         connection.response = None
@@ -186,6 +259,13 @@ class WebSocketTransport:
                 drops.close()
             self._links.discard(link)
             handler.on_closed(_close_reason(connection))
+
+
+def _handshake_cap(configured: int) -> int:
+    """At most half the open-file limit may wait in handshakes, whatever the setting: the
+    other half stays for devices that finished theirs, the API and the database."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return configured if soft == resource.RLIM_INFINITY else max(1, min(configured, soft // 2))
 
 
 def _refuse(
