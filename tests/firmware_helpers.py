@@ -11,9 +11,8 @@ import pytest
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.http11 import Request
 
+from backend.firmware import find_tool, firmware_dir, micropython_argv, micropython_env
 from bench.common import WatchedProcess
-from simulator.firmware import firmware_dir
-from simulator.micropython import find_tool, micropython_argv, micropython_env
 
 MICROPYTHON = find_tool("micropython")
 needs_micropython = pytest.mark.skipif(

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from backend.firmware import find_tool
 from bench.firmware_memory import HEAP_KB, QUICK_CALLS, run_scenario
-from simulator.micropython import find_tool
 
 REPO = Path(__file__).resolve().parents[1]
 
