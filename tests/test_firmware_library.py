@@ -1,6 +1,7 @@
 """backend.firmware as a library: where it finds the firmware (source checkout and installed
 wheel), what it raises, the command lines it builds, and the layering rules it exists for."""
 
+import ast
 import subprocess
 import sys
 import zipfile
@@ -154,3 +155,39 @@ def test_command_lines(tmp_path: Path) -> None:
     ]
     with pytest.raises(UsageError, match="unknown --chip 'esp8266'"):
         flash_commands("esptool", "esp8266", "COM3", 115200, Path("mp.bin"))
+
+
+# ---- layering ------------------------------------------------------------------------------------
+
+# Known exceptions, each owned by another change: backend/runner.py moves out of backend, and
+# conftest's bench_settings moves elsewhere; test_bench_smoke tests the benchmarks themselves.
+ALLOWED = {
+    "backend/runner.py": {"simulator"},
+    "tests/conftest.py": {"bench"},
+    "tests/test_bench_smoke.py": {"bench"},
+}
+
+
+def _imported_packages(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize(
+    ("folder", "forbidden"),
+    [("backend", {"simulator", "bench", "tests"}), ("tests", {"bench"})],
+)
+def test_layering(folder: str, forbidden: set[str]) -> None:
+    offenders = {}
+    for path in sorted((REPO / folder).rglob("*.py")):
+        relative = path.relative_to(REPO).as_posix()
+        bad = (_imported_packages(path) & forbidden) - ALLOWED.get(relative, set())
+        if bad:
+            offenders[relative] = sorted(bad)
+    assert offenders == {}
