@@ -215,9 +215,7 @@ number_texts = st.builds(
 )
 texts = st.one_of(
     st.text(st.characters(codec=None, exclude_categories=[])),
-    requests().map(to_text),
     requests(text_values).map(to_text),
-    requests(valid_looking=True).map(to_text),
     requests(text_values, valid_looking=True).map(to_text),
     st.builds(
         mutated,
