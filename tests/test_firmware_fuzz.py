@@ -8,7 +8,7 @@ MicroPython unix port a corpus generated here is fed to tests/fw/fuzz_corpus.py.
 
 A few hundred examples per test by default, fast; the environment scales it up:
 `FUZZ_EXAMPLES=100000` for the CPython tests, `FUZZ_CORPUS=100000` for the MicroPython corpus
-(default 2,000 inputs).
+(default 2,000 inputs); either one turns pytest-timeout off for this module.
 tools/fuzz_firmware_mcp.py is a coverage-guided campaign with atheris, not run here.
 """
 
@@ -32,6 +32,9 @@ REPO = Path(__file__).resolve().parents[1]
 CORPUS_SCRIPT = REPO / "tests" / "fw" / "fuzz_corpus.py"
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "200"))
 CORPUS_SIZE = int(os.environ.get("FUZZ_CORPUS", "2000"))
+# A scaled-up campaign runs for minutes: no pytest-timeout then (0 turns it off).
+SCALED = "FUZZ_EXAMPLES" in os.environ or "FUZZ_CORPUS" in os.environ
+pytestmark = [pytest.mark.timeout(0)] if SCALED else []
 SUMMARY = re.compile(r"^fuzz: (\d+) inputs, (\d+) escapes, (\d+) bad replies, (\d+) broken$", re.M)
 
 mcp_server = firmware_module("mcp_server")
