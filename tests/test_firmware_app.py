@@ -19,7 +19,8 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request
 
-from simulator.firmware import firmware_dir, firmware_module
+from backend.firmware import firmware_dir
+from simulator.firmware import firmware_module
 from tests.firmware_helpers import (
     needs_micropython,
     run_micropython,

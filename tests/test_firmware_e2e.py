@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from backend.server import Bridge
-from bench.common import WatchedProcess
+from simulator.processes import WatchedProcess
 from tests.firmware_helpers import needs_micropython, running_firmware
 from tests.fw.fw_support import MODEL_TOOLS, USER_TOOLS
 from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN

@@ -1,7 +1,7 @@
 """The firmware on a device-sized heap: firmware/main.py under `micropython -X heapsize=175K`
 (~1.75 x an ESP32's ~100 KB Python heap, as objects are 64-bit here), connected to a real bridge,
-answers 1,000 tool calls without running out of memory. The scenario and its figures are those
-of bench/firmware_memory.py, which reports them in docs/benchmarks.md."""
+answers 1,000 tool calls without running out of memory. The scenario is
+simulator/firmware_memory.py; bench/firmware_memory.py reports its figures in docs/benchmarks.md."""
 
 import os
 import subprocess
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.firmware_memory import HEAP_KB, QUICK_CALLS, run_scenario
-from simulator.micropython import find_tool
+from backend.firmware import find_tool
+from simulator.firmware_memory import HEAP_KB, QUICK_CALLS, run_scenario
 
 REPO = Path(__file__).resolve().parents[1]
 

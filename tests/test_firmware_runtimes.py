@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from simulator.micropython import find_tool
+from backend.firmware import find_tool
 
 REPO = Path(__file__).resolve().parents[1]
 FW_TESTS = REPO / "tests" / "fw"

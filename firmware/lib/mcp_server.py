@@ -16,7 +16,11 @@ leave a spec-following client waiting or guessing:
 - a tool that raises: -32603 with the exception text (stock sends the text too); MemoryError:
   gc.collect(), then -32603 "Out of memory in tool <name>";
 - a tool result that is not bool/int/str/dict/list (e.g. None, float): -32603;
-- handle() (sync) answers -32603 for an `async def` tool: use handle_async/handle_message_async.
+- handle() (sync) answers -32603 for an `async def` tool: use handle_async/handle_message_async;
+- handle()/handle_async() never raise, whatever the text: JSON nested deeper than the parser can
+  go is a -32700 parse error; a MemoryError anywhere becomes -32603 "Out of memory";
+- an id that is a non-finite number (NaN, Infinity: no JSON can carry it back) is not usable;
+- names echoed in error messages (method, tool, cursor) are clipped to ECHO_CHARS characters.
 
 Memory: each tool keeps only its JSON byte size, measured once at registration (in this
 runtime's json.dumps encoding); tools/list builds the dicts of one page when asked, and they
@@ -46,6 +50,7 @@ _PAGE_HEAD = const(10)
 _PAGE_SLACK = const(30)
 _ANNOTATION_BYTES = len(',"annotations":{"audience":["user"]}')
 _COMPACT = (",", ":")
+ECHO_CHARS = const(100)  # longest name an error message repeats
 
 
 class _NoDefault:
@@ -250,19 +255,27 @@ class McpServer:
     # ---- entry points ---------------------------------------------------------------------
 
     def handle(self, text):
-        """JSON text in, JSON reply text (or None) out. Async tools need handle_async."""
+        """JSON text in, JSON reply text (or None) out; never raises. Async tools need
+        handle_async."""
         msg, reply = _parse(text)
         if reply is None:
-            reply = self.handle_message(msg)
+            try:
+                reply = self.handle_message(msg)
+            except MemoryError:
+                reply = _out_of_memory(msg)
         if isinstance(reply, AsyncCall):
             reply.close()
             reply = _error(reply.id, INTERNAL_ERROR, "Tool " + reply.name + " needs handle_async")
         return _encode(reply)
 
     async def handle_async(self, text):
+        """Like handle(), and runs `async def` tools; never raises."""
         msg, reply = _parse(text)
         if reply is None:
-            reply = await self.handle_message_async(msg)
+            try:
+                reply = await self.handle_message_async(msg)
+            except MemoryError:
+                reply = _out_of_memory(msg)
         return _encode(reply)
 
     async def handle_message_async(self, msg):
@@ -272,7 +285,9 @@ class McpServer:
         return reply
 
     def handle_message(self, msg):
-        """Reply dict, None (nothing to send) or an AsyncCall, for any parsed JSON value."""
+        """Reply dict, None (nothing to send) or an AsyncCall, for any parsed JSON value.
+
+        Raises nothing but MemoryError (the caller decides how to recover from that)."""
         if isinstance(msg, list):
             return _error(None, INVALID_REQUEST, "Batch requests are not supported")
         if not isinstance(msg, dict):
@@ -304,7 +319,7 @@ class McpServer:
         elif method == "ping":
             result = {}
         else:
-            raise _RpcError(METHOD_NOT_FOUND, "Method not implemented: " + method)
+            raise _RpcError(METHOD_NOT_FOUND, "Method not implemented: " + _clip(method))
         return {"jsonrpc": "2.0", "id": request_id, "result": result}
 
     def _initialize(self, params) -> dict:
@@ -349,7 +364,7 @@ class McpServer:
         for index in range(len(self._tools)):
             if self._tools[index].name == cursor:
                 return index
-        raise _RpcError(INVALID_PARAMS, "Unknown cursor: " + cursor)
+        raise _RpcError(INVALID_PARAMS, "Unknown cursor: " + _clip(cursor))
 
     def _partial_page(self, page, next_cursor) -> dict:
         if not page:
@@ -372,7 +387,7 @@ class McpServer:
             raise _RpcError(INVALID_PARAMS, "Invalid arguments")
         tool = self._find(name)
         if tool is None:
-            raise _RpcError(INVALID_PARAMS, "Unknown tool: " + name)
+            raise _RpcError(INVALID_PARAMS, "Unknown tool: " + _clip(name))
         values = {}
         for prop in tool.properties:
             values[prop.name] = prop.bind(arguments)
@@ -439,12 +454,22 @@ def _envelope_problem(msg):
 
 
 def _usable_id(request_id):
-    """The id if a reply may carry it (string or number), else None."""
+    """The id if a reply may carry it (string or finite number), else None."""
     if isinstance(request_id, bool):
         return None
-    if isinstance(request_id, (str, int, float)):
+    if isinstance(request_id, float):
+        # NaN and the infinities: x - x is NaN for them, and JSON has no way to send them back.
+        return request_id if request_id - request_id == 0 else None
+    if isinstance(request_id, (str, int)):
         return request_id
     return None
+
+
+def _clip(name):
+    """`name` as an error message may repeat it: long ones are cut (they could be a whole frame)."""
+    if len(name) <= ECHO_CHARS:
+        return name
+    return name[:ECHO_CHARS] + "..."
 
 
 def _object_params(params) -> dict:
@@ -466,8 +491,20 @@ def _parse(text):
     except MemoryError:
         gc.collect()
         return None, _error(None, INTERNAL_ERROR, "Out of memory")
-    except (ValueError, TypeError):
+    except (ValueError, TypeError):  # not JSON (UnicodeDecodeError is a ValueError), not text
         return None, _error(None, PARSE_ERROR, "Parse error: invalid JSON")
+    except RuntimeError:  # recursion limit: CPython's RecursionError is a RuntimeError
+        return None, _error(None, PARSE_ERROR, "Parse error: nesting too deep")
+
+
+def _out_of_memory(msg):
+    """The reply to `msg` when handling it ran out of memory (None for a notification)."""
+    gc.collect()
+    if not isinstance(msg, dict):
+        return _error(None, INTERNAL_ERROR, "Out of memory")
+    if "id" not in msg:
+        return None
+    return _error(_usable_id(msg.get("id")), INTERNAL_ERROR, "Out of memory")
 
 
 def _encode(reply):

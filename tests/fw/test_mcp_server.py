@@ -176,6 +176,26 @@ class EnvelopeTest(TestCase):
             self.assertIsNone(reply["id"], bad_id)
             self.assertEqual(error_of(reply)[0], INVALID_REQUEST, bad_id)
 
+    def test_non_finite_ids_are_not_usable(self):
+        # NaN and the infinities cannot go back in JSON; some parsers still produce them.
+        for bad_id in (float("nan"), float("inf"), float("-inf")):
+            reply = _server().handle_message(request("ping", request_id=bad_id))
+            self.assertIsNone(reply["id"], bad_id)
+            self.assertEqual(error_of(reply)[0], INVALID_REQUEST, bad_id)
+        self.assertEqual(_server().handle_message(request("ping", request_id=2.5))["id"], 2.5)
+
+    def test_long_names_are_clipped_in_error_messages(self):
+        server = _server()
+        clipped = "m" * mcp_server.ECHO_CHARS + "..."
+        reply = server.handle_message(request("m" * 5000))
+        self.assertEqual(error_of(reply), (METHOD_NOT_FOUND, "Method not implemented: " + clipped))
+        reply = call_tool(server, "m" * 5000)
+        self.assertEqual(error_of(reply), (INVALID_PARAMS, "Unknown tool: " + clipped))
+        reply = server.handle_message(request("tools/list", {"cursor": "m" * 5000}))
+        self.assertEqual(error_of(reply), (INVALID_PARAMS, "Unknown cursor: " + clipped))
+        exact = "m" * mcp_server.ECHO_CHARS  # at the limit: repeated as it is
+        self.assertEqual(error_of(call_tool(server, exact))[1], "Unknown tool: " + exact)
+
     def test_params_must_be_an_object(self):
         server = _server()
         for method in ("initialize", "tools/list"):
@@ -232,6 +252,39 @@ class HandleTextTest(TestCase):
     def test_bytes_are_accepted(self):
         reply = json.loads(_server().handle(b'{"jsonrpc":"2.0","id":5,"method":"ping"}'))
         self.assertEqual(reply["id"], 5)
+
+    def test_nesting_too_deep_for_the_parser_is_an_error_reply(self):
+        # CPython's parser recurses (RecursionError); MicroPython's may run out of memory.
+        server = _server()
+        for text in ("[" * 100000, '{"a":' * 50000, "[" * 100000 + "]" * 100000):
+            reply = json.loads(server.handle(text))
+            self.assertIsNone(reply["id"])
+            self.assertIn(error_of(reply)[0], (PARSE_ERROR, INTERNAL_ERROR, INVALID_REQUEST))
+        reply = json.loads(server.handle('{"jsonrpc":"2.0","id":2,"method":"ping"}'))
+        self.assertEqual(reply["result"], {})
+
+    def test_a_memory_error_while_handling_is_an_error_reply(self):
+        server = _server()
+
+        def exhausted(msg):
+            raise MemoryError("no heap")
+
+        server.handle_message = exhausted
+        reply = json.loads(server.handle('{"jsonrpc":"2.0","id":7,"method":"ping"}'))
+        self.assertEqual((reply["id"], error_of(reply)), (7, (INTERNAL_ERROR, "Out of memory")))
+        reply = json.loads(server.handle("[1]"))
+        self.assertEqual((reply["id"], error_of(reply)), (None, (INTERNAL_ERROR, "Out of memory")))
+        self.assertIsNone(server.handle('{"jsonrpc":"2.0","method":"notifications/x"}'))
+
+    async def test_handle_async_turns_a_memory_error_into_an_error_reply(self):
+        server = _server()
+
+        async def exhausted(msg):
+            raise MemoryError("no heap")
+
+        server.handle_message_async = exhausted
+        reply = json.loads(await server.handle_async('{"jsonrpc":"2.0","id":"x","method":"ping"}'))
+        self.assertEqual((reply["id"], error_of(reply)), ("x", (INTERNAL_ERROR, "Out of memory")))
 
     def test_non_finite_number_does_not_bind(self):
         server = _server()

@@ -1,0 +1,81 @@
+"""Run the firmware on this computer: firmware/main.py on the MicroPython unix port, fake HAL."""
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any, NoReturn
+
+from backend.firmware.device_config import check_device_config, read_device_config
+from backend.firmware.errors import FirmwareExited
+from backend.firmware.tools import micropython_env, stop_process
+
+# (url or None, token or None) -> (url, token or None) of the local bridge, for what is missing.
+LocalEndpoint = Callable[[str | None, str | None], tuple[str, str | None]]
+
+
+def host_client_id() -> str:
+    """Stable per machine, so the bridge sees the same device on every run."""
+    return str(uuid.uuid5(uuid.NAMESPACE_DNS, f"run-host.{socket.gethostname()}"))
+
+
+def host_config(
+    config: Path | None,
+    url: str | None,
+    token: str | None,
+    local_endpoint: LocalEndpoint,
+) -> dict[str, Any]:
+    """The device config for a host run: `config` (if given) with `url`/`token` over it; what is
+    still missing comes from `local_endpoint`. "hal" is forced to "fake"; checked like deploy."""
+    device = read_device_config(config) if config else {}
+    if url:
+        device["url"] = url
+    if token:
+        device["token"] = token
+    if not device.get("url") or not device.get("token"):
+        endpoint = local_endpoint(device.get("url"), device.get("token"))
+        device["url"], device["token"] = endpoint[0], endpoint[1] or ""
+    device["hal"] = "fake"
+    device.setdefault("client_id", host_client_id())
+    check_device_config(str(config or "run-host"), device)
+    return device
+
+
+def run_on_host(micropython: str, firmware: Path, device_config: dict[str, Any]) -> None:
+    """`micropython firmware/main.py CONFIG` until it ends or the user stops it (Ctrl-C,
+    SIGTERM, SIGHUP: the firmware is stopped, no traceback). FirmwareExited on a failure."""
+    with tempfile.TemporaryDirectory(prefix="esp32-bridge-run-host-") as folder:
+        config_file = Path(folder) / "config.json"
+        config_file.write_text(json.dumps(device_config))
+        command = [micropython, str(firmware / "main.py"), str(config_file)]
+        status = run_until_stopped(command, micropython_env(firmware / "lib"))
+    if status:
+        raise FirmwareExited(status)
+
+
+def run_until_stopped(command: list[str], env: dict[str, str]) -> int | None:
+    """Exit status of the command, or None when the user stopped it (Ctrl-C, SIGTERM, SIGHUP)."""
+    sys.stdout.flush()
+    # Own session: Ctrl-C reaches only us, and we stop the firmware without its traceback.
+    process = subprocess.Popen(command, env=env, start_new_session=True)
+    previous = {
+        sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)
+    }
+    try:
+        return process.wait()
+    except KeyboardInterrupt:
+        return None
+    finally:
+        stop_process(process)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _raise_interrupt(_signum: int, _frame: FrameType | None) -> NoReturn:
+    raise KeyboardInterrupt

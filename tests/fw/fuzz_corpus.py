@@ -1,0 +1,150 @@
+"""Feed a fuzz corpus to the firmware's McpServer.handle: `micropython fuzz_corpus.py CORPUS`
+(`-`: read it from stdin).
+
+Not a test_* module: tests/test_firmware_fuzz.py generates the corpus with hypothesis on CPython
+and runs this on the MicroPython unix port. CORPUS has one input per line, `t <hex>` (UTF-8 text;
+fed as bytes if this runtime will not decode it) or `b <hex>` (bytes). For each input: handle()
+must not raise, a reply must be a JSON-RPC object that carries the request's id when that is
+usable, and a valid call right after must still work. Prints the first problems and the line
+"fuzz: N inputs, E escapes, B bad replies, K broken"; exits 1 on any problem.
+"""
+
+import json
+import sys
+
+
+def _directory_of(path):
+    cut = path.rfind("/")
+    if cut < 0:
+        return "."
+    return path[:cut] or "/"
+
+
+sys.path.insert(0, _directory_of(__file__) + "/../../firmware/lib")
+
+import hal_fake  # noqa: E402
+import tools_stock  # noqa: E402
+from mcp_server import McpServer  # noqa: E402
+
+CODES = (-32700, -32600, -32601, -32602, -32603)
+CHECK_CALL = (
+    '{"jsonrpc":"2.0","id":"check","method":"tools/call",'
+    '"params":{"name":"self.audio_speaker.set_volume","arguments":{"volume":42}}}'
+)
+SHOWN = 10  # problems printed in full
+BLOCK = 65536
+
+
+def decode(line):
+    kind, data = line[0], bytes.fromhex(line[2:].strip())
+    if kind == "t":
+        try:
+            return str(data, "utf-8")
+        except UnicodeError:  # lone surrogates: a WebSocket text frame could not carry them
+            return data
+    return data
+
+
+def usable_id(request):
+    """(True, id) when the request is an object with an id a reply can carry."""
+    if not isinstance(request, dict) or "id" not in request:
+        return False, None
+    value = request["id"]
+    if isinstance(value, bool):
+        return False, None
+    if isinstance(value, float):
+        return value - value == 0, value  # not NaN or infinite
+    return isinstance(value, (str, int)), value
+
+
+def reply_problem(reply, data):
+    """Why `reply` is not a proper answer to `data`, or None."""
+    if reply is None:
+        return None
+    try:
+        answer = json.loads(reply)
+    except ValueError:
+        return "reply is not JSON"
+    if not isinstance(answer, dict) or answer.get("jsonrpc") != "2.0":
+        return "not a JSON-RPC reply"
+    if ("result" in answer) == ("error" in answer):
+        return "needs exactly one of result and error"
+    error = answer.get("error")
+    if error is not None:
+        if not isinstance(error, dict) or error.get("code") not in CODES:
+            return "bad error code"
+        if not isinstance(error.get("message"), str):
+            return "error without a message"
+    try:
+        request = json.loads(data)
+    except Exception:  # not JSON for this runtime: the reply has no id to carry
+        request = None
+    usable, request_id = usable_id(request)
+    if usable and answer.get("id") != request_id:
+        return "id " + repr(answer.get("id")) + " instead of " + repr(request_id)
+    if not usable and answer.get("id") is not None:
+        return "id " + repr(answer.get("id")) + " for a request without a usable id"
+    return None
+
+
+def still_works(server):
+    try:
+        answer = json.loads(server.handle(CHECK_CALL))
+        return answer["id"] == "check" and answer["result"]["content"][0]["text"] == "true"
+    except Exception:
+        return False
+
+
+def lines(corpus):
+    """The non-empty lines of `corpus`, read in blocks (readline reads byte by byte here)."""
+    pending = ""
+    while True:
+        block = corpus.read(BLOCK)
+        if not block:
+            break
+        pending += block
+        start = 0
+        end = pending.find("\n")
+        while end >= 0:
+            if end > start:
+                yield pending[start:end]
+            start = end + 1
+            end = pending.find("\n", start)
+        pending = pending[start:]
+    if pending.strip():
+        yield pending
+
+
+def main(path):
+    server = McpServer("fuzz-board", "1.0")
+    tools_stock.register(server, hal_fake.HalFake())
+    inputs = escapes = bad = broken = 0
+    corpus = sys.stdin if path == "-" else open(path)
+    try:
+        for line in lines(corpus):
+            data = decode(line)
+            inputs += 1
+            problem = None
+            try:
+                reply = server.handle(data)
+            except Exception as error:  # what the fuzzing looks for: count and show it
+                escapes += 1
+                problem = "escaped: " + type(error).__name__ + ": " + str(error)
+            else:
+                problem = reply_problem(reply, data)
+                if problem is not None:
+                    bad += 1
+            if not still_works(server):
+                broken += 1
+                problem = (problem or "") + " then a valid call failed"
+            if problem is not None and escapes + bad + broken <= SHOWN:
+                print("input " + str(inputs) + ": " + problem + ": " + repr(data[:120]))
+    finally:
+        if corpus is not sys.stdin:
+            corpus.close()
+    print("fuzz: %d inputs, %d escapes, %d bad replies, %d broken" % (inputs, escapes, bad, broken))
+    return escapes + bad + broken
+
+
+if __name__ == "__main__":
+    sys.exit(1 if main(sys.argv[1]) else 0)
