@@ -219,3 +219,21 @@ def test_safe_device_ids():
     assert clashing["c"] == "c"
     assert clashing["a:b"] != clashing["a.b"]
     assert all(name.startswith("a-b-") and len(name) == 10 for name in [clashing["a:b"]])
+
+
+async def test_the_bridge_stops_while_a_session_holds_its_stream_open(bridge_factory):
+    bridge = await bridge_factory()
+    opened = anyio.Event()
+
+    async def hold_a_session() -> None:
+        async with mcp_session(bridge, ADMIN_TOKEN) as session:
+            await session.list_tools()  # the client has opened its GET stream by now
+            opened.set()
+            await anyio.sleep_forever()
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(hold_a_session)
+        await opened.wait()
+        with anyio.fail_after(10):  # a hang, not a speed limit: the API drains open streams
+            await bridge.stop()
+        group.cancel_scope.cancel()
