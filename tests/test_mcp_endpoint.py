@@ -19,7 +19,7 @@ from backend.api.mcp_endpoint import safe_device_ids
 from backend.chat.search import SearchResult
 from backend.server import Bridge
 from tests.fakes.search import FakeWebSearch
-from tests.helpers import ADMIN_TOKEN, create_key, sse_events
+from tests.helpers import ADMIN_TOKEN, create_key, sse_events, wait_state
 
 VOLUME = "device.02-00-00-00-00-01.self.audio_speaker.set_volume"
 
@@ -237,3 +237,20 @@ async def test_the_bridge_stops_while_a_session_holds_its_stream_open(bridge_fac
         with anyio.fail_after(10):  # a hang, not a speed limit: the API drains open streams
             await bridge.stop()
         group.cancel_scope.cancel()
+
+
+async def test_colliding_device_ids_get_distinct_names(bridge, wire_devices):
+    colon, dot = wire_devices("desk:1"), wire_devices("desk.1")
+    for device in (colon, dot):
+        await device.connect()
+        await wait_state(bridge, device.device_id)
+    safe = safe_device_ids(["desk:1", "desk.1"])
+    async with mcp_session(bridge, ADMIN_TOKEN) as session:
+        names = {tool.name for tool in (await session.list_tools()).tools}
+        for device in (colon, dot):
+            name = f"device.{safe[device.device_id]}.self.audio_speaker.set_volume"
+            assert name in names
+            result = await session.call_tool(name, {"volume": 7})
+            assert not result.is_error
+    assert [c[1] for c in colon.stock.calls] == [{"volume": 7}]
+    assert [c[1] for c in dot.stock.calls] == [{"volume": 7}]

@@ -278,7 +278,7 @@ class McpEndpoint:
                 )
             return await self._search(params.name, arguments)
         entry = next(
-            (t for t in self._device_tools(None) if t.mcp_name == params.name),
+            (t for t in self._device_tools(None, named=params.name) if t.mcp_name == params.name),
             None,
         )
         if entry is None or not principal.may_read(entry.device.device_id):
@@ -324,12 +324,19 @@ class McpEndpoint:
         text = format_results(results) if results else "no results"
         return types.CallToolResult(content=[types.TextContent(type="text", text=text)])
 
-    def _device_tools(self, principal: Principal | None) -> Iterator[DeviceTool]:
-        """The tools of ready devices (that `principal` may read, when given), named for MCP."""
+    def _device_tools(
+        self, principal: Principal | None, *, named: str | None = None
+    ) -> Iterator[DeviceTool]:
+        """The tools of ready devices (that `principal` may read, when given), named for MCP;
+        with `named`, only the devices that name could belong to (no full scan per call)."""
         devices = sorted(
             (d for d in self.registry if d.state is DeviceState.READY),
             key=lambda d: d.device_id,
         )
+        if named is not None:
+            safe_part = named.removeprefix("device.").partition(".")[0]
+            wanted = {safe_part, safe_part[:-7]}  # without a `-<6 hex>` collision suffix
+            devices = [d for d in devices if _UNSAFE.sub("-", d.device_id) in wanted]
         safe = safe_device_ids([d.device_id for d in devices])
         for device in devices:
             if principal is not None and not principal.may_read(device.device_id):
@@ -437,7 +444,10 @@ class McpEndpoint:
             return
         self._changed = True
         if self._notifier is None or self._notifier.done():
-            self._notifier = asyncio.get_running_loop().create_task(self._notify())
+            try:
+                self._notifier = asyncio.get_running_loop().create_task(self._notify())
+            except RuntimeError:  # no running loop: nobody to notify from here
+                self._changed = False
 
     async def _notify(self) -> None:
         """Tell every remembered session that the tool list changed (coalesced)."""
