@@ -2,9 +2,11 @@
 
 `Bridge` wires the parts together and owns their lifecycle: the database opens first (a bad file
 fails the start with one clear error), the catalogue loads every remembered device into the
-registry, the transports start together and hand their links to one `DeviceGateway`, then the
-admin API. `stop()` takes every device offline (pending calls fail with "bridge shutting down",
-links close with 1001), stops the transports and the API, and writes the catalogue's last changes.
+registry, the chat front ends (keys, `/mcp`, device conversations: `backend.frontends`) start,
+the transports start together and hand their links to one `DeviceGateway`, then the HTTP API.
+`stop()` takes every device offline (pending calls fail with "bridge shutting down", links close
+with 1001), stops the transports, the front ends and the API, and writes the catalogue's last
+changes.
 """
 
 import asyncio
@@ -25,6 +27,7 @@ from backend.devices.catalog import DEVICE_MIGRATIONS, DeviceCatalog
 from backend.devices.conversation import ConversationHub
 from backend.devices.gateway import DeviceGateway
 from backend.devices.registry import SHUTDOWN
+from backend.frontends import FRONTEND_MIGRATIONS, FrontEnds
 from backend.runtime import remove_runtime_file, write_runtime_file
 from backend.storage import Database, Migration
 from backend.storage.database import DATABASE_FILE
@@ -39,7 +42,7 @@ from backend.transports.websocket import WebSocketTransport
 
 log = structlog.get_logger("bridge")
 
-MIGRATIONS: tuple[Migration, ...] = (*DEVICE_MIGRATIONS,)
+MIGRATIONS: tuple[Migration, ...] = (*DEVICE_MIGRATIONS, *FRONTEND_MIGRATIONS)
 
 
 class _ApiServer(uvicorn.Server):
@@ -64,7 +67,14 @@ class Bridge:
         self.gateway = DeviceGateway(self.registry, self.conversations, settings)
         self.websocket = WebSocketTransport(settings, self.admission)
         self.transports: list[Transport] = [self.websocket]
-        self.app = create_app(self.registry, self.tokens.admin)
+        self.frontends = FrontEnds(settings, self.database, self.registry, self.conversations)
+        self.app = create_app(
+            self.registry,
+            self.tokens.admin,
+            resolve_key=self.frontends.keys.resolve,
+            routers=self.frontends.routers(),
+            routes=self.frontends.routes(),
+        )
         self._started: list[Transport] = []
         self._api: _ApiServer | None = None
         self._api_task: asyncio.Task[None] | None = None
@@ -103,6 +113,7 @@ class Bridge:
             await self.database.open()
             await self.catalog.load()
             self.catalog.start()
+            await self.frontends.start()
             for transport in self.transports:
                 await transport.start(self.gateway)
                 self._started.append(transport)
@@ -138,9 +149,11 @@ class Bridge:
         self.registry.shutdown(SHUTDOWN)
         for transport in reversed(self._started):
             await transport.stop()
+        await self.frontends.stop_sessions()
         if self._api is not None and self._api_task is not None:
             self._api.should_exit = True
             await self._api_task
+        await self.frontends.close()
         if self.database.is_open:
             with contextlib.suppress(Exception):
                 await self.catalog.stop()

@@ -1,7 +1,7 @@
 """Shared fixtures: a real bridge on ephemeral loopback ports, devices that connect to it."""
 
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +10,8 @@ import pytest
 
 from backend.auth import Tokens
 from backend.server import Bridge
+from simulator import SimulatedDevice
+from simulator.llm_server import FakeLlm
 from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, make_settings, reap_started
 from tests.stock_device import WireDevice
 
@@ -65,3 +67,28 @@ async def wire_devices(bridge: Bridge) -> AsyncIterator[Callable[..., Any]]:
     for device in devices:
         with contextlib.suppress(Exception):
             await device.close()
+
+
+@pytest.fixture
+def fake_llm() -> Iterator[FakeLlm]:
+    """The loopback fake LLM (OpenAI and Ollama wire formats); closed at teardown."""
+    server = FakeLlm().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def simulated_devices() -> AsyncIterator[Callable[..., Any]]:
+    """Start SimulatedDevices (the real firmware code) on a bridge, ready; stopped at teardown."""
+    started: list[SimulatedDevice] = []
+
+    async def start(bridge: Bridge, index: int = 1) -> SimulatedDevice:
+        device = SimulatedDevice(bridge.ws_url, DEVICE_TOKEN, index=index)
+        started.append(device)
+        device.start()
+        await bridge.registry.wait_for_state(device.device_id)
+        return device
+
+    yield start
+    for device in started:
+        await device.stop()

@@ -2,11 +2,14 @@
 another test module)."""
 
 import asyncio
+import json
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from backend.config import Settings
 from backend.devices import Device, DeviceState
@@ -20,7 +23,8 @@ STARTED: list[asyncio.subprocess.Process] = []
 
 
 def make_settings(data_dir: Path, **overrides: Any) -> Settings:
-    """Bridge settings on ephemeral loopback ports with the tests' tokens and short timeouts."""
+    """Bridge settings on ephemeral loopback ports with the tests' tokens and short timeouts;
+    chat runs offline without web search unless a test points it at the fake LLM."""
     values: dict[str, Any] = {
         "data_dir": data_dir,
         "ws_host": "127.0.0.1",
@@ -31,6 +35,8 @@ def make_settings(data_dir: Path, **overrides: Any) -> Settings:
         "hello_timeout_s": 5.0,
         "init_timeout_s": 5.0,
         "call_timeout_s": 5.0,
+        "llm_provider": "none",
+        "search_enabled": False,
     }
     values.update(overrides)
     return Settings(**values)
@@ -49,16 +55,20 @@ async def eventually(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
             await asyncio.sleep(0.01)
 
 
-async def run_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
-    """`esp32-bridge ARGS...` as a subprocess: (exit code, stdout, stderr)."""
+async def run_cli(
+    *args: str, env: dict[str, str] | None = None, stdin: str | None = None
+) -> tuple[int, str, str]:
+    """`esp32-bridge ARGS...` as a subprocess: (exit code, stdout, stderr); `stdin` is typed in."""
     process = await asyncio.create_subprocess_exec(
         *CLI,
         *args,
+        stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "COLUMNS": "200", "NO_COLOR": "1", **(env or {})},
     )
-    out, err = await asyncio.wait_for(process.communicate(), 60)
+    data = stdin.encode() if stdin is not None else None
+    out, err = await asyncio.wait_for(process.communicate(data), 60)
     assert process.returncode is not None
     return process.returncode, out.decode(), err.decode()
 
@@ -93,3 +103,21 @@ async def reap_started() -> None:
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+async def create_key(bridge: Bridge, *scopes: str, devices: list[str] | None = None) -> str:
+    """A new API key's token with these scopes (through the bridge's key store)."""
+    created = await bridge.frontends.keys.create(
+        f"test {' '.join(scopes)}", scopes, device_ids=devices
+    )
+    return created.token
+
+
+async def sse_events(response: httpx.Response) -> list[Any]:
+    """The `data:` payloads of a Server-Sent Events response, JSON-decoded (`[DONE]` kept as is)."""
+    events: list[Any] = []
+    async for line in response.aiter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events

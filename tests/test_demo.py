@@ -1,4 +1,5 @@
-"""`esp32-bridge demo` as a real process: it calls two tools, then serves the CLI until SIGINT."""
+"""`esp32-bridge demo` as a real process: it calls two tools, chats (offline: no model service on
+a fresh machine), then serves the CLI until SIGINT."""
 
 import asyncio
 import json
@@ -9,7 +10,14 @@ from tests.helpers import eventually, run_cli, start_cli
 
 async def test_demo_calls_tools_then_serves_cli_until_sigint(tmp_path):
     data_dir = tmp_path / "data"
-    process = await start_cli("demo", data_dir, env={"COLUMNS": "200"})
+    # A model URL where nothing listens (whatever runs on this machine's default port), and no
+    # web search: a test never leaves loopback.
+    env = {
+        "COLUMNS": "200",
+        "BRIDGE_LLM_BASE_URL": "http://127.0.0.1:9",
+        "BRIDGE_SEARCH_ENABLED": "false",
+    }
+    process = await start_cli("demo", data_dir, env=env)
     try:
         output = b""
         async with asyncio.timeout(60):
@@ -24,6 +32,14 @@ async def test_demo_calls_tools_then_serves_cli_until_sigint(tmp_path):
         status_json = text[text.index('{\n  "content"', text.index("self.get_device_status {}")) :]
         status = json.loads(status_json[: status_json.index("\n}\n") + 2])
         assert json.loads(status["content"][0]["text"])["audio_speaker"]["volume"] == 42
+
+        # The scripted chat turns: a device command through the chat API, a dental question.
+        chat = text[text.index("you> Set the volume to 30") :]
+        assert "no model service at http://127.0.0.1:9: offline mode" in text
+        assert '  [tool] self.audio_speaker.set_volume {"volume":30}' in chat
+        assert "device: volume = 30" in chat and "Volume set to 30." in chat
+        answer = chat[chat.index("you> How long should I brush my teeth?") :]
+        assert "2 minutes" in answer and "\nSources:\n1. " in answer
 
         # From another terminal: the CLI finds the demo through the data directory.
         code, out, err = await run_cli("devices", "--data-dir", str(data_dir))

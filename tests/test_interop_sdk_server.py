@@ -2,7 +2,7 @@
 
 Each payload we send is wrapped as `{"session_id","type":"mcp","payload"}` JSON text, unwrapped
 and parsed the way the SDK's own transports parse frames; the server's output takes the reverse
-path. The SDK (mcp 2.3.0) is a test-only dependency: the backend never imports it.
+path. The SDK (mcp 2.3.0) serves `/mcp`; the device side (McpClient) never uses it.
 """
 
 import base64

@@ -1,26 +1,31 @@
 """Admin API: list devices (live and remembered) and their tools, call a tool, forget a device.
 
-Bearer admin token on every route but `/healthz`; errors are JSON `{"error": {"code", "message"}}`
-with the status and code of `backend.api.errors.ERROR_TABLE`.
+Bearer admin token or API key on every route but `/healthz`, each route requiring its scope
+(backend/api/scopes.py); errors are JSON `{"error": {"code", "message"}}` with the status and
+code of `backend.api.errors.ERROR_TABLE`. The front ends (keys, chat, `/mcp`) come in as extra
+routers and routes from the bridge.
 """
 
 import json
 import time
+from collections.abc import Callable, Iterable
 from typing import Annotated, Any
 
-from fastapi import FastAPI, Query, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from backend import __version__
 from backend.api.errors import http_status
 from backend.api.gate import OPEN_PATHS, AdminGate
+from backend.api.scopes import needs, principal_of
 from backend.devices import DeviceRegistry, DeviceState
 from backend.devices.registry import LIVE_STATES, is_user_only, iso_time
 from backend.errors import BridgeError
+from backend.keys import Principal, Scope
 from backend.mcp_session import Tool
 
 MAX_PAGE = 10_000
@@ -66,13 +71,26 @@ _CALL_REQUEST = TypeAdapter(ToolCallRequest)
 _CALL_SCHEMA = ToolCallRequest.model_json_schema()
 
 
+Reader = Annotated[Principal, Depends(needs(Scope.DEVICES_READ))]
+Admin = Annotated[Principal, Depends(needs(Scope.ADMIN))]
+
+
 def create_app(
-    registry: DeviceRegistry, admin_token: str, *, max_body_bytes: int = 65536
+    registry: DeviceRegistry,
+    admin_token: str,
+    *,
+    max_body_bytes: int = 65536,
+    resolve_key: Callable[[str], Principal | None] | None = None,
+    routers: Iterable[APIRouter] = (),
+    routes: Iterable[BaseRoute] = (),
 ) -> FastAPI:
-    """The admin API; every route but the open ones sits behind `AdminGate`."""
+    """The HTTP API; every route but the open ones sits behind `AdminGate`, which resolves
+    the admin token and (with `resolve_key`) API keys to principals."""
     app = FastAPI(title="esp32-mcp-bridge admin API", version=__version__)
     _install_error_handlers(app)
-    app.add_middleware(AdminGate, admin_token=admin_token, max_body_bytes=max_body_bytes)
+    app.add_middleware(
+        AdminGate, admin_token=admin_token, max_body_bytes=max_body_bytes, resolve_key=resolve_key
+    )
     _declare_bearer_auth(app)
 
     @app.get("/healthz")
@@ -81,6 +99,7 @@ def create_app(
 
     @app.get("/api/devices")
     async def list_devices(
+        principal: Reader,
         state: Annotated[list[DeviceState] | None, Query(description="only these states")] = None,
         online: Annotated[bool | None, Query(description="only live (or offline) ones")] = None,
         limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 1000,
@@ -90,23 +109,28 @@ def create_app(
         if online is not None:
             wanted = LIVE_STATES if online else frozenset({DeviceState.OFFLINE})
             states = wanted if states is None else states & wanted
+        if principal.device_ids is not None and not principal.is_admin:
+            return _limited_listing(registry, principal.device_ids, states, cursor, limit)
         page = registry.listing(states=states, after=cursor, limit=limit)
         return DeviceList(devices=page.devices, next_cursor=page.next_cursor, total=page.total)
 
     @app.get("/api/devices/{device_id}")
-    async def get_device(device_id: str) -> dict[str, Any]:
+    async def get_device(device_id: str, principal: Reader) -> dict[str, Any]:
+        principal.require_read(device_id)
         return registry.summary(device_id)
 
     @app.delete("/api/devices/{device_id}", status_code=204)
-    async def forget_device(device_id: str) -> Response:
+    async def forget_device(device_id: str, _admin: Admin) -> Response:
         registry.forget(device_id)
         return Response(status_code=204)
 
     @app.get("/api/devices/{device_id}/tools")
     async def list_tools(
         device_id: str,
+        principal: Reader,
         user: Annotated[bool, Query(description="include user-only tools")] = True,
     ) -> ToolList:
+        principal.require_read(device_id)
         device = registry.get(device_id)
         if device is not None:
             record = registry.record(device_id)
@@ -129,11 +153,13 @@ def create_app(
 
     async def call_tool(request: Request) -> Response:
         """`POST /api/devices/{device_id}/tools/call`, the hot path of the admin API."""
+        device_id = request.path_params["device_id"]
+        principal_of(request).require_call(device_id)  # before the body is read
         try:
             call = _CALL_REQUEST.validate_json(await request.body())
         except ValidationError as exc:
             raise ApiError(422, "invalid_request", _first_error(exc)) from None
-        device = registry.require(request.path_params["device_id"])
+        device = registry.require(device_id)
         started = time.perf_counter()
         result = await device.call_tool(call.name, call.arguments, timeout_s=call.timeout_s)
         answer = {
@@ -161,7 +187,37 @@ def create_app(
     async def call_tool_documented(device_id: str, request: Request) -> Response:
         return await call_tool(request)
 
+    for router in routers:
+        app.include_router(router)
+    app.router.routes.extend(routes)
     return app
+
+
+def _limited_listing(
+    registry: DeviceRegistry,
+    device_ids: frozenset[str],
+    states: frozenset[DeviceState] | None,
+    cursor: str | None,
+    limit: int,
+) -> DeviceList:
+    """The listing for a key limited to some devices: only those, paged the same way."""
+    wanted = {state.value for state in states} if states is not None else None
+    rows = [
+        registry.summary(device_id)
+        for device_id in sorted(device_ids)
+        if registry.record(device_id) is not None or registry.get(device_id) is not None
+    ]
+    rows = [row for row in rows if wanted is None or row["state"] in wanted]
+    start = (
+        next((i for i, row in enumerate(rows) if row["device_id"] > cursor), len(rows))
+        if cursor
+        else 0
+    )
+    page = rows[start : start + limit]
+    more = start + limit < len(rows) and page
+    return DeviceList(
+        devices=page, next_cursor=page[-1]["device_id"] if more else None, total=len(rows)
+    )
 
 
 def _tool_json(tool: Tool) -> dict[str, Any]:

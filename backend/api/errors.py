@@ -4,6 +4,7 @@ The lookup walks the exception's class hierarchy (most specific class first), so
 table does not matter and a new subclass inherits its parent's mapping until it gets its own.
 """
 
+from backend.chat.memory import ConversationNotFound, InvalidConversationId
 from backend.devices.errors import (
     DeviceBusy,
     DeviceNotReady,
@@ -14,6 +15,7 @@ from backend.devices.errors import (
     UnknownTool,
 )
 from backend.errors import BridgeError, MessageTooLarge
+from backend.keys import InvalidKey, MissingScope, UnknownKey
 from backend.mcp_session import (
     DeviceDisconnected,
     DeviceError,
@@ -24,12 +26,17 @@ from backend.mcp_session import (
 from backend.storage import DatabaseError
 
 ERROR_TABLE: dict[type[BaseException], tuple[int, str]] = {
+    InvalidKey: (401, "unauthorized"),
+    MissingScope: (403, "forbidden"),
     UnknownDevice: (404, "unknown_device"),
+    UnknownKey: (404, "unknown_key"),
+    ConversationNotFound: (404, "unknown_conversation"),
     UnknownTool: (404, "unknown_tool"),
     DeviceNotReady: (409, "device_not_ready"),
     DeviceOnline: (409, "device_online"),
     InvalidArguments: (422, "invalid_arguments"),
     MessageTooLarge: (413, "message_too_large"),
+    InvalidConversationId: (422, "invalid_request"),
     DeviceBusy: (429, "device_busy"),
     DeviceError: (502, "device_error"),
     ProtocolViolation: (502, "device_protocol_error"),

@@ -1,9 +1,13 @@
-"""The admin API's front door, as a plain ASGI middleware in front of every route.
+"""The HTTP API's front door, as a plain ASGI middleware in front of every route.
 
-It checks the bearer token from the request line's headers *before* any body is read, so an
-unauthenticated client cannot make the bridge buffer or parse anything, and it caps request
-bodies: a declared `Content-Length` over the cap is refused at once (413), a streamed body is
-cut off the moment it passes the cap. Both refusals use the API's JSON error shape.
+It resolves the bearer token from the request line's headers to a `Principal` *before* any body
+is read, so an unauthenticated client cannot make the bridge buffer or parse anything: the admin
+token is the principal with every scope, an API key (`esk_...`, looked up in the key store's
+in-memory index, no database round trip) gives its own scopes, anything else is 401. The
+principal goes into the ASGI scope (`scope["state"]["principal"]`, i.e. `request.state.principal`)
+for the routes, which each require their scope (backend/api/scopes.py). The gate also caps
+request bodies: a declared `Content-Length` over the cap is refused at once (413), a streamed
+body is cut off the moment it passes the cap. Refusals use the API's JSON error shape.
 """
 
 import json
@@ -11,6 +15,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from backend.auth import token_matches
+from backend.keys.store import Principal, admin_principal
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -20,6 +25,11 @@ AsgiApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # Readable without a token: health for probes, and the API's own description.
 OPEN_PATHS = frozenset({"/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+# Front ends used with API keys rather than the admin token (only the 401 message differs).
+KEY_PATHS = ("/v1/", "/mcp", "/api/chat/")
+PRINCIPAL = "principal"
+
+KeyResolver = Callable[[str], Principal | None]
 
 
 class BodyTooLarge(Exception):
@@ -27,21 +37,43 @@ class BodyTooLarge(Exception):
 
 
 class AdminGate:
-    def __init__(self, app: AsgiApp, admin_token: str, *, max_body_bytes: int = 65536) -> None:
+    def __init__(
+        self,
+        app: AsgiApp,
+        admin_token: str,
+        *,
+        max_body_bytes: int = 65536,
+        resolve_key: KeyResolver | None = None,
+    ) -> None:
         self.app = app
         self._admin_token = admin_token
+        self._admin = admin_principal()
+        self._resolve_key = resolve_key
         self._max_body_bytes = max_body_bytes
+
+    def principal(self, authorization: str) -> Principal | None:
+        """Who sends this `Authorization` header value: admin, an API key's principal, or None."""
+        if not authorization:
+            return None
+        if token_matches(authorization, self._admin_token):
+            return self._admin
+        if self._resolve_key is not None:
+            return self._resolve_key(authorization)
+        return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = _headers(scope)
-        if scope["path"] not in OPEN_PATHS and not token_matches(
-            headers.get(b"authorization", b"").decode("latin-1"), self._admin_token
-        ):
-            await _refuse(send, 401, "unauthorized", "missing or invalid admin token")
-            return
+        path: str = scope["path"]
+        if path not in OPEN_PATHS:
+            principal = self.principal(headers.get(b"authorization", b"").decode("latin-1"))
+            if principal is None:
+                what = "API key" if path.startswith(KEY_PATHS) else "admin token"
+                await _refuse(send, 401, "unauthorized", f"missing or invalid {what}")
+                return
+            scope.setdefault("state", {})[PRINCIPAL] = principal
         declared = headers.get(b"content-length")
         if declared is not None and (
             not declared.isdigit() or int(declared) > self._max_body_bytes
@@ -91,14 +123,11 @@ def _headers(scope: Scope) -> dict[bytes, bytes]:
 
 async def _refuse(send: Send, status: int, code: str, message: str) -> None:
     body = json.dumps({"error": {"code": code, "message": message}}).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-            ],
-        }
-    )
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

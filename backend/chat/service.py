@@ -54,7 +54,7 @@ from backend.chat.search import (
     format_results,
 )
 from backend.chat.text import Language
-from backend.chat.tools import NoTools, ToolBox
+from backend.chat.tools import NoTools, ToolBox, ToolOutcome
 from backend.config import Settings
 from backend.errors import BridgeError
 
@@ -191,6 +191,29 @@ class ChatService:
 
     async def run_turn(self, request: TurnRequest) -> AsyncIterator[ChatEvent]:
         turn = _Turn(request, request.query.strip(), device_id=request.device_id)
+        began = time.perf_counter()
+        outcome = "abandoned"  # the consumer stopped reading (a client went away)
+        try:
+            async for event in self._turn_events(turn, request):
+                if isinstance(event, Done):
+                    outcome = event.metadata.guardrail.verdict
+                yield event
+        except Exception:
+            outcome = "failed"
+            raise
+        finally:
+            log.info(
+                "chat turn",
+                step="turn",
+                outcome=outcome,
+                duration_ms=round((time.perf_counter() - began) * 1000, 3),
+                offline=turn.offline_reason is not None,
+                tools=len(turn.used_tools),
+                conversation_id=turn.conversation_id,
+                device_id=turn.device_id,
+            )
+
+    async def _turn_events(self, turn: _Turn, request: TurnRequest) -> AsyncIterator[ChatEvent]:
         if self.llm is None:
             turn.offline_reason = "no LLM configured (llm_provider = none)"
         toolbox: ToolBox = request.toolbox if request.toolbox is not None else NoTools()
@@ -388,16 +411,7 @@ class ChatService:
         began = time.perf_counter()
         outcome = await toolbox.call(call.name, call.arguments)
         turn.used_tools.append(tool)
-        log.info(
-            "chat tool call",
-            step="tool",
-            tool=tool,
-            duration_ms=round((time.perf_counter() - began) * 1000, 3),
-            failed=outcome.failed,
-            is_error=outcome.is_error,
-            conversation_id=turn.conversation_id,
-            device_id=turn.device_id,
-        )
+        _log_tool_call(turn, tool, began, outcome)
         if outcome.failed:
             event: ChatEvent = ToolFailed(tool=tool, llm_name=call.name, error=outcome.text)
         else:
@@ -426,8 +440,10 @@ class ChatService:
                 parts.append(_NO_PERMISSION[turn.language].format(reason=unavailable))
                 break
             yield ToolStarted(tool=tool, llm_name=intent.llm_name, arguments=intent.arguments)
+            call_began = time.perf_counter()
             outcome = await toolbox.call(intent.llm_name, intent.arguments)
             turn.used_tools.append(tool)
+            _log_tool_call(turn, tool, call_began, outcome)
             if outcome.failed:
                 yield ToolFailed(tool=tool, llm_name=intent.llm_name, error=outcome.text)
             else:
@@ -556,6 +572,20 @@ class ChatService:
             tool_rounds=turn.tool_rounds,
             answer="".join(turn.answer),
         )
+
+
+def _log_tool_call(turn: _Turn, tool: str, began: float, outcome: ToolOutcome) -> None:
+    log.info(
+        "chat tool call",
+        step="tool",
+        tool=tool,
+        duration_ms=round((time.perf_counter() - began) * 1000, 3),
+        failed=outcome.failed,
+        is_error=outcome.is_error,
+        offline=turn.offline_reason is not None,
+        conversation_id=turn.conversation_id,
+        device_id=turn.device_id,
+    )
 
 
 def _without_sources(content: str) -> str:

@@ -1,6 +1,9 @@
 """A small client for the admin API, used by the CLI. Every failure becomes `AdminError` with
 one line for the user."""
 
+import contextlib
+import json
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import quote
 
@@ -68,11 +71,67 @@ class AdminClient:
         wait = (timeout_s or 30.0) + 5.0
         return _object(self._request("POST", path, json=body, timeout=wait))
 
+    # ---- API keys (scope admin) ---------------------------------------------------------------
+
+    def create_key(
+        self, name: str, scopes: list[str], device_ids: list[str] | None = None
+    ) -> dict[str, Any]:
+        """The new key, with its `token` (shown once)."""
+        body: dict[str, Any] = {"name": name, "scopes": scopes}
+        if device_ids:
+            body["device_ids"] = device_ids
+        return _object(self._request("POST", "/api/keys", json=body))
+
+    def keys(self, *, include_revoked: bool = True) -> list[dict[str, Any]]:
+        params = {"revoked": "true" if include_revoked else "false"}
+        listed: list[dict[str, Any]] = _object(self._request("GET", "/api/keys", params))["keys"]
+        return listed
+
+    def revoke_key(self, key_id: str) -> dict[str, Any]:
+        return _object(self._request("DELETE", f"/api/keys/{quote(key_id, safe='')}"))
+
+    # ---- chat (scope chat:use) -----------------------------------------------------------------
+
+    def chat(
+        self,
+        message: str,
+        *,
+        conversation_id: str | None = None,
+        device_id: str | None = None,
+        timeout_s: float = 300.0,
+    ) -> Iterator[dict[str, Any]]:
+        """One turn through `POST /api/chat/stream`: its events, as they arrive."""
+        body: dict[str, Any] = {"message": message}
+        if conversation_id:
+            body["conversation_id"] = conversation_id
+        if device_id:
+            body["device_id"] = device_id
+        with self._errors():
+            stream = self._http.stream("POST", "/api/chat/stream", json=body, timeout=timeout_s)
+            with stream as response:
+                if not response.is_success:
+                    response.read()
+                    raise AdminError(_error_message(response))
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        yield _object(json.loads(line[len("data: ") :]))
+
     def _request(
         self, method: str, path: str, params: dict[str, str] | None = None, **kwargs: Any
     ) -> Any:
-        try:
+        with self._errors():
             response = self._http.request(method, path, params=params, **kwargs)
+        if response.status_code == 204:
+            return None
+        if response.is_success:
+            return response.json()
+        raise AdminError(_error_message(response))
+
+    @contextlib.contextmanager
+    def _errors(self) -> Iterator[None]:
+        """Transport failures as one line for the user."""
+        try:
+            yield
         except httpx.ConnectError:
             raise AdminError(
                 f"cannot reach the bridge at {self.base_url} (is it running?)"
@@ -81,11 +140,6 @@ class AdminClient:
             raise AdminError(f"the bridge at {self.base_url} did not answer in time") from None
         except httpx.HTTPError as exc:
             raise AdminError(f"request to {self.base_url} failed: {exc}") from None
-        if response.status_code == 204:
-            return None
-        if response.is_success:
-            return response.json()
-        raise AdminError(_error_message(response))
 
 
 def _object(value: Any) -> dict[str, Any]:
@@ -102,4 +156,6 @@ def _error_message(response: httpx.Response) -> str:
         message = response.text.strip()[:200] or response.reason_phrase
     if response.status_code == 401:
         return f"{message}: check --token or BRIDGE_ADMIN_TOKEN"
+    if response.status_code == 403:
+        return f"{message}: use a key with that scope, or the admin token"
     return f"HTTP {response.status_code}: {message}"

@@ -8,8 +8,10 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
+from backend.cli.chat import chat as chat_command
 from backend.cli.client import AdminClient, AdminError
 from backend.cli.firmware import firmware_app
+from backend.cli.keys import keys_app
 from backend.cli.local import admin_token, api_url, cli_settings, device_endpoint
 from backend.cli.output import console, fail
 from backend.errors import BridgeError
@@ -201,6 +203,10 @@ def call_tool(
         console.print(text, highlight=False, markup=False, soft_wrap=True)
     if result["isError"]:
         raise fail(f"{tool} reported an error ({result['duration_ms']:.1f} ms)")
+
+
+app.command("chat")(chat_command)
+app.add_typer(keys_app, name="keys")
 
 
 # ---- helpers ----------------------------------------------------------------------------------

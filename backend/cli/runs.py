@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 from rich.console import Console
@@ -30,11 +31,15 @@ async def run_bridge(settings: Settings) -> None:
     await bridge.serve_forever()
 
 
+DEMO_TURNS = ("Set the volume to 30", "How long should I brush my teeth?")
+
+
 async def run_demo(settings: Settings, console: Console) -> None:
-    """The bridge plus one simulated device in one process: list, call, keep serving."""
+    """The bridge plus one simulated device in one process: list, call, chat, keep serving."""
     from simulator import SimulatedDevice
 
     configure_logging("warning", settings.log_format)
+    settings = await _offline_without_model(settings, console)
     bridge = Bridge(settings)
     await bridge.start()
     device = SimulatedDevice(bridge.ws_url, bridge.tokens.device, index=1)
@@ -44,11 +49,13 @@ async def run_demo(settings: Settings, console: Console) -> None:
         console.print(f"bridge: devices at {bridge.ws_url}, admin API at {bridge.api_url}")
         await bridge.registry.wait_for_state(device.device_id, timeout_s=10)
         await _demo_calls(bridge, device.device_id, console)
+        await _demo_chat(bridge, device.device_id, console)
         console.print(
             "\nServing until Ctrl-C. From another terminal try:\n"
             f"  esp32-bridge devices --data-dir {settings.data_dir}\n"
             f"  esp32-bridge call {device.device_id} self.audio_speaker.set_volume "
-            f"--arg volume=70 --data-dir {settings.data_dir}"
+            f"--arg volume=70 --data-dir {settings.data_dir}\n"
+            f"  esp32-bridge chat --device {device.device_id} --data-dir {settings.data_dir}"
         )
         await bridge.serve_forever()
     finally:
@@ -92,6 +99,46 @@ def simulator_workers(devices: int, requested: int) -> int:
         return min(requested, devices)
     wanted = -(-devices // DEVICES_PER_WORKER)
     return max(1, min(wanted, (os.cpu_count() or 1) - 1))
+
+
+async def _offline_without_model(settings: Settings, console: Console) -> Settings:
+    """The settings, with `llm_provider = none` when the configured model service does not
+    accept a connection (a fresh machine without Ollama): the demo chats in offline mode."""
+    if settings.llm_provider == "none":
+        return settings
+    url = urlsplit(settings.llm_base_url)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        async with asyncio.timeout(2):
+            _reader, writer = await asyncio.open_connection(url.hostname or "localhost", port)
+    except (OSError, TimeoutError):
+        console.print(
+            f"[dim]chat: no model service at {settings.llm_base_url}: offline mode "
+            "(rules for device commands, quotes from the bundled knowledge base)"
+        )
+        return settings.model_copy(update={"llm_provider": "none"})
+    writer.close()
+    return settings
+
+
+async def _demo_chat(bridge: Bridge, device_id: str, console: Console) -> None:
+    """Scripted chat turns through the SSE chat API, printed as `esp32-bridge chat` does."""
+    from backend.cli.chat import ChatPrinter
+
+    printer = ChatPrinter(console)
+    headers = {"Authorization": f"Bearer {bridge.tokens.admin}"}
+    async with httpx.AsyncClient(base_url=bridge.api_url, headers=headers, timeout=300) as api:
+        for text in DEMO_TURNS:
+            console.print(f"\nyou> {text}", highlight=False, markup=False)
+            body = {
+                "message": text,
+                "device_id": device_id,
+                "conversation_id": printer.conversation_id,
+            }
+            async with api.stream("POST", "/api/chat/stream", json=body) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: "):
+                        printer.event(json.loads(line[len("data: ") :]))
 
 
 async def run_simulator(

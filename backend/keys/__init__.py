@@ -1,7 +1,8 @@
 """Scoped API keys for the bridge's HTTP front ends (chat, devices, admin).
 
-Designed for `esp32-bridge keys create|list|revoke` and a Bearer-token check in the API; the
-core wires both. See `store.py` and docs/chat.md.
+`esp32-bridge keys create|list|revoke` manage them through the admin API; the API's gate
+resolves every bearer token to a `Principal` (backend/api/gate.py). See `store.py` and
+docs/chat.md.
 """
 
 from backend.keys.store import (
@@ -10,6 +11,7 @@ from backend.keys.store import (
     CreatedKey,
     InvalidKey,
     KeyStore,
+    MissingScope,
     Principal,
     Scope,
     UnknownKey,
@@ -21,6 +23,7 @@ __all__ = [
     "CreatedKey",
     "InvalidKey",
     "KeyStore",
+    "MissingScope",
     "Principal",
     "Scope",
     "UnknownKey",

@@ -7,19 +7,29 @@ leaked database does not leak usable keys (the secret has 256 bits, so a plain h
 no slow KDF is needed for random tokens).
 
 Scopes: `chat:use` (talk to the assistant), `devices:read` (list devices and tools),
-`devices:call` (call tools, optionally only on some device ids), `admin` (everything,
-including key management).
+`devices:call` (call tools, optionally only on some device ids; includes `devices:read`),
+`admin` (everything, including key management).
+
+The running bridge checks keys without touching the database: `load()` reads the active keys
+into an in-memory index (key id → hash and principal) that `create` and `revoke` keep current,
+and `resolve(token)` is a dictionary lookup plus one constant-time comparison. `last_used_at` is
+written at most once a minute per key, off the request path, and on `aclose()`.
 """
 
+import asyncio
+import contextlib
 import hashlib
 import hmac
 import json
 import secrets
 import sqlite3
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
+
+import structlog
 
 from backend.errors import BridgeError
 from backend.storage import Database, Migration
@@ -45,6 +55,9 @@ KEYS_MIGRATIONS = [
 
 TOKEN_PREFIX = "esk_"
 _ID_HEX = 12
+TOUCH_INTERVAL_S = 60.0
+
+log = structlog.get_logger("keys")
 
 
 class Scope(StrEnum):
@@ -67,6 +80,14 @@ class UnknownKey(BridgeError):
         self.key_id = key_id
 
 
+class MissingScope(BridgeError):
+    """The caller is authenticated, but its key does not allow this (HTTP 403 `forbidden`)."""
+
+    def __init__(self, message: str, scope: "Scope") -> None:
+        super().__init__(message)
+        self.scope = scope
+
+
 @dataclass(frozen=True, slots=True)
 class Principal:
     """Who is calling: a key's id, name, scopes and (for devices:call) allowed devices."""
@@ -81,7 +102,11 @@ class Principal:
         return Scope.ADMIN in self.scopes
 
     def has(self, scope: Scope | str) -> bool:
-        return self.is_admin or Scope(scope) in self.scopes
+        """Admin has every scope; devices:call includes devices:read."""
+        wanted = Scope(scope)
+        if self.is_admin or wanted in self.scopes:
+            return True
+        return wanted is Scope.DEVICES_READ and Scope.DEVICES_CALL in self.scopes
 
     def may_call(self, device_id: str) -> bool:
         """May call tools of that device (admin, or devices:call covering it)."""
@@ -105,6 +130,27 @@ class Principal:
         if Scope.DEVICES_CALL not in self.scopes:
             return f"missing scope {Scope.DEVICES_CALL}"
         return f"scope {Scope.DEVICES_CALL} does not cover device {device_id}"
+
+    def require(self, scope: Scope) -> None:
+        """Raise MissingScope unless the key has `scope` (or admin)."""
+        if not self.has(scope):
+            raise MissingScope(f"this key lacks the scope {scope}", scope)
+
+    def require_read(self, device_id: str) -> None:
+        """Raise MissingScope unless the key may list this device and its tools."""
+        if self.may_read(device_id):
+            return
+        if Scope.DEVICES_READ not in self.scopes and Scope.DEVICES_CALL not in self.scopes:
+            raise MissingScope(f"this key lacks the scope {Scope.DEVICES_READ}", Scope.DEVICES_READ)
+        raise MissingScope(f"this key does not cover device {device_id!r}", Scope.DEVICES_READ)
+
+    def require_call(self, device_id: str) -> None:
+        """Raise MissingScope unless the key may call this device's tools."""
+        reason = self.call_denied_reason(device_id)
+        if reason is not None:
+            raise MissingScope(
+                f"not allowed to call tools of {device_id!r}: {reason}", Scope.DEVICES_CALL
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,11 +196,100 @@ def parse_scopes(values: Iterable[str]) -> frozenset[Scope]:
     return frozenset(scopes)
 
 
+@dataclass(slots=True)
+class _Indexed:
+    """An active key in the in-memory index."""
+
+    token_hash: str
+    principal: Principal
+    last_used: datetime | None = None
+    written: datetime | None = None  # the last_used_at value last written to the database
+    written_at: float = float("-inf")  # monotonic time of that write
+
+
 class KeyStore:
     """Keys in the bridge database; open it with KEYS_MIGRATIONS."""
 
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: Database, *, touch_interval_s: float = TOUCH_INTERVAL_S) -> None:
         self.db = db
+        self.touch_interval_s = touch_interval_s
+        self._index: dict[str, _Indexed] | None = None
+        self._writes: set[asyncio.Task[None]] = set()
+
+    @property
+    def loaded(self) -> bool:
+        return self._index is not None
+
+    async def load(self) -> None:
+        """Read every active key into the in-memory index that `resolve` uses."""
+        rows = await self.db.fetchall(
+            "SELECT id, name, token_hash, scopes, device_ids, last_used_at"
+            " FROM api_keys WHERE revoked_at IS NULL"
+        )
+        index: dict[str, _Indexed] = {}
+        for row in rows:
+            used = datetime.fromisoformat(row["last_used_at"]) if row["last_used_at"] else None
+            principal = Principal(
+                row["id"], row["name"], _scopes(row["scopes"]), _devices(row["device_ids"])
+            )
+            index[row["id"]] = _Indexed(row["token_hash"], principal, used, used)
+        self._index = index
+
+    def resolve(self, token: str) -> Principal | None:
+        """The principal of a valid, active token from the in-memory index (no database round
+        trip), or None. Accepts `Bearer <token>`. Before `load()` no key is valid."""
+        if self._index is None:
+            return None
+        token = _bare(token)
+        key_id = _key_id(token)
+        entry = self._index.get(key_id or "")
+        presented = hash_token(token)
+        # Compare even when there is no entry, so timing does not tell ids apart.
+        stored = entry.token_hash if entry is not None else _NO_KEY_HASH
+        if not hmac.compare_digest(presented, stored) or entry is None:
+            return None
+        self._touch(entry)
+        return entry.principal
+
+    async def aclose(self) -> None:
+        """Write the last-use times still only in memory, and wait for pending writes."""
+        if self._writes:
+            await asyncio.gather(*list(self._writes), return_exceptions=True)
+        if self._index is None or not self.db.is_open:
+            return
+        for entry in self._index.values():
+            if entry.last_used is not None and entry.last_used != entry.written:
+                with contextlib.suppress(BridgeError):
+                    await self._write_last_used(entry.principal.key_id, entry.last_used)
+                entry.written = entry.last_used
+
+    def _touch(self, entry: _Indexed) -> None:
+        entry.last_used = _now()
+        moment = time.monotonic()
+        if moment - entry.written_at < self.touch_interval_s:
+            return
+        entry.written_at = moment
+        entry.written = entry.last_used
+        try:
+            task = asyncio.get_running_loop().create_task(
+                self._write_quietly(entry.principal.key_id, entry.last_used)
+            )
+        except RuntimeError:  # no event loop (a synchronous caller): aclose() writes it
+            entry.written = None
+            return
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    async def _write_quietly(self, key_id: str, moment: datetime) -> None:
+        try:
+            await self._write_last_used(key_id, moment)
+        except BridgeError as exc:
+            log.warning("could not record key use", key_id=key_id, error=str(exc))
+
+    async def _write_last_used(self, key_id: str, moment: datetime) -> None:
+        await self.db.execute(
+            "UPDATE api_keys SET last_used_at = ? WHERE id = ?", (moment.isoformat(), key_id)
+        )
 
     async def create(
         self,
@@ -184,6 +319,10 @@ class KeyStore:
             ),
         )
         key = ApiKey(key_id, name, scope_set, devices, created, None, None)
+        if self._index is not None:
+            principal = Principal(key_id, name, scope_set, devices)
+            self._index[key_id] = _Indexed(hash_token(token), principal)
+        log.info("api key created", key_id=key_id, scopes=sorted(scope_set))
         return CreatedKey(key, token)
 
     async def list(self, *, include_revoked: bool = True) -> list[ApiKey]:
@@ -192,7 +331,25 @@ class KeyStore:
             f"SELECT id, name, scopes, device_ids, created_at, last_used_at, revoked_at"
             f" FROM api_keys {where} ORDER BY created_at, id"
         )
-        return [_key(row) for row in rows]
+        keys = [_key(row) for row in rows]
+        return [self._with_recent_use(key) for key in keys]
+
+    def _with_recent_use(self, key: ApiKey) -> ApiKey:
+        """The key with the in-memory last use when that is newer than the stored one."""
+        entry = self._index.get(key.id) if self._index is not None else None
+        if entry is None or entry.last_used is None:
+            return key
+        if key.last_used_at is not None and key.last_used_at >= entry.last_used:
+            return key
+        return ApiKey(
+            key.id,
+            key.name,
+            key.scopes,
+            key.device_ids,
+            key.created_at,
+            entry.last_used,
+            key.revoked_at,
+        )
 
     async def revoke(self, key_id: str) -> ApiKey:
         def work(c: sqlite3.Connection) -> ApiKey:
@@ -209,13 +366,20 @@ class KeyStore:
                 raise UnknownKey(key_id)
             return _key(row)
 
-        return await self.db.run(work)
+        revoked = await self.db.run(work)
+        if self._index is not None and self._index.pop(key_id, None) is not None:
+            log.info("api key revoked", key_id=key_id)
+        return revoked
 
     async def authenticate(self, token: str) -> Principal:
-        """The principal of a valid, unrevoked token; InvalidKey otherwise."""
-        token = token.strip()
-        if token.lower().startswith("bearer "):
-            token = token[7:].strip()
+        """The principal of a valid, unrevoked token; InvalidKey otherwise. Uses the in-memory
+        index once `load()` ran, else reads the database."""
+        if self._index is not None:
+            principal = self.resolve(token)
+            if principal is None:
+                raise InvalidKey()
+            return principal
+        token = _bare(token)
         key_id = _key_id(token)
         presented = hash_token(token)
 
@@ -226,7 +390,7 @@ class KeyStore:
                 (key_id or "",),
             ).fetchone()
             # Compare even when there is no row, so timing does not tell ids apart.
-            stored = row["token_hash"] if row is not None else hash_token("no such key")
+            stored = row["token_hash"] if row is not None else _NO_KEY_HASH
             if not hmac.compare_digest(presented, stored) or row is None:
                 raise InvalidKey()
             if row["revoked_at"] is not None:
@@ -247,6 +411,16 @@ class KeyStore:
 def admin_principal(name: str = "admin token") -> Principal:
     """The principal of the bridge's admin token (backend.auth), which has every scope."""
     return Principal("admin", name, frozenset({Scope.ADMIN}))
+
+
+_NO_KEY_HASH = hash_token("no such key")
+
+
+def _bare(token: str) -> str:
+    token = token.strip()
+    if token.lower().startswith("bearer "):
+        token = token[7:].strip()
+    return token
 
 
 def _key_id(token: str) -> str | None:

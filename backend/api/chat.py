@@ -1,0 +1,374 @@
+"""The chat pipeline over HTTP (scope `chat:use`), on the same app and port as the admin API.
+
+- `POST /v1/chat/completions`: OpenAI-compatible (model `dental-duckduckgo`); extra body fields
+  `chat_id` (the conversation) and `device_id` (whose tools the turn may use). `stream: true`
+  answers with SSE chunks in OpenAI's chunk format ending with `data: [DONE]`; otherwise one
+  `chat.completion`. The conversation id comes back in `system_fingerprint` (seed 000, step 11)
+  and in the `X-Conversation-Id` header.
+- `GET /v1/models`, `GET /v1/models/{id}`.
+- `GET /v1/conversations` (paged), `GET /v1/conversations/{id}` (history and summary),
+  `DELETE /v1/conversations/{id}`.
+- `POST /api/chat/stream` (seed 002): Server-Sent Events `token`, `mcp_tool`
+  (`started`/`completed`/`error`), `sources`, `done` with the turn's metadata.
+
+A turn may call a device's tools only if the caller's key may call that device; otherwise the
+turn goes on without them and the stream says why (an `mcp_tool` `error` event). An unknown
+device is 404 `unknown_device`, a known offline one 503 `device_offline`.
+"""
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+import structlog
+from fastapi import APIRouter, Depends, Query, Response
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from backend.api.app import ApiError
+from backend.api.scopes import needs
+from backend.chat import (
+    ChatEvent,
+    ChatService,
+    DeviceToolBox,
+    Done,
+    InputMessage,
+    Sources,
+    Token,
+    ToolCompleted,
+    ToolFailed,
+    ToolStarted,
+    TurnRequest,
+)
+from backend.chat.memory import Conversation, ConversationNotFound, check_conversation_id
+from backend.devices import DeviceRegistry
+from backend.keys import Principal, Scope
+
+log = structlog.get_logger("api.chat")
+
+MODEL_ID = "dental-duckduckgo"
+OWNER = "esp32-mcp-bridge"
+CONVERSATION_HEADER = "X-Conversation-Id"
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+Chatter = Annotated[Principal, Depends(needs(Scope.CHAT_USE))]
+
+
+def unknown_model(model: str) -> ApiError:
+    return ApiError(
+        404, "model_not_found", f"no model {model[:80]!r}; this bridge serves {MODEL_ID!r}"
+    )
+
+
+# ---- request bodies ---------------------------------------------------------------------------
+
+
+class CompletionRequest(BaseModel):
+    """OpenAI's chat completion request; sampling options are accepted and ignored."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = MODEL_ID
+    messages: list[InputMessage] = Field(min_length=1)
+    stream: bool = False
+    chat_id: str | None = Field(default=None, max_length=128, description="conversation id")
+    device_id: str | None = Field(default=None, description="use this device's tools")
+
+
+class StreamRequest(BaseModel):
+    """Seed 002's `POST /chat/stream` body (camelCase names accepted too)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    message: str = Field(min_length=1, max_length=8000)
+    conversation_id: str | None = Field(default=None, alias="conversationId", max_length=128)
+    device_id: str | None = Field(default=None, alias="deviceId")
+
+
+# ---- shared views -----------------------------------------------------------------------------
+
+
+def conversation_json(conversation: Conversation, *, with_messages: bool = False) -> dict[str, Any]:
+    """A conversation as the API and `/mcp` show it."""
+    data: dict[str, Any] = {
+        "id": conversation.id,
+        "object": "conversation",
+        "device_id": conversation.device_id,
+        "title": conversation.title,
+        "summary": conversation.summary,
+        "message_count": conversation.message_count,
+        "created_at": conversation.created_at.isoformat(),
+        "updated_at": conversation.updated_at.isoformat(),
+    }
+    if with_messages:
+        data["messages"] = [
+            {
+                "role": message.role,
+                "content": message.content,
+                "created_at": message.created_at.isoformat(),
+                "metadata": message.metadata,
+            }
+            for message in conversation.messages
+        ]
+    return data
+
+
+def seed_event(event: ChatEvent) -> dict[str, Any]:
+    """A chat event in seed 002's SSE shape (`token`, `mcp_tool`, `sources`, `done`)."""
+    if isinstance(event, Token):
+        return {"type": "token", "token": event.text}
+    if isinstance(event, ToolStarted):
+        return {
+            "type": "mcp_tool",
+            "tool": event.tool,
+            "status": "started",
+            "arguments": event.arguments,
+        }
+    if isinstance(event, ToolCompleted):
+        return {
+            "type": "mcp_tool",
+            "tool": event.tool,
+            "status": "completed",
+            "result": [{"type": "text", "text": event.result_text}],
+            "is_error": event.is_error,
+        }
+    if isinstance(event, ToolFailed):
+        return {"type": "mcp_tool", "tool": event.tool, "status": "error", "error": event.error}
+    if isinstance(event, Sources):
+        return event.model_dump(mode="json")
+    assert isinstance(event, Done)
+    metadata = event.metadata.model_dump(mode="json")
+    return {"type": "done", "conversation_id": metadata["conversation_id"], "metadata": metadata}
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {text}\n\n".encode()
+
+
+# ---- turns ------------------------------------------------------------------------------------
+
+
+class ChatFront:
+    """What both HTTP front ends share: the device toolbox, the conversation id, the log line."""
+
+    def __init__(self, chat: ChatService, registry: DeviceRegistry) -> None:
+        self.chat = chat
+        self.registry = registry
+
+    async def prepare(
+        self,
+        principal: Principal,
+        *,
+        messages: list[InputMessage] | None = None,
+        text: str | None = None,
+        conversation_id: str | None,
+        device_id: str | None,
+    ) -> TurnRequest:
+        """A checked turn request with its conversation id settled before the turn starts
+        (so a streamed answer can carry it in its headers)."""
+        try:
+            request = TurnRequest(messages=messages or [], text=text, device_id=device_id)
+        except ValidationError as exc:
+            message = exc.errors(include_url=False)[0]["msg"].removeprefix("Value error, ")
+            raise ApiError(422, "invalid_request", message) from None
+        if device_id is not None:
+            device = self.registry.require(device_id)  # 404 unknown, 503 offline
+            reason = principal.call_denied_reason(device_id)
+            request.toolbox = DeviceToolBox(device, unavailable_reason=reason)
+        if conversation_id is not None:
+            request.conversation_id = check_conversation_id(conversation_id)
+        elif device_id is not None:
+            request.conversation_id = (await self.chat.memory.conversation_for_device(device_id)).id
+        else:
+            request.conversation_id = uuid.uuid4().hex
+        return request
+
+    async def events(
+        self, request: TurnRequest, principal: Principal, front: str
+    ) -> AsyncIterator[ChatEvent]:
+        """The turn's events, with one log line for the request when it ends (or is dropped)."""
+        began = time.perf_counter()
+        outcome = "abandoned"
+        try:
+            async for event in self.chat.run_turn(request):
+                if isinstance(event, Done):
+                    outcome = event.metadata.guardrail.verdict
+                yield event
+        except Exception:
+            outcome = "failed"
+            raise
+        finally:
+            log.info(
+                "chat request",
+                step="request",
+                front=front,
+                key_id=principal.key_id,
+                conversation_id=request.conversation_id,
+                device_id=request.device_id,
+                outcome=outcome,
+                duration_ms=round((time.perf_counter() - began) * 1000, 3),
+            )
+
+
+def chat_router(chat: ChatService, registry: DeviceRegistry) -> APIRouter:
+    front = ChatFront(chat, registry)
+    router = APIRouter(tags=["chat"])
+
+    # ---- OpenAI-compatible --------------------------------------------------------------------
+
+    @router.get("/v1/models")
+    async def list_models(_chatter: Chatter) -> dict[str, Any]:
+        return {"object": "list", "data": [_model()]}
+
+    @router.get("/v1/models/{model}")
+    async def get_model(model: str, _chatter: Chatter) -> dict[str, Any]:
+        if model != MODEL_ID:
+            raise unknown_model(model)
+        return _model()
+
+    @router.post("/v1/chat/completions", response_model=None)
+    async def completions(body: CompletionRequest, principal: Chatter) -> Response:
+        if body.model != MODEL_ID:
+            raise unknown_model(body.model)
+        request = await front.prepare(
+            principal,
+            messages=body.messages,
+            conversation_id=body.chat_id,
+            device_id=body.device_id,
+        )
+        conversation_id = request.conversation_id or ""
+        headers = {CONVERSATION_HEADER: conversation_id}
+        completion = _Completion(conversation_id)
+        events = front.events(request, principal, "openai")
+        if body.stream:
+            return StreamingResponse(
+                completion.chunks(events),
+                media_type="text/event-stream",
+                headers={**headers, **_SSE_HEADERS},
+            )
+        answer = ""
+        async for event in events:
+            if isinstance(event, Done):
+                answer = event.metadata.answer
+        return Response(
+            json.dumps(completion.whole(answer), ensure_ascii=False),
+            media_type="application/json",
+            headers=headers,
+        )
+
+    # ---- conversations ------------------------------------------------------------------------
+
+    @router.get("/v1/conversations")
+    async def list_conversations(
+        _chatter: Chatter,
+        limit: Annotated[int, Query(ge=1, le=500)] = 50,
+        offset: Annotated[int, Query(ge=0)] = 0,
+        device_id: Annotated[str | None, Query(description="only this device's")] = None,
+    ) -> dict[str, Any]:
+        page = await chat.memory.list_conversations(limit=limit, offset=offset, device_id=device_id)
+        end = offset + len(page.items)
+        return {
+            "object": "list",
+            "data": [conversation_json(item) for item in page.items],
+            "total": page.total,
+            "limit": limit,
+            "offset": offset,
+            "next_offset": end if end < page.total else None,
+        }
+
+    @router.get("/v1/conversations/{conversation_id}")
+    async def get_conversation(conversation_id: str, _chatter: Chatter) -> dict[str, Any]:
+        found = await chat.memory.get(conversation_id, with_messages=True)
+        return conversation_json(found, with_messages=True)
+
+    @router.delete("/v1/conversations/{conversation_id}", status_code=204)
+    async def delete_conversation(conversation_id: str, _chatter: Chatter) -> Response:
+        if not await chat.memory.delete(conversation_id):
+            raise ConversationNotFound(conversation_id)
+        return Response(status_code=204)
+
+    # ---- seed 002: SSE ------------------------------------------------------------------------
+
+    @router.post("/api/chat/stream", response_model=None)
+    async def stream(body: StreamRequest, principal: Chatter) -> StreamingResponse:
+        request = await front.prepare(
+            principal,
+            text=body.message,
+            conversation_id=body.conversation_id,
+            device_id=body.device_id,
+        )
+        events = front.events(request, principal, "sse")
+        return StreamingResponse(
+            _seed_stream(events),
+            media_type="text/event-stream",
+            headers={CONVERSATION_HEADER: request.conversation_id or "", **_SSE_HEADERS},
+        )
+
+    return router
+
+
+def _model() -> dict[str, Any]:
+    return {"id": MODEL_ID, "object": "model", "created": 0, "owned_by": OWNER}
+
+
+async def _seed_stream(events: AsyncIterator[ChatEvent]) -> AsyncIterator[bytes]:
+    try:
+        async for event in events:
+            yield sse(seed_event(event))
+    except Exception as exc:  # the status line is gone: say it in the stream
+        log.exception("chat stream failed")
+        yield sse({"type": "error", "error": f"internal error: {type(exc).__name__}"})
+
+
+class _Completion:
+    """OpenAI's response shapes for one completion."""
+
+    def __init__(self, conversation_id: str) -> None:
+        self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+        self.conversation_id = conversation_id
+
+    def _base(self, kind: Literal["chat.completion", "chat.completion.chunk"]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": MODEL_ID,
+            "system_fingerprint": self.conversation_id,
+        }
+
+    def whole(self, answer: str) -> dict[str, Any]:
+        return {
+            **self._base("chat.completion"),
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": answer},
+                    "finish_reason": "stop",
+                    "logprobs": None,
+                }
+            ],
+        }
+
+    def chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        return sse({**self._base("chat.completion.chunk"), "choices": [choice]})
+
+    async def chunks(self, events: AsyncIterator[ChatEvent]) -> AsyncIterator[bytes]:
+        yield self.chunk({"role": "assistant", "content": ""})
+        try:
+            async for event in events:
+                if isinstance(event, Token):
+                    yield self.chunk({"content": event.text})
+                elif isinstance(event, Sources):
+                    yield self.chunk({"content": "\n\n" + event.section})
+        except Exception as exc:  # the status line is gone: an OpenAI-style error in the stream
+            log.exception("chat completion stream failed")
+            error = {"message": f"internal error: {type(exc).__name__}", "type": "server_error"}
+            yield sse({"error": error})
+            return
+        yield self.chunk({}, "stop")
+        yield sse("[DONE]")

@@ -1,0 +1,79 @@
+"""`/api/keys`: create, list and revoke API keys (scope `admin`). The token is in the answer to
+`POST` only; the bridge keeps its SHA-256 (backend/keys/store.py)."""
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query
+from pydantic import BaseModel, Field
+
+from backend.api.app import ApiError
+from backend.api.scopes import needs
+from backend.keys import ApiKey, KeyStore, Principal, Scope
+
+Admin = Annotated[Principal, Depends(needs(Scope.ADMIN))]
+
+
+class KeyCreate(BaseModel):
+    name: str = Field(min_length=1, max_length=100)
+    scopes: list[Scope] = Field(min_length=1)
+    device_ids: list[str] | None = Field(
+        default=None, description="limit devices:read/devices:call to these devices"
+    )
+
+
+class KeyView(BaseModel):
+    id: str
+    name: str
+    scopes: list[str]
+    device_ids: list[str] | None
+    created_at: str
+    last_used_at: str | None
+    revoked_at: str | None
+    active: bool
+
+
+class CreatedKeyView(KeyView):
+    token: str = Field(description="shown once: the bridge keeps only its hash")
+
+
+class KeyList(BaseModel):
+    keys: list[KeyView]
+
+
+def key_view(key: ApiKey) -> dict[str, Any]:
+    return {
+        "id": key.id,
+        "name": key.name,
+        "scopes": sorted(key.scopes),
+        "device_ids": sorted(key.device_ids) if key.device_ids is not None else None,
+        "created_at": key.created_at.isoformat(),
+        "last_used_at": key.last_used_at.isoformat() if key.last_used_at else None,
+        "revoked_at": key.revoked_at.isoformat() if key.revoked_at else None,
+        "active": key.active,
+    }
+
+
+def keys_router(keys: KeyStore) -> APIRouter:
+    router = APIRouter(prefix="/api/keys", tags=["keys"])
+
+    @router.post("", status_code=201)
+    async def create_key(body: KeyCreate, _admin: Admin) -> CreatedKeyView:
+        try:
+            created = await keys.create(body.name, body.scopes, device_ids=body.device_ids)
+        except ValueError as exc:
+            raise ApiError(422, "invalid_request", str(exc)) from None
+        return CreatedKeyView(**key_view(created.key), token=created.token)
+
+    @router.get("")
+    async def list_keys(
+        _admin: Admin,
+        revoked: Annotated[bool, Query(description="include revoked keys")] = True,
+    ) -> KeyList:
+        listed = await keys.list(include_revoked=revoked)
+        return KeyList(keys=[KeyView(**key_view(key)) for key in listed])
+
+    @router.delete("/{key_id}")
+    async def revoke_key(key_id: str, _admin: Admin) -> KeyView:
+        return KeyView(**key_view(await keys.revoke(key_id)))
+
+    return router

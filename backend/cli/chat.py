@@ -1,0 +1,134 @@
+"""`esp32-bridge chat`: talk to the dental assistant from a terminal, through the bridge's
+`POST /api/chat/stream`. Tokens are printed as they arrive, one line per tool event; the
+conversation goes on across lines (and can be resumed with `--conversation`)."""
+
+import json
+import os
+import sys
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from backend.cli.client import AdminError
+from backend.cli.keys import ConfigOpt, DataDirOpt, ServerOpt, admin_client
+from backend.cli.output import console, err_console, fail
+
+QUIT = frozenset({"/quit", "/exit", "/q"})
+
+
+class ChatPrinter:
+    """Renders seed 002's stream events: tokens inline, tool events and sources on own lines."""
+
+    def __init__(self, out: Console) -> None:
+        self.out = out
+        self._midline = False
+        self.conversation_id: str | None = None
+
+    def event(self, event: dict[str, Any]) -> None:
+        kind = event.get("type")
+        if kind == "token":
+            text = str(event.get("token", ""))
+            self.out.print(text, end="", markup=False, highlight=False, soft_wrap=True)
+            self._midline = not text.endswith("\n")
+        elif kind == "mcp_tool":
+            self._line(_tool_line(event))
+        elif kind == "sources":
+            self._newline()
+            self.out.print(
+                "\n" + str(event.get("section", "")), markup=False, highlight=False, soft_wrap=True
+            )
+        elif kind == "done":
+            self._newline()
+            self.conversation_id = event.get("conversation_id") or self.conversation_id
+        elif kind == "error":
+            self._line(f"  error: {event.get('error')}")
+
+    def _line(self, text: str) -> None:
+        self._newline()
+        self.out.print(text, markup=False, highlight=False, soft_wrap=True)
+
+    def _newline(self) -> None:
+        if self._midline:
+            self.out.print()
+            self._midline = False
+
+
+def _tool_line(event: dict[str, Any]) -> str:
+    tool, status = event.get("tool"), event.get("status")
+    if status == "started":
+        return f"  [tool] {tool} {_compact(event.get('arguments') or {})}"
+    if status == "completed":
+        texts = [str(part.get("text", "")) for part in event.get("result") or []]
+        flag = " (tool reported an error)" if event.get("is_error") else ""
+        return f"  [tool] {tool} → {_clip(' '.join(texts))}{flag}"
+    return f"  [tool] {tool} failed: {event.get('error')}"
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _clip(text: str, limit: int = 160) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def chat(
+    device: Annotated[
+        str | None, typer.Option("--device", help="Let the assistant use this device's tools.")
+    ] = None,
+    conversation: Annotated[
+        str | None, typer.Option("--conversation", help="Continue this conversation id.")
+    ] = None,
+    server: ServerOpt = None,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            "--token",
+            help="An API key with chat:use, or the admin token "
+            "(env BRIDGE_API_KEY, else the admin token).",
+        ),
+    ] = None,
+    data_dir: DataDirOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Chat with the dental assistant: type a line, get a streamed answer; /quit or Ctrl-D ends."""
+    token = token or os.environ.get("BRIDGE_API_KEY") or None
+    interactive = sys.stdin.isatty()
+    printer = ChatPrinter(console)
+    printer.conversation_id = conversation
+    with admin_client(server, token, data_dir, config) as client:
+        if interactive:
+            console.print("[dim]Ask a dental question or give the device an order; /quit ends.")
+        while True:
+            line = _read(interactive)
+            if line is None or line.strip() in QUIT:
+                break
+            if not line.strip():
+                continue
+            try:
+                for event in client.chat(
+                    line.strip(), conversation_id=printer.conversation_id, device_id=device
+                ):
+                    printer.event(event)
+            except AdminError as exc:
+                if not interactive:
+                    raise fail(str(exc)) from None
+                err_console.print(f"[bold red]error:[/] {exc}", highlight=False, markup=False)
+    if printer.conversation_id:
+        console.print(
+            f"conversation {printer.conversation_id}", style="dim", highlight=False, markup=False
+        )
+
+
+def _read(interactive: bool) -> str | None:
+    try:
+        if interactive:
+            return console.input("[bold]you>[/] ")
+        line = sys.stdin.readline()
+        return line if line else None
+    except (EOFError, KeyboardInterrupt):
+        if interactive:
+            console.print()
+        return None

@@ -1,0 +1,121 @@
+"""`esp32-bridge keys create|list|revoke`: scoped API keys, through the admin API (scope admin).
+
+The token is printed once, at creation; the bridge keeps only its SHA-256.
+"""
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from backend.cli.client import AdminClient, AdminError
+from backend.cli.local import admin_token, api_url, cli_settings
+from backend.cli.output import console, fail, say
+from backend.keys import Scope
+
+keys_app = typer.Typer(
+    help="Scoped API keys for the chat APIs, /mcp and device access (needs the admin token).",
+    no_args_is_help=True,
+)
+
+ConfigOpt = Annotated[Path | None, typer.Option("--config", help="TOML config file.")]
+DataDirOpt = Annotated[
+    Path | None, typer.Option("--data-dir", help="Where tokens and runtime files live.")
+]
+ServerOpt = Annotated[
+    str | None, typer.Option("--server", help="Admin API URL (env BRIDGE_SERVER).")
+]
+TokenOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--token", help="Admin token, or a key with scope admin (env BRIDGE_ADMIN_TOKEN)."
+    ),
+]
+SCOPE_HELP = "A scope: " + ", ".join(scope.value for scope in Scope) + " (repeat for more)."
+
+
+def admin_client(
+    server: str | None, token: str | None, data_dir: Path | None, config: Path | None
+) -> AdminClient:
+    """A client for the local (or given) bridge, with the given token or the admin token."""
+    settings = cli_settings(config, data_dir=data_dir)
+    token = token or admin_token(settings)
+    if token is None:
+        raise fail("no admin token: pass --token, set BRIDGE_ADMIN_TOKEN, or run `serve` once")
+    return AdminClient(server or api_url(settings), token)
+
+
+@keys_app.command("create")
+def create(
+    name: Annotated[str, typer.Argument(help="What the key is for, e.g. 'kitchen app'.")],
+    scope: Annotated[list[Scope], typer.Option("--scope", help=SCOPE_HELP)],
+    device: Annotated[
+        list[str] | None,
+        typer.Option("--device", help="Limit device access to this device id (repeatable)."),
+    ] = None,
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+    data_dir: DataDirOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Create a key and print its token (shown this once only)."""
+    with admin_client(server, token, data_dir, config) as admin:
+        try:
+            key = admin.create_key(name, [s.value for s in scope], device or None)
+        except AdminError as exc:
+            raise fail(str(exc)) from None
+    devices = ", ".join(key["device_ids"]) if key["device_ids"] else "all devices"
+    say(f"created key {key['id']} ({key['name']}): {', '.join(key['scopes'])}; {devices}")
+    say("token (shown once, store it now):")
+    say(key["token"])
+
+
+@keys_app.command("list")
+def list_keys(
+    revoked: Annotated[
+        bool, typer.Option("--revoked/--active", help="Include revoked keys.")
+    ] = True,
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+    data_dir: DataDirOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """List keys (never their tokens)."""
+    with admin_client(server, token, data_dir, config) as admin:
+        try:
+            keys = admin.keys(include_revoked=revoked)
+        except AdminError as exc:
+            raise fail(str(exc)) from None
+    if not keys:
+        say("no keys")
+        return
+    table = Table("id", "name", "scopes", "devices", "created_at", "last_used_at", "status")
+    for key in keys:
+        table.add_row(
+            key["id"],
+            key["name"],
+            ",".join(key["scopes"]),
+            ",".join(key["device_ids"]) if key["device_ids"] else "all",
+            key["created_at"],
+            key["last_used_at"] or "never",
+            "active" if key["active"] else f"revoked {key['revoked_at']}",
+        )
+    console.print(table)
+
+
+@keys_app.command("revoke")
+def revoke(
+    key_id: Annotated[str, typer.Argument(help="The key's id (see `keys list`).")],
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+    data_dir: DataDirOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Revoke a key: it stops working at once."""
+    with admin_client(server, token, data_dir, config) as admin:
+        try:
+            key = admin.revoke_key(key_id)
+        except AdminError as exc:
+            raise fail(str(exc)) from None
+    say(f"revoked key {key['id']} ({key['name']})")

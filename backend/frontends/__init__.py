@@ -1,0 +1,67 @@
+"""The front ends of the chat pipeline, wired into the bridge in one place.
+
+`FrontEnds` owns the conversation memory, the `ChatService`, the API key store, the `/mcp`
+endpoint and the device conversations, on the bridge's database, registry and conversation hub;
+`routers()` and `routes()` go into the HTTP app; `start()` after the database is open,
+`stop()` before it closes.
+"""
+
+from fastapi import APIRouter
+from starlette.routing import BaseRoute
+
+from backend.api.chat import chat_router
+from backend.api.keys import keys_router
+from backend.api.mcp_endpoint import McpEndpoint
+from backend.chat import CHAT_MIGRATIONS, ChatService, SqliteMemoryStore
+from backend.config import Settings
+from backend.devices import DeviceRegistry
+from backend.devices.conversation import ConversationHub
+from backend.frontends.device_chat import DeviceChat
+from backend.keys import KEYS_MIGRATIONS, KeyStore
+from backend.storage import Database, Migration
+
+FRONTEND_MIGRATIONS: tuple[Migration, ...] = (*CHAT_MIGRATIONS, *KEYS_MIGRATIONS)
+
+
+class FrontEnds:
+    def __init__(
+        self,
+        settings: Settings,
+        database: Database,
+        registry: DeviceRegistry,
+        hub: ConversationHub,
+    ) -> None:
+        self.memory = SqliteMemoryStore(database)
+        self.chat = ChatService.from_settings(settings, self.memory)
+        self.keys = KeyStore(database)
+        self.mcp = McpEndpoint(registry, self.chat, host=settings.http_host)
+        self.device_chat = DeviceChat(hub, registry, self.chat)
+        self._registry = registry
+        self._started = False
+
+    def routers(self) -> list[APIRouter]:
+        return [keys_router(self.keys), chat_router(self.chat, self._registry)]
+
+    def routes(self) -> list[BaseRoute]:
+        return [self.mcp.route]
+
+    async def start(self) -> None:
+        """Needs the open database: loads the key index, starts `/mcp` sessions and device
+        conversations."""
+        self._started = True
+        await self.keys.load()
+        await self.mcp.start()
+        self.device_chat.start()
+
+    async def stop_sessions(self) -> None:
+        """Cancel device turns and end `/mcp` sessions (before the HTTP server drains)."""
+        if not self._started:
+            return
+        await self.device_chat.stop()
+        await self.mcp.stop()
+
+    async def close(self) -> None:
+        """Write what is left (key last-use times) and close the model client."""
+        if self._started:
+            await self.keys.aclose()
+        await self.chat.aclose()
