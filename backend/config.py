@@ -54,7 +54,14 @@ class Settings(BaseSettings):
     max_inbound_messages_per_s: float = Field(200.0, gt=0)
     max_inbound_bytes_per_s: float = Field(2_000_000.0, gt=0)
     write_timeout_s: float = Field(10.0, gt=0)
-    max_pending_handshakes: int = Field(4096, ge=1)
+    max_pending_handshakes: int = Field(1024, ge=1)
+    # Connection attempts: a burst, then a steady rate, per device id and per remote address.
+    handshakes_per_device_burst: float = Field(20.0, ge=1)
+    handshakes_per_device_per_s: float = Field(1.0, gt=0)
+    connections_per_address_burst: float = Field(50.0, ge=1)
+    connections_per_address_per_s: float = Field(20.0, gt=0)
+    # Local processes (a simulated fleet, tools) are not limited per address unless asked.
+    limit_loopback: bool = False
     hello_timeout_s: float = Field(10.0, gt=0)
     init_timeout_s: float = Field(10.0, gt=0)
     call_timeout_s: float = Field(10.0, gt=0)

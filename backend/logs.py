@@ -68,6 +68,7 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
             foreign_pre_chain=shared,
         )
     )
+    handler.addFilter(LibraryNoiseFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -170,3 +171,46 @@ class DeviceLog:
 
     def exception(self, event: str, **fields: Any) -> None:
         self._bound().exception(event, **fields)
+
+
+class LibraryNoiseFilter(logging.Filter):
+    """Caps what libraries log per failed connection (websockets writes a traceback for every
+    handshake a client abandons; asyncio for every accept error): the first `burst` records of a
+    kind are kept, on one line for expected network failures, then one counted line at most every
+    `interval_s` seconds. A hostile client closing 2,000 idle sockets costs a few lines."""
+
+    PREFIXES = ("websockets", "asyncio", "uvicorn")
+    ONE_LINE = frozenset({"opening handshake failed"})  # a client gone mid-handshake: no bug
+
+    def __init__(self, burst: int = 3, interval_s: float = 10.0) -> None:
+        super().__init__()
+        self._burst = burst
+        self._interval_s = interval_s
+        self._seen: dict[tuple[str, str], list[float]] = {}  # key -> [count, suppressed, last]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith(self.PREFIXES) or record.levelno < logging.WARNING:
+            return True
+        message = str(record.msg)
+        if message in self.ONE_LINE and record.exc_info and record.exc_info[1] is not None:
+            error = record.exc_info[1]
+            record.msg = f"{message}: {type(error).__name__}: {error}"
+            record.args = ()
+            record.exc_info = None
+        key = (record.name, message)
+        state = self._seen.setdefault(key, [0.0, 0.0, time.monotonic()])
+        state[0] += 1
+        if state[0] <= self._burst:
+            return True
+        state[1] += 1
+        now = time.monotonic()
+        if now - state[2] < self._interval_s:
+            return False
+        record.msg = f"{message} (repeated {int(state[1])} times, {int(state[0])} in all)"
+        record.args = ()
+        record.exc_info = None
+        state[1] = 0
+        state[2] = now
+        if len(self._seen) > 256:
+            self._seen.clear()  # bounded: at worst a few lines more
+        return True

@@ -38,6 +38,7 @@ from backend.transports.admission import (
     SharedDeviceToken,
 )
 from backend.transports.base import Transport
+from backend.transports.throttle import HandshakeThrottle, KeyedRate
 from backend.transports.websocket import WebSocketTransport
 
 log = structlog.get_logger("bridge")
@@ -63,7 +64,7 @@ class Bridge:
         self.conversations = ConversationHub(self.registry)
         self.database = Database(settings.data_dir / DATABASE_FILE, MIGRATIONS)
         self.catalog = DeviceCatalog(self.database, self.registry)
-        self.admission = Admission(self._device_credentials())
+        self.admission = Admission(self._device_credentials(), handshake_throttle(settings))
         self.gateway = DeviceGateway(self.registry, self.conversations, settings)
         self.websocket = WebSocketTransport(settings, self.admission)
         self.transports: list[Transport] = [self.websocket]
@@ -187,6 +188,12 @@ class Bridge:
         _tb: TracebackType | None,
     ) -> None:
         await self.stop()
+
+
+def handshake_throttle(settings: Settings) -> HandshakeThrottle:
+    return HandshakeThrottle(
+        KeyedRate(settings.handshakes_per_device_per_s, settings.handshakes_per_device_burst)
+    )
 
 
 def _bind(host: str, port: int) -> socket.socket:

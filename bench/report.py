@@ -32,9 +32,9 @@ def report_path() -> Path:
     return Path(override) if override else REPORT
 
 
-def write_section(name: str, markdown: str) -> Path:
-    """Replace (or append) the section `name` of the report with `markdown`."""
-    path = report_path()
+def write_section(name: str, markdown: str, path: Path | None = None) -> Path:
+    """Replace (or append) the section `name` of the report (or of `path`) with `markdown`."""
+    path = path if path is not None else report_path()
     text = path.read_text() if path.exists() else _HEADER
     block = f"<!-- bench:{name} -->\n{markdown.strip()}\n<!-- /bench:{name} -->"
     pattern = re.compile(

@@ -170,11 +170,11 @@ class DeviceSession:
         if isinstance(message, DeviceHello):
             await self._on_hello(message)
         elif isinstance(message, Listen):
-            self._log.info("listen", state=message.state, mode=message.mode, text=_clipped(message))
+            self._chatter("listen", state=message.state, mode=message.mode, text=_clipped(message))
             for listen_handler in self._hub.listen_handlers():
                 self._run_handler(listen_handler, message)
         elif isinstance(message, Abort):
-            self._log.info("abort", reason=clip(message.reason) if message.reason else None)
+            self._chatter("abort", reason=clip(message.reason) if message.reason else None)
             for abort_handler in self._hub.abort_handlers():
                 self._run_handler(abort_handler, message)
         elif isinstance(message, Goodbye):
@@ -390,9 +390,16 @@ class DeviceSession:
         return task
 
     def _dropped(self, event: str, **fields: Any) -> None:
+        self._budget().warning(event, **fields)
+
+    def _chatter(self, event: str, **fields: Any) -> None:
+        """What a device says in a conversation, logged within the same per-link budget."""
+        self._budget().info(event, **fields)
+
+    def _budget(self) -> LogBudget:
         if self._drops is None:
-            self._drops = LogBudget(self._log)
-        self._drops.warning(event, **fields)
+            self._drops = LogBudget(self._log, burst=5)
+        return self._drops
 
 
 async def _awaited(outcome: Awaitable[None]) -> None:

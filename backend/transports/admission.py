@@ -14,6 +14,7 @@ from typing import Protocol
 from backend.auth import token_matches
 from backend.errors import BridgeError
 from backend.transports.base import DeviceIdentity
+from backend.transports.throttle import HandshakeThrottle
 
 _DEVICE_ID = re.compile(r"^[A-Za-z0-9:_.\-]{1,64}$")
 SUPPORTED_PROTOCOL_VERSIONS = ("1", "2", "3")
@@ -68,13 +69,21 @@ class NoDeviceAuth:
 class Admission:
     """Checks handshakes for every transport with the same rules."""
 
-    def __init__(self, credentials: DeviceCredentials) -> None:
+    def __init__(
+        self, credentials: DeviceCredentials, throttle: HandshakeThrottle | None = None
+    ) -> None:
         self.credentials = credentials
+        self.throttle = throttle
 
     def admit(self, request: HandshakeRequest) -> DeviceIdentity:
-        """The device's identity, or HandshakeRefused (400 malformed fields, 401 credential)."""
+        """The device's identity, or HandshakeRefused (400 malformed fields, 401 credential,
+        429 too many attempts)."""
         device_id = normalize_device_id(request.device_id)
         version = _protocol_version(request.protocol_version)
+        if self.throttle is not None:
+            limited = self.throttle.refusal(device_id, request.remote)
+            if limited is not None:
+                raise HandshakeRefused(429, limited)
         refusal = self.credentials.refusal(device_id, request.credential)
         if refusal is not None:
             raise HandshakeRefused(401, refusal)

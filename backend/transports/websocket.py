@@ -11,6 +11,8 @@ an `AudioFrame`; frames larger than `max_message_bytes` close the link with 1009
 
 import asyncio
 import resource
+import socket
+import time
 from dataclasses import dataclass
 from http import HTTPStatus
 from urllib.parse import parse_qs, urlsplit
@@ -27,11 +29,13 @@ from backend.logs import LogBudget
 from backend.protocol.audio import AudioFrame, AudioFrameError, decode_audio, encode_audio
 from backend.transports.admission import Admission, HandshakeRefused, HandshakeRequest
 from backend.transports.base import DeviceIdentity, LinkAcceptor, LinkClosed
+from backend.transports.throttle import KeyedRate, is_loopback
 
 log = structlog.get_logger("transport.websocket")
 
 _IDENTITY_KEY = "device_identity"
 GOING_AWAY = 1001
+ACCEPT_BATCH = 64
 SHUTDOWN = "bridge shutting down"
 
 
@@ -91,16 +95,52 @@ class LinkLimits:
 
 
 class HandshakeGuard:
-    """Caps connections that have not finished their handshake (slowloris, idle sockets, a
-    descriptor-exhaustion attempt): past the cap a new TCP connection is dropped at once."""
+    """Drops unwanted TCP connections at accept time, before a byte of them is parsed.
 
-    def __init__(self, limit: int) -> None:
+    - Connections still in their handshake are capped (slowloris, idle sockets, an attempt to
+      exhaust descriptors): past the cap a new one is dropped at once.
+    - One address may open `per_address` connections at a burst, then at a steady rate: a
+      connection storm from one host is dropped before its requests are parsed (loopback is
+      exempt unless `limit_loopback`: a local fleet simulation is not an attack).
+    - An address whose handshakes keep being refused (bad tokens, too many attempts) goes in a
+      penalty box: `penalty_refusals` refusals within `penalty_s` block it for `penalty_s`, so a
+      storm of doomed handshakes costs a few parsed requests, not thousands.
+    """
+
+    def __init__(
+        self,
+        limit: int,
+        per_address: KeyedRate | None = None,
+        *,
+        limit_loopback: bool = False,
+        penalty_refusals: int = 20,
+        penalty_s: float = 10.0,
+    ) -> None:
         self.limit = limit
+        self._per_address = per_address
+        self._limit_loopback = limit_loopback
         self.pending: set[ServerConnection] = set()
         self.refused = 0
         self._budget = LogBudget(log)
+        self._penalty_refusals = penalty_refusals
+        self._penalty_s = penalty_s
+        self._refusals = KeyedRate(penalty_refusals / penalty_s, penalty_refusals)
+        self._blocked_until: dict[str, float] = {}
 
-    def admit(self, connection: ServerConnection) -> bool:
+    def admit(self, connection: ServerConnection, address: str | None) -> bool:
+        if address is not None and self._is_blocked(address):
+            self.refused += 1
+            self._budget.warning("connection dropped: address in the penalty box", remote=address)
+            return False
+        if (
+            address is not None
+            and self._per_address is not None
+            and (self._limit_loopback or not is_loopback(address))
+            and not self._per_address.allow(address)
+        ):
+            self.refused += 1
+            self._budget.warning("connection dropped: too many from this address", remote=address)
+            return False
         if len(self.pending) >= self.limit:
             self.refused += 1
             self._budget.warning("connection refused: too many handshakes in progress",
@@ -108,6 +148,25 @@ class HandshakeGuard:
             return False
         self.pending.add(connection)
         return True
+
+    def handshake_refused(self, address: str | None) -> None:
+        """A handshake from `address` was refused; too many and the address is blocked."""
+        if address is None or self._refusals.allow(address) or self._is_blocked(address):
+            return
+        self._blocked_until[address] = time.monotonic() + self._penalty_s
+        if len(self._blocked_until) > 10_000:
+            now = time.monotonic()
+            self._blocked_until = {a: t for a, t in self._blocked_until.items() if t > now}
+        log.warning("address in the penalty box", remote=address, seconds=self._penalty_s)
+
+    def _is_blocked(self, address: str) -> bool:
+        until = self._blocked_until.get(address)
+        if until is None:
+            return False
+        if until > time.monotonic():
+            return True
+        del self._blocked_until[address]
+        return False
 
     def done(self, connection: ServerConnection) -> None:
         self.pending.discard(connection)
@@ -119,7 +178,9 @@ class HandshakeGuard:
             _refused = False
 
             def connection_made(self, transport: asyncio.BaseTransport) -> None:
-                if not guard.admit(self):
+                peer = transport.get_extra_info("peername")
+                address = str(peer[0]) if isinstance(peer, tuple) and peer else None
+                if not guard.admit(self, address):
                     self._refused = True
                     if isinstance(transport, asyncio.Transport):
                         transport.abort()
@@ -147,7 +208,15 @@ class WebSocketTransport:
         self._server: Server | None = None
         self._links: set[WebSocketLink] = set()
         self._limits = LinkLimits(settings.max_message_bytes, settings.write_timeout_s)
-        self.handshakes = HandshakeGuard(_handshake_cap(settings.max_pending_handshakes))
+        # Refusals are logged a few at a time, then counted: a refused client may retry fast.
+        self._refusals = LogBudget(log, burst=5)
+        self.handshakes = HandshakeGuard(
+            _handshake_cap(settings.max_pending_handshakes),
+            KeyedRate(
+                settings.connections_per_address_per_s, settings.connections_per_address_burst
+            ),
+            limit_loopback=settings.limit_loopback,
+        )
 
     @property
     def port(self) -> int:
@@ -167,10 +236,15 @@ class WebSocketTransport:
     async def start(self, acceptor: LinkAcceptor) -> None:
         settings = self._settings
         self._acceptor = acceptor
+        # Our own listening socket, so its kernel queue can be deep (see below).
+        listener = socket.create_server(
+            (settings.ws_host, settings.ws_port),
+            family=socket.AF_INET6 if ":" in settings.ws_host else socket.AF_INET,
+            backlog=settings.ws_backlog,
+        )
         self._server = await serve(
             self._handle,
-            settings.ws_host,
-            settings.ws_port,
+            sock=listener,
             process_request=self._check_handshake,
             compression=None,  # stock firmware offers no permessage-deflate
             max_size=settings.max_message_bytes,
@@ -178,11 +252,14 @@ class WebSocketTransport:
             ping_interval=settings.ping_interval_s,
             ping_timeout=settings.ping_interval_s,
             server_header=None,
-            # A fleet reconnecting at once overflows asyncio's default backlog of 100, and every
-            # dropped SYN costs its device a retransmission second; the kernel caps this value.
-            backlog=settings.ws_backlog,
+            # asyncio accepts up to `backlog` connections per wakeup: a small batch keeps a
+            # connection storm from holding the loop (and every device's calls) in one go.
+            backlog=ACCEPT_BATCH,
             create_connection=self.handshakes.connection_class(),
         )
+        # ...while the kernel queue stays deep: a fleet reconnecting at once would overflow a
+        # short one, and every dropped SYN costs its device a retransmission second.
+        listener.listen(settings.ws_backlog)
 
     async def stop(self) -> None:
         """Close every device link with 1001 (going away), then stop listening."""
@@ -201,7 +278,9 @@ class WebSocketTransport:
         url = urlsplit(request.path)
         remote = _remote(connection)
         if url.path.rstrip("/") != self._settings.ws_path.rstrip("/"):
-            return _refuse(connection, HandshakeRefused(404, "no device endpoint here"), remote)
+            return _refuse(
+                connection, HandshakeRefused(404, "no device endpoint here"), remote, self._refusals
+            )
         query = {key: values[0] for key, values in parse_qs(url.query).items()}
         headers = request.headers
         try:
@@ -216,7 +295,9 @@ class WebSocketTransport:
                 )
             )
         except HandshakeRefused as refused:
-            return _refuse(connection, refused, remote)
+            if refused.status in (401, 429):
+                self.handshakes.handshake_refused(_address(connection))
+            return _refuse(connection, refused, remote, self._refusals)
         setattr(connection, _IDENTITY_KEY, identity)
         return None
 
@@ -269,15 +350,20 @@ def _handshake_cap(configured: int) -> int:
 
 
 def _refuse(
-    connection: ServerConnection, refused: HandshakeRefused, remote: str | None
+    connection: ServerConnection, refused: HandshakeRefused, remote: str | None, budget: LogBudget
 ) -> Response:
-    log.warning("handshake refused", status=refused.status, reason=refused.reason, remote=remote)
+    budget.warning(f"handshake refused ({refused.status})", reason=refused.reason, remote=remote)
     return connection.respond(HTTPStatus(refused.status), f"{refused.reason}\n")
 
 
 def _field(headers: Headers, query: dict[str, str], header: str, param: str) -> str | None:
     value = headers.get(header) or query.get(param)
     return value.strip() if value else None
+
+
+def _address(connection: ServerConnection) -> str | None:
+    address = connection.remote_address
+    return str(address[0]) if address else None
 
 
 def _remote(connection: ServerConnection) -> str | None:
