@@ -12,6 +12,7 @@ import contextlib
 import signal
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 from types import TracebackType
 
 import structlog
@@ -35,6 +36,7 @@ from backend.transports.admission import (
     SharedDeviceToken,
 )
 from backend.transports.base import Transport
+from backend.transports.mqtt_setup import MqttService, mqtt_enabled
 from backend.transports.websocket import WebSocketTransport
 
 log = structlog.get_logger("bridge")
@@ -64,6 +66,11 @@ class Bridge:
         self.gateway = DeviceGateway(self.registry, self.conversations, settings)
         self.websocket = WebSocketTransport(settings, self.admission)
         self.transports: list[Transport] = [self.websocket]
+        # MQTT + UDP (docs/mqtt.md) when `mqtt_url` is set; `secrets_created` lists new files.
+        self.secrets_created: list[Path] = []
+        self.mqtt = MqttService(settings, self.secrets_created) if mqtt_enabled(settings) else None
+        if self.mqtt is not None:
+            self.transports.append(self.mqtt)
         self.app = create_app(self.registry, self.tokens.admin)
         self._started: list[Transport] = []
         self._api: _ApiServer | None = None

@@ -11,6 +11,7 @@ from rich.table import Table
 from backend.cli.client import AdminClient, AdminError
 from backend.cli.firmware import firmware_app
 from backend.cli.local import admin_token, api_url, cli_settings, device_endpoint
+from backend.cli.mqtt import mqtt_app
 from backend.cli.output import console, fail
 from backend.errors import BridgeError
 
@@ -21,6 +22,7 @@ app = typer.Typer(
     add_completion=False,
 )
 app.add_typer(firmware_app, name="firmware")
+app.add_typer(mqtt_app, name="mqtt")
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", help="TOML config file.")]
 DataDirOpt = Annotated[
@@ -39,17 +41,45 @@ TokenOpt = Annotated[
 # ---- serve / demo / simulate ------------------------------------------------------------------
 
 
+MqttOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--mqtt",
+        help="MQTT + UDP transport: 'embedded' (broker in the bridge) or mqtt[s]://[user:pass@]"
+        "host:port of an external broker [env: BRIDGE_MQTT_URL, which keeps a password off ps].",
+    ),
+]
+MqttPortOpt = Annotated[
+    int | None, typer.Option("--mqtt-port", help="Port of the embedded broker (1883).")
+]
+UdpPublicHostOpt = Annotated[
+    str | None,
+    typer.Option("--udp-public-host", help="Address devices send UDP audio to (MQTT only)."),
+]
+
+
 @app.command()
 def serve(
     config: ConfigOpt = None,
     data_dir: DataDirOpt = None,
     ws_port: WsPortOpt = None,
     http_port: HttpPortOpt = None,
+    mqtt: MqttOpt = None,
+    mqtt_port: MqttPortOpt = None,
+    udp_public_host: UdpPublicHostOpt = None,
 ) -> None:
-    """Run the bridge: device WebSocket endpoint and admin API, until Ctrl-C."""
+    """Run the bridge: device WebSocket endpoint (and MQTT + UDP) and admin API, until Ctrl-C."""
     from backend.cli.runs import run_bridge
 
-    settings = cli_settings(config, data_dir=data_dir, ws_port=ws_port, http_port=http_port)
+    settings = cli_settings(
+        config,
+        data_dir=data_dir,
+        ws_port=ws_port,
+        http_port=http_port,
+        mqtt_url=mqtt,
+        mqtt_port=mqtt_port,
+        udp_public_host=udp_public_host,
+    )
     _run(run_bridge(settings))
 
 

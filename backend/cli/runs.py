@@ -23,9 +23,18 @@ async def run_bridge(settings: Settings) -> None:
     bridge = Bridge(settings)
     for path in bridge.tokens.created:
         print(f"created token file {path} (mode 0600)", flush=True)
+    for path in bridge.secrets_created:
+        print(f"created secret file {path} (mode 0600)", flush=True)
     await bridge.start()
     tune_gc_for_many_devices()
     print(f"bridge ready: devices at {bridge.ws_url}, admin API at {bridge.api_url}", flush=True)
+    if bridge.mqtt is not None:
+        mqtt = bridge.mqtt.endpoints()
+        print(
+            f"mqtt: devices at {mqtt['mqtt']} ({mqtt['mqtt_broker']} broker, topics "
+            f"{mqtt['mqtt_topic_prefix']}/<device>/up|down|status), udp audio at {mqtt['udp']}",
+            flush=True,
+        )
     await bridge.serve_forever()
 
 
