@@ -112,17 +112,45 @@ def simulate(
         int, typer.Option("--first-index", min=1, help="Index of the first device (its id).")
     ] = 1,
     token: Annotated[str | None, typer.Option("--token", help="Device token.")] = None,
+    transport: Annotated[
+        str, typer.Option("--transport", help="ws (WebSocket) or mqtt (MQTT + UDP).")
+    ] = "ws",
+    mqtt: Annotated[
+        str | None,
+        typer.Option("--mqtt", help="Broker mqtt://host:port [default: the local bridge's]."),
+    ] = None,
+    stock: Annotated[
+        bool,
+        typer.Option(
+            "--stock",
+            help="MQTT: behave like stock firmware (GID_ client id, no will, no subscription).",
+        ),
+    ] = False,
     data_dir: DataDirOpt = None,
     config: ConfigOpt = None,
 ) -> None:
     """Connect N simulated devices (the real firmware code on a fake HAL) to a bridge."""
-    from backend.cli.runs import run_simulator, simulator_workers
+    from backend.cli.runs import run_simulator, simulator_mqtt, simulator_workers
 
-    url, token = device_endpoint(cli_settings(config, data_dir=data_dir), url, token)
+    settings = cli_settings(config, data_dir=data_dir)
+    if transport not in ("ws", "mqtt"):
+        raise fail(f"--transport must be ws or mqtt, got {transport!r}", 2)
+    options = None
+    if transport == "mqtt":
+        url, options = simulator_mqtt(settings, mqtt, stock)
+    else:
+        url, token = device_endpoint(settings, url, token)
     processes = simulator_workers(devices, workers)
     _run(
         run_simulator(
-            url, token, devices, tools, console, workers=processes, first_index=first_index
+            url,
+            token,
+            devices,
+            tools,
+            console,
+            workers=processes,
+            first_index=first_index,
+            mqtt=options,
         )
     )
 
