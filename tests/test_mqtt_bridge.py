@@ -5,6 +5,9 @@ code (app loop, transport_mqtt on umqtt.simple, MCP server, stock tools) on CPyt
 import asyncio
 import contextlib
 import json
+import os
+import signal
+import stat
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +23,16 @@ from backend.server import Bridge
 from backend.transports.mqtt_credentials import DerivedCredentials
 from backend.transports.mqtt_topics import TopicScheme
 from simulator import MqttOptions, SimulatedDevice
-from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, eventually, make_settings, run_cli
+from tests.helpers import (
+    ADMIN_TOKEN,
+    CLI,
+    DEVICE_TOKEN,
+    STARTED,
+    eventually,
+    make_settings,
+    run_cli,
+    start_cli,
+)
 from tests.mosquitto import Mosquitto
 from tests.mqtt_wire import RawMqttClient
 
@@ -359,7 +371,7 @@ async def test_stock_simulator_through_the_embedded_broker_talks_and_streams(
     await eventually(lambda: got == [b"opus!"], WAIT_S)
 
 
-# ---- CLI: serve --mqtt, simulate --transport mqtt, mqtt credentials -------------------------------
+# ---- CLI: serve --mqtt, simulate --transport mqtt, mqtt credentials --------------------------
 
 
 async def test_mqtt_credentials_are_accepted_by_the_embedded_broker(
@@ -387,3 +399,54 @@ async def test_mqtt_credentials_are_accepted_by_the_embedded_broker(
     assert code == 0, err
     for expected in ("pattern write xiaozhi/%u/up", "a4_cf_12_34_56_78:$7$101$", "auto_subscribe"):
         assert expected in out
+
+
+async def test_serve_with_embedded_broker_and_simulate_over_mqtt_as_processes(
+    tmp_path: Path,
+) -> None:
+    data_dir = tmp_path / "served"
+    serve = await start_cli(
+        "serve", data_dir, None,
+        "--mqtt", "embedded", "--mqtt-port", "0", "--udp-public-host", "127.0.0.1",
+    )  # fmt: skip
+    await eventually(lambda: (data_dir / "bridge.json").exists(), 30)
+    runtime = json.loads((data_dir / "bridge.json").read_text())
+    assert runtime["endpoints"]["mqtt"].startswith("mqtt://127.0.0.1:")
+    assert runtime["endpoints"]["mqtt_broker"] == "embedded"
+    assert stat.S_IMODE((data_dir / "mqtt.secret").stat().st_mode) == 0o600
+    secret = (data_dir / "mqtt.secret").read_text().strip()
+    env = {"BRIDGE_MQTT_SECRET": "", "BRIDGE_MQTT_URL": ""}
+    simulate = await asyncio.create_subprocess_exec(
+        *CLI, "simulate", "--transport", "mqtt", "--devices", "2", "--stock",
+        "--data-dir", str(data_dir),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, **env},
+    )  # fmt: skip
+    STARTED.append(simulate)
+    try:
+        where = ("--data-dir", str(data_dir))
+
+        async def ready_mqtt_devices() -> int:
+            code, out, err = await run_cli("devices", "--online", *where, env=env)
+            assert code == 0, err
+            return sum(1 for line in out.splitlines() if " ready " in line and " mqtt " in line)
+
+        for _ in range(500):
+            if await ready_mqtt_devices() == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert await ready_mqtt_devices() == 2
+        code, out, err = await run_cli(
+            "call", "02:00:00:00:00:01", "self.audio_speaker.set_volume", "--arg", "volume=9",
+            *where, env=env,
+        )  # fmt: skip
+        assert code == 0, err
+        assert out.strip() == "true"
+    finally:
+        simulate.terminate()
+        await simulate.wait()
+        serve.send_signal(signal.SIGTERM)
+        out, err = await asyncio.wait_for(serve.communicate(), 15)
+    banner = out.decode()
+    assert "mqtt: devices at mqtt://127.0.0.1:" in banner and "(embedded broker" in banner
+    assert secret not in out.decode() + err.decode()  # the credential secret is never printed

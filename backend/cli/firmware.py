@@ -350,9 +350,14 @@ def _check_for_board(path: Path, config: dict[str, Any]) -> None:
 
 def _warn_for_board(path: Path, config: dict[str, Any]) -> None:
     """Settings that are valid but rarely what one wants on a board on the LAN."""
-    if not config.get("token"):
+    if not config.get("token") and config.get("transport") != "mqtt":
         warn(f'{path}: "token" is empty; a bridge with device auth (the default) answers 401')
-    host = _url_host(config["url"])
+    if config.get("transport") == "mqtt":  # docs/mqtt.md; the broker login is its own
+        from simulator.firmware import firmware_module
+
+        host = str(firmware_module("transport_mqtt").parse_url(config["mqtt"]["url"])[0])
+    else:
+        host = _url_host(config["url"])
     if host in LOOPBACK_HOSTS:
         warn(f"{path}: url host {host} is the board itself; use the bridge machine's LAN address")
 
@@ -362,9 +367,18 @@ def _remote(dest: str, name: str) -> str:
 
 
 def _deploy_command(
-    mpremote: str, port: str, out: Path, config: Path, dest: str, resume: bool, reset: bool
+    mpremote: str,
+    port: str,
+    out: Path,
+    config: Path,
+    dest: str,
+    resume: bool,
+    reset: bool,
+    mip: tuple[str, ...] = (),
 ) -> list[str]:
     command = [mpremote, "connect", port, *(["resume"] if resume else [])]
+    if mip:  # micropython-lib packages, e.g. umqtt.simple for "transport": "mqtt"
+        command += ["mip", "install", *mip, "+"]
     command += ["cp", "-r", str(out / "lib"), dest]
     entries = [str(out / name) for name in ENTRY_FILES if (out / name).is_file()]
     command += ["+", "cp", *entries, dest]
@@ -416,8 +430,10 @@ def deploy(
     mpremote = _tool("mpremote")
     _warn_for_board(config_path, device_config)  # after the errors: an error stays one line
     _ensure_build(out)
+    mip = MQTT_PACKAGES if device_config.get("transport") == "mqtt" else ()
     _run_tool(
-        _deploy_command(mpremote, port, out, config_path, dest, resume, reset), DEPLOY_TIMEOUT_S
+        _deploy_command(mpremote, port, out, config_path, dest, resume, reset, mip),
+        DEPLOY_TIMEOUT_S,
     )
     after = "; board reset" if reset else ""
     say(f"deployed {out} and {config_path} to {port}{after}")
@@ -478,6 +494,10 @@ def flash(
 # ---- run-host ---------------------------------------------------------------------------------
 
 
+# What `"transport": "mqtt"` needs on a board, from the micropython-lib index (mpremote mip).
+MQTT_PACKAGES = ("umqtt.simple",)
+
+
 def _host_client_id() -> str:
     # Stable per machine, so the bridge sees the same device on every run.
     return str(uuid.uuid5(uuid.NAMESPACE_DNS, f"run-host.{socket.gethostname()}"))
@@ -491,7 +511,7 @@ def _host_config(
         device["url"] = url
     if token:
         device["token"] = token
-    if not device.get("url") or not device.get("token"):
+    if device.get("transport") != "mqtt" and (not device.get("url") or not device.get("token")):
         # Missing pieces come from the local bridge, as for `esp32-bridge simulate`.
         settings = cli_settings(None, data_dir=data_dir)
         endpoint = device_endpoint(settings, device.get("url"), device.get("token"))
@@ -543,7 +563,12 @@ def run_host(
     micropython = _tool("micropython")
     firmware = _firmware_source(None)
     device_config = _host_config(config, url, token, data_dir)
-    env = micropython_env(firmware / "lib")
+    libs = [firmware / "lib"]
+    if device_config.get("transport") == "mqtt":  # umqtt.simple, fetched into an ignored folder
+        from simulator import micropython_lib
+
+        libs.append(micropython_lib.ensure())
+    env = micropython_env(*libs)
     say(f"running {firmware / 'main.py'} on the MicroPython unix port (fake HAL); Ctrl-C stops it")
     with tempfile.TemporaryDirectory(prefix="esp32-bridge-run-host-") as folder:
         config_file = Path(folder) / "config.json"
