@@ -450,3 +450,19 @@ async def test_serve_with_embedded_broker_and_simulate_over_mqtt_as_processes(
     banner = out.decode()
     assert "mqtt: devices at mqtt://127.0.0.1:" in banner and "(embedded broker" in banner
     assert secret not in out.decode() + err.decode()  # the credential secret is never printed
+
+
+async def test_serve_refuses_mqtt_without_a_public_udp_address(tmp_path: Path) -> None:
+    code, _out, err = await run_cli(
+        "serve", "--data-dir", str(tmp_path), "--ws-port", "0", "--http-port", "0",
+        "--mqtt", "embedded", "--mqtt-port", "0",
+        env={"BRIDGE_UDP_PUBLIC_HOST": "", "BRIDGE_ADMIN_TOKEN": "", "BRIDGE_DEVICE_TOKEN": ""},
+    )  # fmt: skip
+    assert code == 1
+    assert err.strip().startswith("error: udp_public_host must be set"), err
+    code, _out, err = await run_cli(
+        "serve", "--data-dir", str(tmp_path), "--mqtt", "http://broker:1883",
+        "--udp-public-host", "127.0.0.1",
+    )  # fmt: skip
+    assert code == 1
+    assert "mqtt:// or mqtts://" in err

@@ -107,7 +107,7 @@ class MqttService:
         self.transport: MqttTransport | None = None
 
     def _check_udp(self) -> None:
-        if self.settings.udp_public_host is None and self.settings.udp_host in _WILDCARDS:
+        if not self.settings.udp_public_host and self.settings.udp_host in _WILDCARDS:
             raise MqttConfigError(
                 "udp_public_host must be set when udp_host binds every interface: it is the "
                 "address devices send audio to (--udp-public-host or BRIDGE_UDP_PUBLIC_HOST)"
