@@ -78,6 +78,21 @@ class Settings(BaseSettings):
     audio_frame_duration: int = 60
     log_level: str = "info"
     log_format: str = Field("auto", pattern="^(auto|json|console)$")
+    # ---- MQTT + UDP transport (docs/mqtt.md): off unless mqtt_url is set. "embedded" runs the
+    # embedded broker on mqtt_host:mqtt_port; mqtt[s]://[user:pass@]host[:port] is an external one.
+    mqtt_url: str | None = Field(None, repr=False)  # may hold the bridge's broker password
+    mqtt_host: str = "0.0.0.0"
+    mqtt_port: int = Field(1883, ge=0, le=65535)
+    mqtt_client_id: str = "esp32-mcp-bridge"
+    mqtt_topic_prefix: str = "xiaozhi"
+    mqtt_keepalive_s: int = Field(60, ge=5, le=65535)
+    mqtt_silence_timeout_s: float = Field(360.0, gt=0)
+    mqtt_ca_file: Path | None = None  # CA bundle for mqtts:// (default: the system's)
+    # Derives every device's broker password; when unset, `serve` creates it in data_dir (0600).
+    mqtt_secret: SecretStr | None = None
+    udp_host: str = "0.0.0.0"
+    udp_port: int = Field(8884, ge=0, le=65535)
+    udp_public_host: str | None = None  # the UDP address devices are told in the hello
 
     @field_validator("ws_path")
     @classmethod

@@ -14,6 +14,7 @@ import contextlib
 import signal
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 from types import TracebackType
 
 import structlog
@@ -38,6 +39,7 @@ from backend.transports.admission import (
     SharedDeviceToken,
 )
 from backend.transports.base import Transport
+from backend.transports.mqtt_setup import MqttService, mqtt_enabled
 from backend.transports.throttle import HandshakeThrottle, KeyedRate
 from backend.transports.websocket import WebSocketTransport
 
@@ -68,6 +70,11 @@ class Bridge:
         self.gateway = DeviceGateway(self.registry, self.conversations, settings)
         self.websocket = WebSocketTransport(settings, self.admission)
         self.transports: list[Transport] = [self.websocket]
+        # MQTT + UDP (docs/mqtt.md) when `mqtt_url` is set; `secrets_created` lists new files.
+        self.secrets_created: list[Path] = []
+        self.mqtt = MqttService(settings, self.secrets_created) if mqtt_enabled(settings) else None
+        if self.mqtt is not None:
+            self.transports.append(self.mqtt)
         self.frontends = FrontEnds(settings, self.database, self.registry, self.conversations)
         self.app = create_app(
             self.registry,

@@ -65,17 +65,19 @@ def load_config(path) -> dict:
 def check_config(config):
     if not isinstance(config, dict):
         raise ConfigError("config must be a JSON object")
-    url = config.get("url")
-    if not isinstance(url, str) or not url:
-        raise ConfigError('"url" is missing, e.g. "ws://192.168.1.10:8000/xiaozhi/v1/"')
-    try:
-        parse_url(url)
-    except ValueError as error:
-        raise ConfigError('"url": ' + str(error))
-    if config.get("transport", "ws") != "ws":
-        raise ConfigError(
-            '"transport" ' + repr(config.get("transport")) + ' is not supported: use "ws"'
-        )
+    transport = config.get("transport", "ws")
+    if transport == "mqtt":
+        check_mqtt_config(config.get("mqtt"))
+    elif transport != "ws":
+        raise ConfigError('"transport" ' + repr(transport) + ' is not supported: "ws" or "mqtt"')
+    else:
+        url = config.get("url")
+        if not isinstance(url, str) or not url:
+            raise ConfigError('"url" is missing, e.g. "ws://192.168.1.10:8000/xiaozhi/v1/"')
+        try:
+            parse_url(url)
+        except ValueError as error:
+            raise ConfigError('"url": ' + str(error))
     if config.get("hal", "esp32") not in ("esp32", "fake"):
         raise ConfigError('"hal" must be "esp32" or "fake"')
     for key in ("token", "device_id", "client_id", "ssid", "password", "board_name"):
@@ -83,6 +85,23 @@ def check_config(config):
             raise ConfigError('"' + key + '" must be a string')
     if not isinstance(config.get("pins", {}), dict):
         raise ConfigError('"pins" must be an object like {"led": 2}')
+
+
+def check_mqtt_config(mqtt):
+    """The "mqtt" object of a `"transport": "mqtt"` config (docs/mqtt.md)."""
+    from transport_mqtt import parse_url as parse_mqtt_url
+
+    if not isinstance(mqtt, dict):
+        raise ConfigError('"mqtt" must be an object like {"url": "mqtt://192.168.1.10:1883", ...}')
+    try:
+        parse_mqtt_url(mqtt.get("url"))
+    except ValueError as error:
+        raise ConfigError('"mqtt.url": ' + str(error))
+    for key in ("username", "password", "client_id", "topic_prefix", "publish_topic"):
+        if mqtt.get(key) is not None and not isinstance(mqtt[key], str):
+            raise ConfigError('"mqtt.' + key + '" must be a string')
+    if mqtt.get("keepalive") is not None and not isinstance(mqtt["keepalive"], int):
+        raise ConfigError('"mqtt.keepalive" must be a number of seconds')
 
 
 def bad_config(message):
@@ -198,8 +217,9 @@ async def main(config, path):
     hal, device_id = await make_hal(config, client_id)
     server = McpServer(hal.board_name, hal.firmware_version)
     tools_stock.register(server, hal)
+    mqtt = config.get("mqtt") if config.get("transport") == "mqtt" else None
     app_config = {
-        "url": config["url"],
+        "url": mqtt["url"] if mqtt else config["url"],
         "token": config.get("token") or "",
         "device_id": device_id,
         "client_id": client_id,
@@ -207,11 +227,25 @@ async def main(config, path):
         "reconnect_min_s": config.get("reconnect_min_s", 1),
         "reconnect_max_s": config.get("reconnect_max_s", 30),
     }
-    print("device " + device_id + " (client " + client_id + ") -> " + config["url"])
-    app = App(app_config, hal, server, WsTransport, log=print)
+    print("device " + device_id + " (client " + client_id + ") -> " + app_config["url"])
+    if mqtt:
+        app = mqtt_app(mqtt, app_config, hal, server, device_id, client_id)
+    else:
+        app = App(app_config, hal, server, WsTransport, log=print)
     if MICROPYTHON:  # CPython has no StreamReader over sys.stdin; the simulator types no text
         asyncio.create_task(console_input(app, asyncio.StreamReader(sys.stdin)))
     await app.run()
+
+
+def mqtt_app(mqtt, app_config, hal, server, device_id, client_id):
+    """The app over MQTT + UDP (needs micropython-lib's umqtt.simple in /lib)."""
+    from app_mqtt import MqttApp
+    from transport_mqtt import MqttTransport
+
+    def connect(url, headers):
+        return MqttTransport(mqtt, device_id, client_id, log=print)
+
+    return MqttApp(app_config, hal, server, connect, log=print)
 
 
 def start():

@@ -1,5 +1,5 @@
 """Simulated xiaozhi devices running the real firmware code (firmware/lib) on CPython."""
 
-from simulator.fleet import SimulatedDevice, run_fleet
+from simulator.fleet import MqttOptions, SimulatedDevice, run_fleet
 
-__all__ = ["SimulatedDevice", "run_fleet"]
+__all__ = ["MqttOptions", "SimulatedDevice", "run_fleet"]

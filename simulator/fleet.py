@@ -7,8 +7,10 @@ also take a `delay_ms` argument, which makes slow calls (timeouts, cancellation)
 """
 
 import asyncio
+import sys
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from simulator.firmware import firmware_module
@@ -30,6 +32,21 @@ def client_id_for(index: int) -> str:
     return str(uuid.uuid5(uuid.NAMESPACE_URL, f"esp32-mcp-bridge-simulator/{index}"))
 
 
+@dataclass(frozen=True)
+class MqttOptions:
+    """How a simulated device uses MQTT (`url` is then the broker's mqtt:// URL).
+
+    `password(device_id)` gives its broker password (username = its device key). `stock`: behave
+    exactly like stock firmware (client id GID_…@@@mac@@@uuid, no will, no subscription);
+    otherwise like this repository's firmware (retained `online`, last will, own subscription).
+    """
+
+    password: Callable[[str], str]
+    stock: bool = False
+    topic_prefix: str = "xiaozhi"
+    keepalive: int | None = None
+
+
 class SimulatedDevice:
     def __init__(
         self,
@@ -41,29 +58,34 @@ class SimulatedDevice:
         device_id: str | None = None,
         log: Callable[..., None] | None = None,
         reconnect_min_s: float = 1.0,
+        mqtt: MqttOptions | None = None,
     ) -> None:
-        app_module = firmware_module("app")
         hal_module = firmware_module("hal_fake")
         mcp_module = firmware_module("mcp_server")
         tools_module = firmware_module("tools_stock")
-        transport_module = firmware_module("transport_ws")
 
         self.device_id = device_id or device_id_for(index)
         self.hal = hal_module.HalFake(board_name=BOARD_NAME, firmware_version=FIRMWARE_VERSION)
         self.server = mcp_module.McpServer(BOARD_NAME, FIRMWARE_VERSION)
         tools_module.register(self.server, self.hal)
         add_synthetic_tools(self.server, extra_tools)
+        client_id = client_id_for(index)
         config = {
             "url": url,
             "token": token or "",
             "device_id": self.device_id,
-            "client_id": client_id_for(index),
+            "client_id": client_id,
             "protocol_version": 1,
             "reconnect_min_s": reconnect_min_s,
         }
-        self.app = app_module.App(
-            config, self.hal, self.server, transport_module.WsTransport, log=log or _quiet
-        )
+        logger = log or _quiet
+        if mqtt is None:
+            app_class = firmware_module("app").App
+            factory = firmware_module("transport_ws").WsTransport
+        else:
+            app_class = mqtt_firmware_module("app_mqtt").MqttApp
+            factory = _mqtt_factory(url, self.device_id, client_id, mqtt, logger)
+        self.app = app_class(config, self.hal, self.server, factory, log=logger)
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> asyncio.Task[None]:
@@ -75,6 +97,40 @@ class SimulatedDevice:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+
+
+def mqtt_firmware_module(name: str) -> Any:
+    """A firmware module that needs micropython-lib's umqtt.simple (fetched when missing)."""
+    from backend.firmware import micropython_lib
+
+    folder = str(micropython_lib.ensure())
+    if folder not in sys.path:
+        sys.path.append(folder)
+    return firmware_module(name)
+
+
+def _mqtt_factory(
+    url: str, device_id: str, client_id: str, mqtt: MqttOptions, log: Callable[..., None]
+) -> Callable[[str, Any], Any]:
+    transport_class = mqtt_firmware_module("transport_mqtt").MqttTransport
+    config: dict[str, Any] = {
+        "url": url,
+        "username": _key(device_id),
+        "password": mqtt.password(device_id),
+        "topic_prefix": mqtt.topic_prefix,
+        "stock": mqtt.stock,
+    }
+    if mqtt.keepalive is not None:
+        config["keepalive"] = mqtt.keepalive
+
+    def factory(_url: str, _headers: Any) -> Any:
+        return transport_class(config, device_id, client_id, log=log)
+
+    return factory
+
+
+def _key(device_id: str) -> str:
+    return device_id.lower().replace(":", "_")
 
 
 def add_synthetic_tools(server: Any, count: int) -> None:
@@ -110,10 +166,11 @@ async def run_fleet(
     extra_tools: int = 0,
     first_index: int = 1,
     log: Callable[..., None] | None = None,
+    mqtt: MqttOptions | None = None,
 ) -> list[SimulatedDevice]:
     """Create and start `count` devices; they keep running (and reconnecting) until stopped."""
     devices = [
-        SimulatedDevice(url, token, first_index + i, extra_tools=extra_tools, log=log)
+        SimulatedDevice(url, token, first_index + i, extra_tools=extra_tools, log=log, mqtt=mqtt)
         for i in range(count)
     ]
     for device in devices:

@@ -533,7 +533,9 @@ async def test_micropython_main_against_the_bridge(bridge: FakeBridge, tmp_path:
     [
         (None, "not found: copy config.example.json"),
         ("{broken", "is not valid JSON"),
-        ('{"url": "ws://h/", "transport": "mqtt"}', "\"transport\" 'mqtt' is not supported"),
+        ('{"url": "ws://h/", "transport": "udp"}', "\"transport\" 'udp' is not supported"),
+        ('{"transport": "mqtt"}', '"mqtt" must be an object'),
+        ('{"transport": "mqtt", "mqtt": {"url": "ws://h/"}}', '"mqtt.url": MQTT URL must start'),
         ('{"url": "wss://h/"}', "TLS not supported on this build"),
         ('{"token": "x"}', '"url" is missing'),
     ],

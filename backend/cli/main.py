@@ -13,6 +13,7 @@ from backend.cli.client import AdminClient, AdminError
 from backend.cli.firmware import firmware_app
 from backend.cli.keys import keys_app
 from backend.cli.local import admin_token, api_url, cli_settings, device_endpoint
+from backend.cli.mqtt import mqtt_app
 from backend.cli.output import console, fail
 from backend.errors import BridgeError
 
@@ -23,6 +24,7 @@ app = typer.Typer(
     add_completion=False,
 )
 app.add_typer(firmware_app, name="firmware")
+app.add_typer(mqtt_app, name="mqtt")
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", help="TOML config file.")]
 DataDirOpt = Annotated[
@@ -41,17 +43,45 @@ TokenOpt = Annotated[
 # ---- serve / demo / simulate ------------------------------------------------------------------
 
 
+MqttOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--mqtt",
+        help="MQTT + UDP transport: 'embedded' (broker in the bridge) or mqtt[s]://[user:pass@]"
+        "host:port of an external broker [env: BRIDGE_MQTT_URL, which keeps a password off ps].",
+    ),
+]
+MqttPortOpt = Annotated[
+    int | None, typer.Option("--mqtt-port", help="Port of the embedded broker (1883).")
+]
+UdpPublicHostOpt = Annotated[
+    str | None,
+    typer.Option("--udp-public-host", help="Address devices send UDP audio to (MQTT only)."),
+]
+
+
 @app.command()
 def serve(
     config: ConfigOpt = None,
     data_dir: DataDirOpt = None,
     ws_port: WsPortOpt = None,
     http_port: HttpPortOpt = None,
+    mqtt: MqttOpt = None,
+    mqtt_port: MqttPortOpt = None,
+    udp_public_host: UdpPublicHostOpt = None,
 ) -> None:
-    """Run the bridge: device WebSocket endpoint and admin API, until Ctrl-C."""
+    """Run the bridge: device WebSocket endpoint (and MQTT + UDP) and admin API, until Ctrl-C."""
     from backend.cli.runs import run_bridge
 
-    settings = cli_settings(config, data_dir=data_dir, ws_port=ws_port, http_port=http_port)
+    settings = cli_settings(
+        config,
+        data_dir=data_dir,
+        ws_port=ws_port,
+        http_port=http_port,
+        mqtt_url=mqtt,
+        mqtt_port=mqtt_port,
+        udp_public_host=udp_public_host,
+    )
     _run(run_bridge(settings))
 
 
@@ -84,17 +114,45 @@ def simulate(
         int, typer.Option("--first-index", min=1, help="Index of the first device (its id).")
     ] = 1,
     token: Annotated[str | None, typer.Option("--token", help="Device token.")] = None,
+    transport: Annotated[
+        str, typer.Option("--transport", help="ws (WebSocket) or mqtt (MQTT + UDP).")
+    ] = "ws",
+    mqtt: Annotated[
+        str | None,
+        typer.Option("--mqtt", help="Broker mqtt://host:port [default: the local bridge's]."),
+    ] = None,
+    stock: Annotated[
+        bool,
+        typer.Option(
+            "--stock",
+            help="MQTT: behave like stock firmware (GID_ client id, no will, no subscription).",
+        ),
+    ] = False,
     data_dir: DataDirOpt = None,
     config: ConfigOpt = None,
 ) -> None:
     """Connect N simulated devices (the real firmware code on a fake HAL) to a bridge."""
-    from backend.cli.runs import run_simulator, simulator_workers
+    from backend.cli.runs import run_simulator, simulator_mqtt, simulator_workers
 
-    url, token = device_endpoint(cli_settings(config, data_dir=data_dir), url, token)
+    settings = cli_settings(config, data_dir=data_dir)
+    if transport not in ("ws", "mqtt"):
+        raise fail(f"--transport must be ws or mqtt, got {transport!r}", 2)
+    options = None
+    if transport == "mqtt":
+        url, options = simulator_mqtt(settings, mqtt, stock)
+    else:
+        url, token = device_endpoint(settings, url, token)
     processes = simulator_workers(devices, workers)
     _run(
         run_simulator(
-            url, token, devices, tools, console, workers=processes, first_index=first_index
+            url,
+            token,
+            devices,
+            tools,
+            console,
+            workers=processes,
+            first_index=first_index,
+            mqtt=options,
         )
     )
 

@@ -5,7 +5,7 @@ import json
 import os
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -18,6 +18,9 @@ from backend.logs import configure_logging
 from backend.runtime import raise_open_file_limit, tune_gc_for_many_devices
 from backend.server import Bridge
 
+if TYPE_CHECKING:
+    from simulator import MqttOptions
+
 
 async def run_bridge(settings: Settings) -> None:
     configure_logging(settings.log_level, settings.log_format)
@@ -25,9 +28,18 @@ async def run_bridge(settings: Settings) -> None:
     bridge = Bridge(settings)
     for path in bridge.tokens.created:
         print(f"created token file {path} (mode 0600)", flush=True)
+    for path in bridge.secrets_created:
+        print(f"created secret file {path} (mode 0600)", flush=True)
     await bridge.start()
     tune_gc_for_many_devices()
     print(f"bridge ready: devices at {bridge.ws_url}, admin API at {bridge.api_url}", flush=True)
+    if bridge.mqtt is not None:
+        mqtt = bridge.mqtt.endpoints()
+        print(
+            f"mqtt: devices at {mqtt['mqtt']} ({mqtt['mqtt_broker']} broker, topics "
+            f"{mqtt['mqtt_topic_prefix']}/<device>/up|down|status), udp audio at {mqtt['udp']}",
+            flush=True,
+        )
     await bridge.serve_forever()
 
 
@@ -82,6 +94,39 @@ async def _demo_calls(bridge: Bridge, device_id: str, console: Console) -> None:
             result = response.json()
             console.print(f"\ncall {name} {json.dumps(arguments)} → HTTP {response.status_code}")
             console.print_json(json.dumps(result))
+
+
+def simulator_mqtt(settings: Settings, url: str | None, stock: bool) -> tuple[str, "MqttOptions"]:
+    """The broker URL and the options of `simulate --transport mqtt`: the local bridge's broker
+    and topic prefix unless given; passwords derived from its credential secret."""
+    from backend.cli.output import fail
+    from backend.runtime import read_runtime_file
+    from backend.transports.mqtt_setup import MQTT_SECRET_FILE, device_credentials, mqtt_secret
+    from simulator import MqttOptions
+
+    endpoints = (read_runtime_file(settings.data_dir) or {}).get("endpoints") or {}
+    url = url or endpoints.get("mqtt")
+    if not url:
+        raise fail("no broker: pass --mqtt mqtt://host:port or run `serve --mqtt ...` first", 2)
+    has_secret = settings.mqtt_secret is not None or (settings.data_dir / MQTT_SECRET_FILE).exists()
+    if not has_secret:
+        raise fail(
+            f"no MQTT credential secret in {settings.data_dir}: run `esp32-bridge serve --mqtt` "
+            "once, or set BRIDGE_MQTT_SECRET",
+            2,
+        )
+    credentials = device_credentials(settings)
+    prefix = endpoints.get("mqtt_topic_prefix") or settings.mqtt_topic_prefix
+    # Worker processes (--workers) read both from the environment, as they do the device token:
+    # other users can read a command line, not it.
+    os.environ["BRIDGE_MQTT_SECRET"] = mqtt_secret(settings).decode()
+    os.environ["BRIDGE_MQTT_TOPIC_PREFIX"] = prefix
+    options = MqttOptions(
+        password=lambda device_id: credentials.issue(device_id).password,
+        stock=stock,
+        topic_prefix=prefix,
+    )
+    return url, options
 
 
 class WorkerFailed(BridgeError):
@@ -150,11 +195,14 @@ async def run_simulator(
     *,
     workers: int = 1,
     first_index: int = 1,
+    mqtt: "MqttOptions | None" = None,
 ) -> None:
     """`count` simulated devices: in this process, or split over `workers` child processes
     (each runs this command for its share; device indexes, hence ids, never overlap)."""
     if workers > 1:
-        await _run_workers(url, token, count, extra_tools, console, workers, first_index)
+        transport = [] if mqtt is None else ["--transport", "mqtt", "--mqtt", url]
+        transport += ["--stock"] if mqtt is not None and mqtt.stock else []
+        await _run_workers(url, token, count, extra_tools, console, workers, first_index, transport)
         return
     from simulator import run_fleet
 
@@ -165,7 +213,7 @@ async def run_simulator(
             console.print("[dim]" + " ".join(str(p) for p in parts), highlight=False)
 
     devices = await run_fleet(
-        url, token, count, extra_tools=extra_tools, first_index=first_index, log=log
+        url, token, count, extra_tools=extra_tools, first_index=first_index, log=log, mqtt=mqtt
     )
     last = first_index + count - 1
     console.print(
@@ -186,6 +234,7 @@ async def _run_workers(
     console: Console,
     workers: int,
     first_index: int,
+    transport: list[str],
 ) -> None:
     shares = [count // workers + (1 if i < count % workers else 0) for i in range(workers)]
     # The token goes through the environment: other users can read a command line, not it.
@@ -196,7 +245,7 @@ async def _run_workers(
         argv = [
             sys.executable, "-m", "backend.cli", "simulate", "--url", url,
             "--devices", str(share), "--tools", str(extra_tools),
-            "--first-index", str(start), "--workers", "1",
+            "--first-index", str(start), "--workers", "1", *transport,
         ]  # fmt: skip
         children.append(await asyncio.create_subprocess_exec(*argv, env=env))
         start += share

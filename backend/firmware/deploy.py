@@ -20,6 +20,8 @@ from backend.firmware.errors import UsageError
 from backend.firmware.tools import check_port, require_tool, run_tool
 
 DEPLOY_TIMEOUT_S = 180.0
+# What `"transport": "mqtt"` needs on a board, from the micropython-lib index (mpremote mip).
+MQTT_PACKAGES = ("umqtt.simple",)
 
 
 @dataclass(frozen=True)
@@ -34,10 +36,18 @@ class DeployPlan:
     reset: bool
     mpremote: str
     warnings: tuple[str, ...]
+    mip: tuple[str, ...] = ()  # micropython-lib packages the config needs (umqtt for MQTT)
 
     def command(self) -> list[str]:
         return deploy_command(
-            self.mpremote, self.port, self.out, self.config, self.dest, self.resume, self.reset
+            self.mpremote,
+            self.port,
+            self.out,
+            self.config,
+            self.dest,
+            self.resume,
+            self.reset,
+            self.mip,
         )
 
 
@@ -59,7 +69,8 @@ def plan_deploy(
     check_port(port)
     mpremote = require_tool("mpremote")
     warnings = tuple(board_warnings(config_path, device_config))
-    return DeployPlan(port, config_path, out, dest, resume, reset, mpremote, warnings)
+    mip = MQTT_PACKAGES if device_config.get("transport") == "mqtt" else ()
+    return DeployPlan(port, config_path, out, dest, resume, reset, mpremote, warnings, mip)
 
 
 def run_deploy(plan: DeployPlan) -> None:
@@ -84,9 +95,12 @@ def deploy_command(
     dest: str = ":",
     resume: bool = False,
     reset: bool = True,
+    mip: tuple[str, ...] = (),
 ) -> list[str]:
     """One mpremote command line (`+`-chained) that copies a build and a config to a board."""
     command = [mpremote, "connect", port, *(["resume"] if resume else [])]
+    if mip:  # micropython-lib packages from its index, e.g. umqtt.simple for MQTT
+        command += ["mip", "install", *mip, "+"]
     command += ["cp", "-r", str(out / "lib"), dest]
     entries = [str(out / name) for name in ENTRY_FILES if (out / name).is_file()]
     command += ["+", "cp", *entries, dest]

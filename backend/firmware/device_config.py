@@ -57,16 +57,26 @@ def check_for_board(path: Path, config: dict[str, Any]) -> None:
 def board_warnings(path: Path, config: dict[str, Any]) -> list[str]:
     """Settings of a checked config that are valid but rarely what one wants on a board."""
     warnings = []
-    if not config.get("token"):
+    mqtt = config.get("transport") == "mqtt"  # docs/mqtt.md: the broker login is its own
+    if not config.get("token") and not mqtt:
         warnings.append(
             f'{path}: "token" is empty; a bridge with device auth (the default) answers 401'
         )
-    host = url_host(config["url"])
+    host = mqtt_url_host(config["mqtt"]["url"]) if mqtt else url_host(config["url"])
     if host in LOOPBACK_HOSTS:
         warnings.append(
             f"{path}: url host {host} is the board itself; use the bridge machine's LAN address"
         )
     return warnings
+
+
+def mqtt_url_host(url: str) -> str:
+    """The host of an mqtt:// URL, parsed by the firmware's MQTT transport."""
+    firmware_entry()  # puts firmware/lib on the path
+    from transport_mqtt import parse_url  # type: ignore[import-not-found]
+
+    host, _port = parse_url(url)[:2]
+    return str(host)
 
 
 def url_host(url: str) -> str:

@@ -38,7 +38,8 @@ def host_config(
         device["url"] = url
     if token:
         device["token"] = token
-    if not device.get("url") or not device.get("token"):
+    mqtt = device.get("transport") == "mqtt"  # its broker and login are in config["mqtt"]
+    if not mqtt and (not device.get("url") or not device.get("token")):
         endpoint = local_endpoint(device.get("url"), device.get("token"))
         device["url"], device["token"] = endpoint[0], endpoint[1] or ""
     device["hal"] = "fake"
@@ -54,7 +55,12 @@ def run_on_host(micropython: str, firmware: Path, device_config: dict[str, Any])
         config_file = Path(folder) / "config.json"
         config_file.write_text(json.dumps(device_config))
         command = [micropython, str(firmware / "main.py"), str(config_file)]
-        status = run_until_stopped(command, micropython_env(firmware / "lib"))
+        libs = [firmware / "lib"]
+        if device_config.get("transport") == "mqtt":  # umqtt.simple, in an ignored folder
+            from backend.firmware import micropython_lib
+
+            libs.append(micropython_lib.ensure())
+        status = run_until_stopped(command, micropython_env(*libs))
     if status:
         raise FirmwareExited(status)
 

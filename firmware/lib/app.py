@@ -110,10 +110,7 @@ class App:
             if self._stopping:
                 raise _LinkError("stopped")
             self.log("link: connected to " + self.url)
-            await transport.send(protocol.device_hello(self.protocol_version))
-            await self._await_hello(transport)
-            had_hello = True
-            self.log("link: session " + self.session_id + " ready")
+            had_hello = await self._open_session(transport)
             self.last_error = await self._serve(transport)
         except MemoryError:
             gc.collect()
@@ -126,6 +123,13 @@ class App:
         finally:
             await self._end_session(transport)
         return had_hello
+
+    async def _open_session(self, transport) -> bool:
+        """Say hello and wait for the server's (a persistent link overrides this: app_mqtt)."""
+        await transport.send(protocol.device_hello(self.protocol_version))
+        await self._await_hello(transport)
+        self.log("link: session " + self.session_id + " ready")
+        return True
 
     async def _end_session(self, transport):
         self.connected = False

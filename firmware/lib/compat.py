@@ -39,5 +39,24 @@ try:
         _xor_in_place(out, len(out), key)
         return out
 
+    def aes_ctr(key, counter, data):
+        """AES-128-CTR of data with the 16-byte initial counter block (encrypts and decrypts)."""
+        from cryptolib import aes
+
+        try:
+            return aes(key, 6, counter).encrypt(data)  # ports built with CTR mode
+        except ValueError:  # no CTR here (e.g. the unix port): ECB over the counter blocks
+            pass
+        ecb = aes(key, 1)
+        start = int.from_bytes(counter, "big")
+        out = bytearray(data)
+        for offset in range(0, len(out), 16):
+            stream = ecb.encrypt(((start + offset // 16) & _U128).to_bytes(16, "big"))
+            for i in range(min(16, len(out) - offset)):
+                out[offset + i] ^= stream[i]
+        return bytes(out)
+
+    _U128 = (1 << 128) - 1
+
 except ImportError:  # CPython: simulator and host tests
-    from compat_cpython import const, mask, sleep_ms, ticks_diff, ticks_ms  # noqa: F401
+    from compat_cpython import aes_ctr, const, mask, sleep_ms, ticks_diff, ticks_ms  # noqa: F401

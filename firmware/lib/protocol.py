@@ -100,3 +100,8 @@ def wifi_signal(rssi) -> str:
     if rssi >= -70:
         return "medium"
     return "weak"
+
+
+def goodbye(session_id) -> str:
+    """Device-initiated end of an MQTT conversation (reference §2.4)."""
+    return encode({"session_id": session_id, "type": "goodbye"})

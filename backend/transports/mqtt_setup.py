@@ -1,0 +1,175 @@
+"""The MQTT + UDP transport as the bridge runs it, built from `Settings` (docs/mqtt.md).
+
+`MqttService` is one `Transport` for the bridge: with `mqtt_url = "embedded"` it starts the
+embedded broker first and stops it last; with `mqtt[s]://…` it connects to an external broker.
+Either way devices log in with username = device key and the password that `DerivedCredentials`
+derives from the bridge's credential secret (`mqtt_secret`, else the file `mqtt.secret` in the
+data directory, created once with mode 0600 like the tokens). `esp32-bridge mqtt credentials`
+prints what one device needs and the broker files an external broker needs.
+"""
+
+import os
+import secrets
+from pathlib import Path
+
+import structlog
+
+from backend.config import Settings
+from backend.transports.admission import Admission
+from backend.transports.base import LinkAcceptor
+from backend.transports.mqtt import (
+    BrokerAddress,
+    BrokerVouched,
+    MqttConfigError,
+    MqttSettings,
+    MqttTransport,
+)
+from backend.transports.mqtt_broker import BrokerSettings, EmbeddedBroker
+from backend.transports.mqtt_credentials import BridgeAccount, DerivedCredentials
+
+log = structlog.get_logger("transport.mqtt")
+
+EMBEDDED = "embedded"
+MQTT_SECRET_FILE = "mqtt.secret"
+_WILDCARDS = ("", "0.0.0.0", "::")
+
+
+def mqtt_enabled(settings: Settings) -> bool:
+    return bool(settings.mqtt_url)
+
+
+def mqtt_secret(settings: Settings, created: list[Path] | None = None) -> bytes:
+    """The credential secret: the setting, else the data-dir file (created when missing)."""
+    if settings.mqtt_secret is not None and settings.mqtt_secret.get_secret_value():
+        return settings.mqtt_secret.get_secret_value().encode()
+    path = settings.data_dir / MQTT_SECRET_FILE
+    existing = _read(path)
+    if existing:
+        return existing.encode()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    value = secrets.token_urlsafe(32)
+    try:  # O_EXCL + 0600: never readable by others, never clobbers a concurrent writer's secret
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return (_read(path) or value).encode()
+    with os.fdopen(fd, "w") as handle:
+        handle.write(value + "\n")
+    if created is not None:
+        created.append(path)
+    return value.encode()
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def device_credentials(settings: Settings, created: list[Path] | None = None) -> DerivedCredentials:
+    return DerivedCredentials(mqtt_secret(settings, created))
+
+
+def _reachable(host: str) -> str:
+    return "127.0.0.1" if host in _WILDCARDS else host
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+class MqttService:
+    """The `Transport` the bridge starts: embedded broker (optional) + `MqttTransport`."""
+
+    name = "mqtt"
+
+    def __init__(self, settings: Settings, created: list[Path] | None = None) -> None:
+        url = settings.mqtt_url
+        if not url:
+            raise MqttConfigError("MQTT is off (mqtt_url is not set)")
+        self.settings = settings
+        self.credentials = device_credentials(settings, created)
+        self.broker: EmbeddedBroker | None = None
+        self._address: BrokerAddress | None = None
+        if url == EMBEDDED:
+            self.broker = EmbeddedBroker(
+                BrokerSettings(
+                    host=settings.mqtt_host,
+                    port=settings.mqtt_port,
+                    topic_prefix=settings.mqtt_topic_prefix,
+                ),
+                self.credentials,
+                BridgeAccount(),
+            )
+        else:
+            self._address = BrokerAddress.parse(url)  # MqttConfigError for a bad URL, now
+        self._check_udp()
+        self.transport: MqttTransport | None = None
+
+    def _check_udp(self) -> None:
+        if not self.settings.udp_public_host and self.settings.udp_host in _WILDCARDS:
+            raise MqttConfigError(
+                "udp_public_host must be set when udp_host binds every interface: it is the "
+                "address devices send audio to (--udp-public-host or BRIDGE_UDP_PUBLIC_HOST)"
+            )
+
+    def _transport_settings(self, broker_url: str) -> MqttSettings:
+        settings = self.settings
+        return MqttSettings(
+            broker_url=broker_url,
+            client_id=settings.mqtt_client_id,
+            topic_prefix=settings.mqtt_topic_prefix,
+            keepalive_s=settings.mqtt_keepalive_s,
+            udp_host=settings.udp_host,
+            udp_port=settings.udp_port,
+            udp_public_host=settings.udp_public_host,
+            silence_timeout_s=settings.mqtt_silence_timeout_s,
+            tls_ca_file=str(settings.mqtt_ca_file) if settings.mqtt_ca_file else None,
+        )
+
+    async def start(self, acceptor: LinkAcceptor) -> None:
+        """Start the embedded broker (if any), then the transport; on failure undo both."""
+        try:
+            if self.broker is not None:
+                await self.broker.start()
+                broker_url = self.broker.bridge_url()
+            else:
+                broker_url = self.settings.mqtt_url or ""
+            self.transport = MqttTransport(
+                self._transport_settings(broker_url), Admission(BrokerVouched())
+            )
+            await self.transport.start(acceptor)
+            if self.broker is not None:  # in process: subscribed before the bridge is "ready"
+                await self.transport.wait_connected(10)
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def stop(self) -> None:
+        if self.transport is not None:
+            await self.transport.stop()
+        if self.broker is not None:
+            await self.broker.stop()
+
+    @property
+    def device_url(self) -> str:
+        """The broker as devices reach it (no credentials): `mqtt://host:port`."""
+        if self.broker is not None:
+            host = self.settings.mqtt_host
+            if host in _WILDCARDS and self.settings.udp_public_host:
+                host = self.settings.udp_public_host
+            return f"mqtt://{_url_host(_reachable(host))}:{self.broker.port}"
+        address = self._address
+        assert address is not None
+        scheme = "mqtts" if address.tls else "mqtt"
+        return f"{scheme}://{_url_host(address.host)}:{address.port}"
+
+    def endpoints(self) -> dict[str, str]:
+        found = {
+            "mqtt": self.device_url,
+            "mqtt_broker": EMBEDDED if self.broker is not None else "external",
+            "mqtt_topic_prefix": self.settings.mqtt_topic_prefix,
+        }
+        if self.transport is not None:
+            found["udp"] = self.transport.endpoints()["udp"]
+        return found
