@@ -15,6 +15,8 @@ BENCHMARKS = (
     "disconnect",
     "chat",
     "udp",
+    "reliability",
+    "fuzz",
     "mqtt",
     "firmware_memory",
 )

@@ -265,7 +265,7 @@ def chat_router(chat: ChatService, registry: DeviceRegistry) -> APIRouter:
     async def list_conversations(
         _chatter: Chatter,
         limit: Annotated[int, Query(ge=1, le=500)] = 50,
-        offset: Annotated[int, Query(ge=0)] = 0,
+        offset: Annotated[int, Query(ge=0, le=1_000_000_000)] = 0,
         device_id: Annotated[str | None, Query(description="only this device's")] = None,
     ) -> dict[str, Any]:
         page = await chat.memory.list_conversations(limit=limit, offset=offset, device_id=device_id)

@@ -8,6 +8,7 @@ leaves either both or neither; the summary is updated afterwards in its own tran
 """
 
 import json
+import re
 import sqlite3
 import uuid
 from dataclasses import dataclass, field
@@ -136,11 +137,16 @@ def _iso(moment: datetime) -> str:
     return moment.isoformat(timespec="microseconds")
 
 
+_CONVERSATION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]*")
+
+
 def check_conversation_id(conversation_id: str) -> str:
+    """Ids travel in HTTP headers (X-Conversation-Id) and URLs: ASCII letters, digits, `._:@-`."""
     text = conversation_id.strip()
-    if not text or len(text) > MAX_ID_LENGTH or not text.isprintable():
+    if len(text) > MAX_ID_LENGTH or not _CONVERSATION_ID.fullmatch(text):
         raise InvalidConversationId(
-            f"a conversation id is 1 to {MAX_ID_LENGTH} printable characters"
+            f"a conversation id is 1 to {MAX_ID_LENGTH} ASCII letters, digits or ._:@- "
+            "(starting with a letter or digit)"
         )
     return text
 

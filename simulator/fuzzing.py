@@ -1,0 +1,179 @@
+"""Generated hostile input for every parser the bridge runs on device and API data, and the
+property each parser must keep: no exception but its own one-line error escapes, and the link
+(or API) keeps working afterwards.
+
+Used by tests/test_fuzz_parsers.py (a few hundred examples per parser; `FUZZ_EXAMPLES` scales it
+up) and bench/fuzz.py (100,000 per parser, with timings). Needs hypothesis (the `dev` extra).
+"""
+
+import contextlib
+import json
+from typing import Any
+
+import hypothesis.strategies as st
+from pydantic import ValidationError
+
+from backend.api.app import ToolCallRequest
+from backend.mcp_session import CallResult, InitializeResult, McpClient, ProtocolViolation
+from backend.mcp_session.models import parse_tools
+from backend.protocol import AudioFrameError, ParseError
+from backend.protocol.audio import decode_audio
+from backend.protocol.messages import decode_device_message, device_message
+
+DEVICE_TYPES = ["hello", "listen", "abort", "mcp", "goodbye", "iot", "teleport", ""]
+
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(10**30), max_value=10**30),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=40),
+)
+json_values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=6),
+        st.dictionaries(st.text(max_size=12), inner, max_size=6),
+    ),
+    max_leaves=30,
+)
+
+
+@st.composite
+def deep_nesting(draw: st.DrawFn) -> str:
+    depth = draw(st.integers(min_value=100, max_value=60_000))
+    opener = draw(st.sampled_from(["[", '{"a":', '{"type":"mcp","payload":', '{"type":"hello",'
+                                   '"features":']))  # fmt: skip
+    return opener * depth
+
+
+@st.composite
+def message_shaped(draw: st.DrawFn) -> dict[str, Any]:
+    """A device message with a real or bogus type and every field of a random type."""
+    message: dict[str, Any] = {"type": draw(st.one_of(st.sampled_from(DEVICE_TYPES), scalars))}
+    for name in ("session_id", "state", "mode", "text", "reason", "payload", "features",
+                 "audio_params", "version", "transport"):  # fmt: skip
+        if draw(st.booleans()):
+            message[name] = draw(json_values)
+    return message
+
+
+@st.composite
+def jsonrpc_shaped(draw: st.DrawFn) -> Any:
+    """A JSON-RPC payload with every field of a random type (or a batch of them)."""
+    message: dict[str, Any] = {}
+    for name in ("jsonrpc", "id", "method", "params", "result", "error"):
+        if draw(st.booleans()):
+            message[name] = draw(json_values)
+    if draw(st.booleans()):
+        message["method"] = draw(
+            st.sampled_from(["ping", "notifications/tools/list_changed", "tools/call", ""])
+        )
+    return [message, message] if draw(st.integers(0, 9)) == 0 else message
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, allow_nan=True, default=str)
+
+
+device_frames = st.one_of(
+    st.text(max_size=200),
+    st.binary(max_size=200),  # invalid UTF-8 included
+    deep_nesting(),
+    message_shaped().map(_dumps),
+    st.builds(lambda p: _dumps({"type": "mcp", "payload": p}), jsonrpc_shaped()),
+    json_values.map(_dumps),
+)
+mcp_payloads = st.one_of(jsonrpc_shaped(), json_values)
+tool_declarations = st.one_of(
+    json_values,
+    st.lists(
+        st.fixed_dictionaries(
+            {"name": json_values, "inputSchema": json_values},
+            optional={"description": json_values, "annotations": json_values},
+        ),
+        max_size=5,
+    ),
+)
+audio_frames = st.tuples(st.sampled_from([1, 2, 3]), st.binary(max_size=300))
+api_bodies = st.one_of(
+    st.binary(max_size=300),
+    deep_nesting().map(str.encode),
+    json_values.map(lambda v: _dumps(v).encode()),
+    st.fixed_dictionaries(
+        {"name": json_values, "arguments": json_values, "timeout_s": json_values}
+    ).map(lambda v: _dumps(v).encode()),
+)
+
+
+# ---- the properties ------------------------------------------------------------------------------
+
+
+def check_device_frame(frame: str | bytes) -> None:
+    """The frame decoder: a typed message, or ParseError; nothing else ever."""
+    try:
+        data = decode_device_message(frame)
+    except ParseError:
+        return
+    if data["type"] == "mcp" and "payload" in data:
+        return  # the session feeds the payload to the MCP client (checked below)
+    try:
+        device_message(data)
+    except ParseError:
+        return
+
+
+class QuietLog:
+    """A logger that counts lines instead of writing them."""
+
+    def __init__(self) -> None:
+        self.lines = 0
+
+    def bind(self, **_fields: Any) -> "QuietLog":
+        return self
+
+    def _line(self, *_args: Any, **_kwargs: Any) -> None:
+        self.lines += 1
+
+    debug = info = warning = error = exception = _line
+
+
+def check_mcp_payload(payload: Any) -> None:
+    """`McpClient.feed` never raises and logs a bounded number of lines per payload."""
+    log = QuietLog()
+    client = McpClient(_never_sends, log=log)
+    client.feed(payload)
+    limit = 2 * len(payload) + 3 if isinstance(payload, list) else 3  # one per message, plus
+    assert log.lines <= limit, (log.lines, payload)  # a schema repair or two
+
+
+async def _never_sends(_payload: dict[str, Any]) -> None:
+    raise AssertionError("nothing should be sent for this payload")
+
+
+def check_reply_results(result: Any) -> None:
+    """What a device answers to initialize, tools/call and tools/list: a typed view, or
+    ProtocolViolation; a tool list keeps what is usable and never raises."""
+    for parse in (InitializeResult.from_wire, CallResult.from_wire):
+        with contextlib.suppress(ProtocolViolation):
+            parse(result)
+    tools = result if isinstance(result, list) else [result]
+    parse_tools(tools, QuietLog())
+
+
+def check_audio_frame(version: int, data: bytes) -> None:
+    try:
+        decode_audio(version, data)
+    except AudioFrameError:
+        return
+
+
+def check_api_body(body: bytes) -> None:
+    """The tool-call body parser: a request, or ValidationError (answered 422)."""
+    from backend.api.app import _CALL_REQUEST
+
+    try:
+        request = _CALL_REQUEST.validate_json(body)
+    except ValidationError:
+        return
+    assert isinstance(request, ToolCallRequest)
