@@ -145,6 +145,15 @@ async def test_listen_without_text_starts_nothing(bridge, wire_devices):
     assert [m["text"] for m in device.messages if m["type"] == "stt"] == [QUESTION]
 
 
+async def test_the_stock_wake_word_is_not_a_question(bridge, wire_devices):
+    device = await ready(bridge, wire_devices)
+    await device.send(detect(device, "你好小智"))  # what stock firmware sends when it wakes
+    await device.send(detect(device, "Hi ESP!"))
+    await device.send(detect(device, QUESTION))
+    await device.wait_for_count(lambda: tts_stops(device), 1)
+    assert [m["text"] for m in device.messages if m["type"] == "stt"] == [QUESTION]
+
+
 async def test_tool_calls_go_to_the_speaking_device(bridge_factory, fake_llm, simulated_devices):
     bridge = await bridge_factory(llm_provider="openai", llm_base_url=fake_llm.url)
     first = await simulated_devices(bridge, 1)

@@ -864,3 +864,22 @@ async def test_vision_token_never_reaches_the_logs() -> None:
     assert link.sent[0]["params"]["capabilities"]["vision"]["token"] == SECRET
     assert logs, "the scenario should have produced some log lines"
     assert SECRET not in json.dumps(logs, default=repr)
+
+
+async def test_a_tool_list_past_the_limits_is_cut_and_not_paged_further() -> None:
+    from backend.mcp_session.models import ToolLimits
+
+    many = [
+        {"name": f"t{i:02d}", "description": "d" * 100, "inputSchema": {"type": "object"}}
+        for i in range(30)
+    ]
+    client, link = make_client()
+    with capture_logs() as logs:
+        async with running_device(client, link, StockDevice(many, page_size=4)):
+            by_count = await client.list_tools(limits=ToolLimits(max_tools=10))
+            pages_by_count = len(link.requests("tools/list"))
+            by_bytes = await client.list_tools(limits=ToolLimits(max_bytes=1500))
+    assert [tool.name for tool in by_count] == [f"t{i:02d}" for i in range(10)]
+    assert pages_by_count == 3  # 12 declarations read, the rest never requested
+    assert 0 < len(by_bytes) < 10 and by_bytes[0].name == "t00"
+    assert [e["event"] for e in logs].count("tool list truncated") == 2

@@ -43,12 +43,26 @@ from backend.devices import DeviceRegistry
 from backend.devices.conversation import Conversation as DeviceConversation
 from backend.devices.conversation import ConversationHub, Unsubscribe
 from backend.errors import BridgeError
+from backend.logs import LogBudget
 from backend.protocol import Abort, Listen
 
 log = structlog.get_logger("device_chat")
 
 SORRY = "Sorry, something went wrong. Please try again."
 _MARKDOWN = re.compile(r"[*`#]+|^\s*[-•]\s+", re.MULTILINE)
+
+
+# Stock firmware reports its wake word as `listen detect` text before every conversation.
+WAKE_WORDS = frozenset(
+    {"你好小智", "你好小志", "小智", "你好小明", "hi esp", "hey esp", "hi lexin", "ni hao xiao zhi",
+     "xin chao xiao zhi", "hey xiaozhi", "hi xiaozhi", "alexa", "jarvis"}
+)  # fmt: skip
+
+
+def is_wake_word(text: str) -> bool:
+    """The text, without punctuation and case, is one of the stock wake words."""
+    plain = "".join(ch for ch in text.casefold() if ch.isalnum() or ch.isspace()).strip()
+    return " ".join(plain.split()) in WAKE_WORDS
 
 
 def emotion_for(events: list[ChatEvent]) -> str:
@@ -81,6 +95,8 @@ class DeviceChat:
         self.chat = chat
         self._turns: dict[str, asyncio.Task[None]] = {}
         self._unsubscribe: list[Unsubscribe] = []
+        # Per device: a device that keeps detecting and aborting costs a few lines, then counts.
+        self._logs: dict[str, LogBudget] = {}
 
     def start(self) -> None:
         self._unsubscribe = [
@@ -108,12 +124,12 @@ class DeviceChat:
 
     def _on_listen(self, conversation: DeviceConversation, listen: Listen) -> None:
         text = (listen.text or "").strip()
-        if listen.state != "detect" or not text:
-            return
+        if listen.state != "detect" or not text or is_wake_word(text):
+            return  # a wake word is how the device says "I am listening", not a question
         device_id = conversation.device_id
         previous = self._turns.get(device_id)
         if previous is not None and not previous.done():
-            log.info("device turn replaced by a new one", device_id=device_id)
+            self._log(device_id).info("device turn replaced by a new one", device_id=device_id)
             previous.cancel()
         task = asyncio.get_running_loop().create_task(
             self._turn(conversation, text, previous), name=f"device-turn {device_id}"
@@ -124,13 +140,23 @@ class DeviceChat:
     def _on_abort(self, conversation: DeviceConversation, _abort: Abort) -> None:
         task = self.running(conversation.device_id)
         if task is not None:
-            log.info("device turn aborted by the device", device_id=conversation.device_id)
+            device_id = conversation.device_id
+            self._log(device_id).info("device turn aborted by the device", device_id=device_id)
             task.cancel()
 
     def _on_ended(self, conversation: DeviceConversation, _reason: str) -> None:
         task = self.running(conversation.device_id)
         if task is not None:
             task.cancel()
+        budget = self._logs.pop(conversation.device_id, None)
+        if budget is not None:
+            budget.close()
+
+    def _log(self, device_id: str) -> LogBudget:
+        budget = self._logs.get(device_id)
+        if budget is None:
+            budget = self._logs[device_id] = LogBudget(log, burst=5)
+        return budget
 
     def _forget(self, device_id: str, task: asyncio.Task[None]) -> None:
         if self._turns.get(device_id) is task:

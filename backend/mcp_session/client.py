@@ -157,6 +157,9 @@ class McpClient:
         timeout = _timeout_or(timeout_s, self._timeouts.default_s)
         raw_tools: list[Any] = []
         declared_bytes = 0
+        budget = LogBudget(self._log)  # one budget for the whole list: a few lines, then counts
+        tools: list[Tool] = []
+        seen: set[str] = set()
         cursor = ""
         seen_cursors = {cursor}
         for _page in range(MAX_LIST_PAGES):
@@ -166,11 +169,18 @@ class McpClient:
             result = await self._roundtrip("tools/list", params, timeout)
             page_tools, next_cursor = _parse_tools_page(result)
             declared_bytes += _json_size(page_tools)
+            before = len(raw_tools)
             raw_tools.extend(page_tools)
-            if len(raw_tools) > limits.max_tools or declared_bytes > limits.max_bytes:
-                raw_tools = _within(raw_tools, limits)
+            truncated = len(raw_tools) > limits.max_tools or declared_bytes > limits.max_bytes
+            if truncated:
+                page_tools = page_tools[: max(0, len(_within(raw_tools, limits)) - before)]
+            # Page by page, yielding between pages: a list of thousands of tools never holds
+            # the event loop (and every other device's calls) in one go.
+            tools.extend(parse_tools(page_tools, budget, start=len(tools), seen=seen))
+            await asyncio.sleep(0)
+            if truncated:
                 self._log.warning(
-                    "tool list truncated", kept=len(raw_tools), limit=limits.max_tools,
+                    "tool list truncated", kept=len(tools), limit=limits.max_tools,
                     max_bytes=limits.max_bytes,
                 )  # fmt: skip
                 break
@@ -185,7 +195,8 @@ class McpClient:
             cursor = next_cursor
         else:
             raise ProtocolViolation(f"tools/list did not end within {MAX_LIST_PAGES} pages")
-        return parse_tools(raw_tools, self._log)
+        budget.close()
+        return tools
 
     async def call_tool(
         self, name: str, arguments: dict[str, Any] | None = None, *, timeout_s: float | None = None

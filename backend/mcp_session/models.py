@@ -140,13 +140,19 @@ class CallResult:
 _SHARED_TOOLS: "weakref.WeakValueDictionary[str, Tool]" = weakref.WeakValueDictionary()
 
 
-def parse_tools(raw_tools: Iterable[Any], log: Any = None) -> list[Tool]:
-    """Keep every usable tool: drop nameless ones and duplicates, repair unusable schemas."""
+def parse_tools(
+    raw_tools: Iterable[Any], log: Any = None, *, start: int = 0, seen: set[str] | None = None
+) -> list[Tool]:
+    """Keep every usable tool: drop nameless ones and duplicates, repair unusable schemas.
+
+    `start` numbers the tools in log lines and `seen` carries the names of earlier pages, so a
+    list can be parsed page by page."""
     # A device declaring thousands of broken tools gets a few lines and a count, not thousands.
-    budget = LogBudget(log if log is not None else structlog.get_logger("mcp"))
+    owned = not isinstance(log, LogBudget)
+    budget = LogBudget(log if log is not None else structlog.get_logger("mcp")) if owned else log
     tools: list[Tool] = []
-    seen: set[str] = set()
-    for index, raw in enumerate(raw_tools):
+    seen = seen if seen is not None else set()
+    for index, raw in enumerate(raw_tools, start):
         try:
             tool = _parse_tool(index, raw, budget)
         except (ValueError, RecursionError) as exc:  # pydantic's ValidationError is a ValueError
@@ -159,7 +165,8 @@ def parse_tools(raw_tools: Iterable[Any], log: Any = None) -> list[Tool]:
             continue
         seen.add(tool.name)
         tools.append(tool)
-    budget.close()
+    if owned:
+        budget.close()
     return tools
 
 

@@ -36,6 +36,7 @@ log = structlog.get_logger("transport.websocket")
 _IDENTITY_KEY = "device_identity"
 GOING_AWAY = 1001
 ACCEPT_BATCH = 64
+CLOSE_TIMEOUT_S = 2.0
 SHUTDOWN = "bridge shutting down"
 
 
@@ -251,6 +252,9 @@ class WebSocketTransport:
             max_queue=settings.max_queue,
             ping_interval=settings.ping_interval_s,
             ping_timeout=settings.ping_interval_s,
+            # A device cut off for flooding keeps sending until its TCP link is gone: do not
+            # wait long for its half of the closing handshake.
+            close_timeout=CLOSE_TIMEOUT_S,
             server_header=None,
             # asyncio accepts up to `backlog` connections per wakeup: a small batch keeps a
             # connection storm from holding the loop (and every device's calls) in one go.
