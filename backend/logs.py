@@ -8,7 +8,7 @@ import functools
 import logging
 import sys
 import time
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import structlog
@@ -84,59 +84,127 @@ def clip(text: str, limit: int = 120) -> str:
 
 
 class LogBudget:
-    """Bounds what one noisy source (a device) can write to the log.
+    """Bounds what one noisy source (a device, a peer) can write to the log.
 
-    The first `burst` lines of an event are written in full; after that the event is only
-    counted, and one summary line with the count is written at most every `interval_s` seconds.
-    A device that sends junk at line rate thus costs a few lines per interval, not one per frame.
+    The first `burst` lines of an event (per `key`, when one is given: a reason, a peer) are
+    written in full; after that the event is only counted, and one summary line with the count
+    is written at most every `interval_s` seconds. A device that sends junk at line rate thus
+    costs a few lines per interval, not one per frame. At most `max_keys` keys are tracked (the
+    oldest is forgotten), so a peer that invents keys cannot grow it.
     """
 
-    __slots__ = ("_burst", "_counts", "_interval_s", "_last_summary", "_log", "_suppressed")
+    __slots__ = (
+        "_burst",
+        "_clock",
+        "_counts",
+        "_interval_s",
+        "_last_summary",
+        "_log",
+        "_max_keys",
+        "_suppressed",
+    )
 
-    def __init__(self, log: Any, *, burst: int = 3, interval_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        log: Any,
+        *,
+        burst: int = 3,
+        interval_s: float = 10.0,
+        max_keys: int = 1024,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._log = log
         self._burst = burst
         self._interval_s = interval_s
-        self._counts: dict[str, int] = {}
-        self._suppressed: dict[str, int] = {}
-        self._last_summary: dict[str, float] = {}
+        self._max_keys = max_keys
+        self._clock = clock
+        self._counts: dict[tuple[str, str | None], int] = {}
+        self._suppressed: dict[tuple[str, str | None], int] = {}
+        self._last_summary: dict[tuple[str, str | None], float] = {}
 
-    def warning(self, event: str, **fields: Any) -> None:
-        self._emit("warning", event, fields)
+    def warning(self, event: str, *, key: str | None = None, **fields: Any) -> None:
+        self._emit("warning", event, key, fields)
 
-    def info(self, event: str, **fields: Any) -> None:
-        self._emit("info", event, fields)
+    def info(self, event: str, *, key: str | None = None, **fields: Any) -> None:
+        self._emit("info", event, key, fields)
 
-    def _emit(self, level: str, event: str, fields: dict[str, Any]) -> None:
-        count = self._counts.get(event, 0) + 1
-        self._counts[event] = count
-        if count <= self._burst:
-            getattr(self._log, level)(event, **fields)
-            return
-        self._suppressed[event] = self._suppressed.get(event, 0) + 1
-        now = time.monotonic()
-        last = self._last_summary.get(event)
-        if last is None:
-            self._last_summary[event] = now  # the first summary comes one interval later
-        elif now - last >= self._interval_s:
-            self._flush(event, now)
-
-    def total(self, event: str) -> int:
-        return self._counts.get(event, 0)
+    def count(self, event: str, key: str | None = None) -> int:
+        return self._counts.get((event, key), 0)
 
     def close(self) -> None:
         """Write the pending summaries (when the source goes away)."""
-        now = time.monotonic()
-        for event in list(self._suppressed):
-            self._flush(event, now)
+        now = self._clock()
+        for slot in list(self._suppressed):
+            self._flush(slot, now)
 
-    def _flush(self, event: str, now: float) -> None:
-        suppressed = self._suppressed.pop(event, 0)
-        self._last_summary[event] = now
+    def _emit(self, level: str, event: str, key: str | None, fields: dict[str, Any]) -> None:
+        slot = (event, key)
+        count = self._counts.get(slot)
+        if count is None:
+            self._evict()
+            count = 0
+        count += 1
+        self._counts[slot] = count
+        if count <= self._burst:
+            if key is not None:
+                fields["count"] = count  # the n-th time for this reason
+            getattr(self._log, level)(event, **fields)
+            return
+        self._suppressed[slot] = self._suppressed.get(slot, 0) + 1
+        now = self._clock()
+        last = self._last_summary.get(slot)
+        if last is None:
+            self._last_summary[slot] = now  # the first summary comes one interval later
+        elif now - last >= self._interval_s:
+            self._flush(slot, now)
+
+    def _flush(self, slot: tuple[str, str | None], now: float) -> None:
+        event, key = slot
+        suppressed = self._suppressed.pop(slot, 0)
+        self._last_summary[slot] = now
         if suppressed:
+            extra = {} if key is None else {"reason": key}
             self._log.warning(
-                f"{event} (repeated)", repeated=suppressed, total=self._counts.get(event, 0)
+                f"{event} (repeated)", repeated=suppressed, total=self._counts.get(slot, 0), **extra
             )
+
+    def _evict(self) -> None:
+        while len(self._counts) >= self._max_keys:
+            oldest = next(iter(self._counts))
+            self._counts.pop(oldest)
+            self._suppressed.pop(oldest, None)
+            self._last_summary.pop(oldest, None)
+
+
+class EventBudget:
+    """One event that a peer can repeat under many reasons (`key`): a `LogBudget` per key."""
+
+    __slots__ = ("_budget", "_event")
+
+    def __init__(
+        self,
+        log: Any,
+        event: str,
+        *,
+        first: int = 3,
+        summary_interval_s: float = 60.0,
+        max_keys: int = 1024,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._event = event
+        self._budget = LogBudget(
+            log, burst=first, interval_s=summary_interval_s, max_keys=max_keys, clock=clock
+        )
+
+    def hit(self, key: str, **fields: Any) -> None:
+        """One occurrence of `key`; `fields` go into the line when one is written."""
+        self._budget.warning(self._event, key=key, reason=key, **fields)
+
+    def count(self, key: str) -> int:
+        return self._budget.count(self._event, key)
+
+    def flush(self) -> None:
+        self._budget.close()
 
 
 class DeviceLog:

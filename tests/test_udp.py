@@ -18,8 +18,8 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from backend.logs import EventBudget
 from backend.protocol.audio import AudioFrame
-from backend.transports.ratelimit import RateLimitedLog
 from backend.transports.udp import (
     HEADER_SIZE,
     CtrKeystream,
@@ -388,8 +388,8 @@ async def test_drops_log_a_few_lines_then_a_summary(
         channel.close_session(session)
     lines = [line for line in logs if line["event"].startswith("udp datagram dropped")]
     assert [line["count"] for line in lines if "count" in line] == [1, 2, 3]
-    summaries = [line for line in lines if line["event"].endswith("(summary)")]
-    assert len(summaries) == 1 and summaries[0]["since_last_line"] == 97
+    summaries = [line for line in lines if line["event"].endswith("(repeated)")]
+    assert len(summaries) == 1 and summaries[0]["repeated"] == 97
     assert summaries[0]["total"] == 100
     assert all(key.hex() not in str(line) for line in logs)  # the key never reaches a log
 
@@ -397,7 +397,7 @@ async def test_drops_log_a_few_lines_then_a_summary(
 def test_rate_limited_log_summarises_per_interval() -> None:
     now = [0.0]
     with structlog.testing.capture_logs() as logs:
-        limiter = RateLimitedLog(
+        limiter = EventBudget(
             structlog.get_logger(), "dropped", first=2, summary_interval_s=10, clock=lambda: now[0]
         )
         for _ in range(5):
@@ -406,18 +406,18 @@ def test_rate_limited_log_summarises_per_interval() -> None:
         limiter.hit("replay")  # a summary of the 4 since the last line
         limiter.hit("short")
         limiter.flush()
-    events = [(line["event"], line.get("since_last_line", line.get("count"))) for line in logs]
+    events = [(line["event"], line.get("repeated", line.get("count"))) for line in logs]
     assert events == [
         ("dropped", 1),
         ("dropped", 2),
-        ("dropped (summary)", 4),
+        ("dropped (repeated)", 4),
         ("dropped", 1),
     ]
 
 
 def test_rate_limited_log_keys_are_bounded() -> None:
     with structlog.testing.capture_logs():
-        limiter = RateLimitedLog(structlog.get_logger(), "x", max_keys=3)
+        limiter = EventBudget(structlog.get_logger(), "x", max_keys=3)
         for index in range(10):
             limiter.hit(f"peer-{index}")
     assert [limiter.count(f"peer-{index}") for index in range(10)] == [0] * 7 + [1] * 3

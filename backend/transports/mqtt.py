@@ -36,6 +36,7 @@ import aiomqtt
 import structlog
 
 from backend.errors import BridgeError
+from backend.logs import EventBudget
 from backend.protocol.audio import AudioFrame
 from backend.transports.admission import Admission, HandshakeRefused, HandshakeRequest
 from backend.transports.base import (
@@ -54,7 +55,6 @@ from backend.transports.mqtt_topics import (
     device_id_from_key,
     parse_presence,
 )
-from backend.transports.ratelimit import RateLimitedLog
 from backend.transports.udp import DEFAULT_MAX_PAYLOAD, UdpAudioChannel, UdpError, UdpSession
 
 log = structlog.get_logger("transport.mqtt")
@@ -278,7 +278,7 @@ class MqttTransport:
         self._draining: set[_Device] = set()
         self._workers: set[asyncio.Task[None]] = set()
         self._offline_at: dict[str, float] = {}  # device key -> when `offline` came (bounded)
-        self._drops = RateLimitedLog(log, "mqtt message dropped")
+        self._drops = EventBudget(log, "mqtt message dropped")
 
     # ---- Transport ------------------------------------------------------------------------------
 

@@ -52,6 +52,7 @@ from amqtt.plugins.base import BaseAuthPlugin, BasePlugin, BaseTopicPlugin
 from amqtt.session import Session
 
 from backend.errors import BridgeError
+from backend.logs import EventBudget
 from backend.transports.mqtt_credentials import BridgeAccount, CredentialProvider
 from backend.transports.mqtt_topics import (
     DEFAULT_PREFIX,
@@ -63,7 +64,6 @@ from backend.transports.mqtt_topics import (
     parse_client_id,
     validate_device_key,
 )
-from backend.transports.ratelimit import RateLimitedLog
 
 log = structlog.get_logger("transport.mqtt_broker")
 
@@ -100,11 +100,9 @@ class _Policy:
     counters: dict[str, int] = field(default_factory=dict)
     # device key -> {MQTT client id: client uuid of the stock convention, if any}
     online: dict[str, dict[str, str | None]] = field(default_factory=dict)
-    refusals: RateLimitedLog = field(
-        default_factory=lambda: RateLimitedLog(log, "mqtt client refused")
-    )
-    denials: RateLimitedLog = field(
-        default_factory=lambda: RateLimitedLog(log, "mqtt topic access denied")
+    refusals: EventBudget = field(default_factory=lambda: EventBudget(log, "mqtt client refused"))
+    denials: EventBudget = field(
+        default_factory=lambda: EventBudget(log, "mqtt topic access denied")
     )
 
     def count(self, name: str) -> None:

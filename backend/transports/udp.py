@@ -29,8 +29,8 @@ import structlog
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from backend.errors import BridgeError
+from backend.logs import EventBudget
 from backend.protocol.audio import AudioFrame
-from backend.transports.ratelimit import RateLimitedLog
 
 log = structlog.get_logger("transport.udp")
 
@@ -243,8 +243,8 @@ class UdpSession:
         return header + self._ctr.xor(header, frame.payload)
 
 
-def _drop_log(logger: structlog.typing.FilteringBoundLogger) -> RateLimitedLog:
-    return RateLimitedLog(logger, "udp datagram dropped", first=3, summary_interval_s=60.0)
+def _drop_log(logger: structlog.typing.FilteringBoundLogger) -> EventBudget:
+    return EventBudget(logger, "udp datagram dropped", first=3, summary_interval_s=60.0)
 
 
 class _Protocol(asyncio.DatagramProtocol):
