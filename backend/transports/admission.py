@@ -58,6 +58,14 @@ class SharedDeviceToken:
         return "missing device token" if not presented else "invalid device token"
 
 
+class HandshakeLimits(Protocol):
+    """Rate limits for handshakes: a refusal reason (answered 429) or None."""
+
+    def ip_refusal(self, remote: str | None) -> str | None: ...
+
+    def device_refusal(self, device_id: str) -> str | None: ...
+
+
 class NoDeviceAuth:
     """Device auth switched off (`device_auth = false`): anyone with a valid Device-Id."""
 
@@ -68,12 +76,21 @@ class NoDeviceAuth:
 class Admission:
     """Checks handshakes for every transport with the same rules."""
 
-    def __init__(self, credentials: DeviceCredentials) -> None:
+    def __init__(
+        self, credentials: DeviceCredentials, limits: HandshakeLimits | None = None
+    ) -> None:
         self.credentials = credentials
+        self.limits = limits
 
     def admit(self, request: HandshakeRequest) -> DeviceIdentity:
-        """The device's identity, or HandshakeRefused (400 malformed fields, 401 credential)."""
+        """The device's identity, or HandshakeRefused (400 malformed fields, 401 credential,
+        429 too many handshakes from that address or for that device)."""
+        limits = self.limits
+        if limits is not None and (refusal := limits.ip_refusal(request.remote)) is not None:
+            raise HandshakeRefused(429, refusal)
         device_id = normalize_device_id(request.device_id)
+        if limits is not None and (refusal := limits.device_refusal(device_id)) is not None:
+            raise HandshakeRefused(429, refusal)
         version = _protocol_version(request.protocol_version)
         refusal = self.credentials.refusal(device_id, request.credential)
         if refusal is not None:
