@@ -4,6 +4,10 @@ Each device is the real firmware (`app.App`, `transport_ws`, `mcp_server`, `tool
 in-memory HAL, so it connects exactly like the stock firmware: same headers, same hello, same MCP
 replies. `extra_tools` adds synthetic tools so `tools/list` spans several 8000-byte pages; they
 also take a `delay_ms` argument, which makes slow calls (timeouts, cancellation) easy to test.
+
+With `ota_url` a device first asks that OTA endpoint for its WebSocket URL and token, as stock
+firmware does at boot, running the firmware's own `ota.provision` (activation included: with an
+enrollment URL it is approved at once, otherwise it shows its code and waits for the operator).
 """
 
 import asyncio
@@ -41,6 +45,8 @@ class SimulatedDevice:
         device_id: str | None = None,
         log: Callable[..., None] | None = None,
         reconnect_min_s: float = 1.0,
+        ota_url: str | None = None,
+        ota_poll_s: float = 1.0,
     ) -> None:
         app_module = firmware_module("app")
         hal_module = firmware_module("hal_fake")
@@ -49,7 +55,17 @@ class SimulatedDevice:
         transport_module = firmware_module("transport_ws")
 
         self.device_id = device_id or device_id_for(index)
-        self.hal = hal_module.HalFake(board_name=BOARD_NAME, firmware_version=FIRMWARE_VERSION)
+        self.client_id = client_id_for(index)
+        self.ota_url = ota_url
+        self.ota_poll_s = ota_poll_s
+        self.ota_answer: dict[str, Any] | None = None
+        self.log = log or _quiet
+        self.hal = hal_module.HalFake(
+            board_name=BOARD_NAME,
+            firmware_version=FIRMWARE_VERSION,
+            mac=self.device_id,
+            client_id=self.client_id,
+        )
         self.server = mcp_module.McpServer(BOARD_NAME, FIRMWARE_VERSION)
         tools_module.register(self.server, self.hal)
         add_synthetic_tools(self.server, extra_tools)
@@ -57,7 +73,7 @@ class SimulatedDevice:
             "url": url,
             "token": token or "",
             "device_id": self.device_id,
-            "client_id": client_id_for(index),
+            "client_id": self.client_id,
             "protocol_version": 1,
             "reconnect_min_s": reconnect_min_s,
         }
@@ -67,8 +83,34 @@ class SimulatedDevice:
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> asyncio.Task[None]:
-        self._task = asyncio.create_task(self.app.run(), name=f"sim {self.device_id}")
+        self._task = asyncio.create_task(self._run(), name=f"sim {self.device_id}")
         return self._task
+
+    async def _run(self) -> None:
+        if self.ota_url is not None:
+            await self.provision(self.ota_url)
+        await self.app.run()
+
+    async def provision(self, ota_url: str) -> dict[str, Any]:
+        """Ask the OTA endpoint for this device's URL and token (activating it if needed)."""
+        ota = firmware_module("ota")
+        protocol = firmware_module("protocol")
+        answer: dict[str, Any] = await ota.provision(
+            ota_url,
+            self.hal,
+            self.device_id,
+            self.client_id,
+            log=self.log,
+            retry_min_s=1,
+            poll_s=self.ota_poll_s,
+        )
+        url, token = ota.websocket_endpoint(answer)
+        self.ota_answer = answer
+        self.app.url = url
+        self.app.headers = protocol.handshake_headers(
+            token, self.device_id, self.client_id, self.app.protocol_version
+        )
+        return answer
 
     async def stop(self) -> None:
         self.app.stop()
@@ -110,10 +152,14 @@ async def run_fleet(
     extra_tools: int = 0,
     first_index: int = 1,
     log: Callable[..., None] | None = None,
+    ota_url: str | None = None,
 ) -> list[SimulatedDevice]:
-    """Create and start `count` devices; they keep running (and reconnecting) until stopped."""
+    """Create and start `count` devices; they keep running (and reconnecting) until stopped.
+    With `ota_url` each asks it for its URL and token first (`url`, `token` are then unused)."""
     devices = [
-        SimulatedDevice(url, token, first_index + i, extra_tools=extra_tools, log=log)
+        SimulatedDevice(
+            url, token, first_index + i, extra_tools=extra_tools, log=log, ota_url=ota_url
+        )
         for i in range(count)
     ]
     for device in devices:
