@@ -24,11 +24,38 @@ async def run_bridge(settings: Settings) -> None:
     raise_open_file_limit()
     bridge = Bridge(settings)
     for path in bridge.tokens.created:
-        print(f"created token file {path} (mode 0600)", flush=True)
+        print(f"created secret file {path} (mode 0600)", flush=True)
+    for warning in auth_warnings(settings):
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     await bridge.start()
     tune_gc_for_many_devices()
-    print(f"bridge ready: devices at {bridge.ws_url}, admin API at {bridge.api_url}", flush=True)
+    print(
+        f"bridge ready: devices at {bridge.ws_url} (OTA: {bridge.provisioning.ota_url}), "
+        f"admin API at {bridge.api_url}",
+        flush=True,
+    )
     await bridge.serve_forever()
+
+
+def auth_warnings(settings: Settings) -> list[str]:
+    """What `serve` says at start about a device auth weaker than per-device tokens."""
+    warnings = []
+    if settings.device_auth == "shared":
+        warnings.append(
+            'device_auth = "shared" (development mode): every device uses the one device '
+            "token, and the OTA endpoint hands it to anyone who asks; use per-device tokens "
+            '(device_auth = "device", the default) for real devices'
+        )
+    elif settings.device_auth == "off":
+        warnings.append(
+            'device_auth = "off": anyone who reaches the device port can connect as any device'
+        )
+    if settings.activation_auto_approve_macs:
+        warnings.append(
+            "activation_auto_approve_macs approves devices by MAC prefix; MAC addresses are easy "
+            "to spoof: use it on a trusted network only"
+        )
+    return warnings
 
 
 DEMO_TURNS = ("Set the volume to 30", "How long should I brush my teeth?")
@@ -42,12 +69,22 @@ async def run_demo(settings: Settings, console: Console) -> None:
     settings = await _offline_without_model(settings, console)
     bridge = Bridge(settings)
     await bridge.start()
-    device = SimulatedDevice(bridge.ws_url, bridge.tokens.device, index=1)
+    # The secure path in one process: the device enrols through the OTA endpoint with a
+    # one-time enrollment code and connects with its own token.
+    ota_url = bridge.provisioning.ota_url
+    if settings.device_auth == "device":
+        _enrollment, code = await bridge.provisioning.store.create_enrollment("demo", ttl_s=600)
+        ota_url = bridge.provisioning.enrollment_url(code)
+    device = SimulatedDevice(bridge.ws_url, None, index=1, ota_url=ota_url)
     device.hal.on_change = lambda what, value: console.print(f"[dim]  device: {what} = {value}")
     device.start()
     try:
         console.print(f"bridge: devices at {bridge.ws_url}, admin API at {bridge.api_url}")
-        await bridge.registry.wait_for_state(device.device_id, timeout_s=10)
+        await bridge.registry.wait_for_state(device.device_id, timeout_s=20)
+        console.print(
+            f"device {device.device_id} enrolled through {bridge.provisioning.ota_url} "
+            "and connected with its own token"
+        )
         await _demo_calls(bridge, device.device_id, console)
         await _demo_chat(bridge, device.device_id, console)
         console.print(
@@ -141,6 +178,26 @@ async def _demo_chat(bridge: Bridge, device_id: str, console: Console) -> None:
                         printer.event(json.loads(line[len("data: ") :]))
 
 
+def enrollment_url(settings: Settings, devices: int) -> str:
+    """An enrollment URL for `devices` simulated devices, made by the local bridge (an hour)."""
+    from backend.cli.client import AdminClient, AdminError
+    from backend.cli.local import admin_token, api_url, local_ota_url
+    from backend.cli.output import fail
+
+    local_ota_url(settings)  # fails clearly when no bridge runs here
+    token = admin_token(settings)
+    if token is None:
+        raise fail("no admin token to enrol the simulated devices: pass --ota or --token")
+    body = {"name": "esp32-bridge simulate", "uses": devices, "ttl_s": 3600}
+    try:
+        with AdminClient(api_url(settings), token) as admin:
+            created = admin.post("/api/provisioning/enrollment-codes", body)
+    except AdminError as exc:
+        raise fail(str(exc)) from None
+    url: str = created["ota_url"]
+    return url
+
+
 async def run_simulator(
     url: str,
     token: str | None,
@@ -150,11 +207,13 @@ async def run_simulator(
     *,
     workers: int = 1,
     first_index: int = 1,
+    ota_url: str | None = None,
 ) -> None:
     """`count` simulated devices: in this process, or split over `workers` child processes
-    (each runs this command for its share; device indexes, hence ids, never overlap)."""
+    (each runs this command for its share; device indexes, hence ids, never overlap). With
+    `ota_url` every device gets its URL and token from that OTA endpoint first."""
     if workers > 1:
-        await _run_workers(url, token, count, extra_tools, console, workers, first_index)
+        await _run_workers(url, token, count, extra_tools, console, workers, first_index, ota_url)
         return
     from simulator import run_fleet
 
@@ -165,11 +224,18 @@ async def run_simulator(
             console.print("[dim]" + " ".join(str(p) for p in parts), highlight=False)
 
     devices = await run_fleet(
-        url, token, count, extra_tools=extra_tools, first_index=first_index, log=log
+        url,
+        token,
+        count,
+        extra_tools=extra_tools,
+        first_index=first_index,
+        log=log,
+        ota_url=ota_url,
     )
     last = first_index + count - 1
+    where = f"{url}" if ota_url is None else "the bridge (URL and tokens from its OTA endpoint)"
     console.print(
-        f"{count} simulated device(s) (indexes {first_index}-{last}) connecting to {url}; "
+        f"{count} simulated device(s) (indexes {first_index}-{last}) connecting to {where}; "
         "Ctrl-C stops them"
     )
     try:
@@ -186,10 +252,14 @@ async def _run_workers(
     console: Console,
     workers: int,
     first_index: int,
+    ota_url: str | None = None,
 ) -> None:
     shares = [count // workers + (1 if i < count % workers else 0) for i in range(workers)]
-    # The token goes through the environment: other users can read a command line, not it.
+    # Token and OTA URL (it may hold an enrollment code) go through the environment: other
+    # users can read a command line, not it.
     env = {**os.environ, "BRIDGE_DEVICE_TOKEN": token or ""}
+    if ota_url is not None:
+        env["BRIDGE_SIMULATE_OTA"] = ota_url
     children = []
     start = first_index
     for share in shares:
