@@ -5,8 +5,8 @@ import sys
 
 from bench.common import REPO, parse_args
 
-# The bridge-core benchmarks, the UDP audio channel, then the firmware's heap benchmark (needs the
-# MicroPython unix port).
+# The bridge-core benchmarks, the UDP audio channel, the OTA endpoint, then the firmware's heap
+# benchmark (needs the MicroPython unix port).
 BENCHMARKS = (
     "tool_call",
     "sdk_compare",
@@ -15,6 +15,7 @@ BENCHMARKS = (
     "disconnect",
     "chat",
     "udp",
+    "ota",
     "firmware_memory",
 )
 

@@ -9,7 +9,16 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-BENCHMARKS = ["tool_call", "sdk_compare", "hello_ready", "fleet", "disconnect", "chat", "udp"]
+BENCHMARKS = [
+    "tool_call",
+    "sdk_compare",
+    "hello_ready",
+    "fleet",
+    "disconnect",
+    "chat",
+    "udp",
+    "ota",
+]
 
 
 @pytest.mark.parametrize("name", BENCHMARKS)
