@@ -106,6 +106,14 @@ async def test_offered_only_to_older_versions_of_the_same_board(
     assert hashlib.sha256(download.content).hexdigest() == digest
     missing = await http.get(offer["url"].replace("2.4.3", "9.9.9"))
     assert missing.status_code == 404
+    # A Host header without the port (as stock firmware's clients may send it): the download
+    # URL still names the listener's port.
+    portless = await http.post(
+        bridge.provisioning.ota_url,
+        json=body(),
+        headers={**headers(), "Host": "127.0.0.1"},
+    )
+    assert portless.json()["firmware"]["url"] == offer["url"]
 
     status, out, _ = await run_cli(
         "firmware", "releases", "--server", bridge.api_url, "--token", ADMIN_TOKEN

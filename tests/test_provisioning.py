@@ -494,3 +494,13 @@ async def test_credentials_and_pending_codes_survive_a_restart(
         again = await StockOta(http, url, mac="a4:cf:00:00:04:01").check()
         assert again.json()["activation"]["code"] == code  # what the device still shows
         assert (await StockOta(http, url, mac=MAC).check()).json()["websocket"]["token"] == token
+
+
+async def test_the_database_with_keys_and_token_hashes_is_readable_by_its_owner_only(
+    device_bridge: Bridge,
+) -> None:
+    import stat
+
+    path = device_bridge.database.path
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.with_name(path.name + "-wal").stat().st_mode) == 0o600

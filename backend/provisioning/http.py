@@ -102,7 +102,6 @@ async def _handle(service: Provisioning, request: Request, kind: str) -> Respons
             identified,
             body,
             enrollment=enrollment,
-            base_url=str(request.base_url),
             host=headers.get("host"),
         )
     else:

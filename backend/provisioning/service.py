@@ -89,6 +89,7 @@ class Provisioning:
     ) -> None:
         self.settings = settings
         self.registry = registry
+        self._database_path = database.path
         self._websocket_port = websocket_port
         secret = load_or_create_secret(settings.data_dir / SECRET_FILE, created or [])
         self.store = ProvisioningStore(
@@ -112,7 +113,9 @@ class Provisioning:
     # ---- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Needs the open database: load credentials, activations and releases."""
+        """Needs the open database: load credentials, activations and releases. The database
+        holds serial keys and token hashes, so it is made readable by its owner only."""
+        _owner_only(self._database_path)
         await self.store.load()
         await self.releases.load()
         self.store.start()
@@ -202,7 +205,6 @@ class Provisioning:
         body: dict[str, Any],
         *,
         enrollment: str | None,
-        base_url: str,
         host: str | None,
     ) -> Answer:
         """The answer to an OTA check (POST <ota_path>) of a device."""
@@ -214,7 +216,7 @@ class Provisioning:
         mode = self.settings.device_auth
         if mode != "device":
             self.registry.reported(headers.device_id, headers.client_id, info)
-            self._add_firmware(answer, headers.device_id, info, base_url)
+            self._add_firmware(answer, headers.device_id, info, host)
             token = "" if mode == "off" or self._shared_token is None else self._shared_token
             answer["websocket"] = proto.websocket_section(self._websocket_url(host), token)
             return Answer(200, answer)
@@ -240,7 +242,7 @@ class Provisioning:
             return Answer(200, answer)
         self.registry.reported(headers.device_id, headers.client_id, info)
         token = await self.store.deliver(device)
-        self._add_firmware(answer, headers.device_id, info, base_url)
+        self._add_firmware(answer, headers.device_id, info, host)
         answer.update(self._credentials(device, headers, token, host))
         log_.debug("ota check answered", board=info.get("board_type"))
         return Answer(200, answer)
@@ -340,7 +342,7 @@ class Provisioning:
         return proto.activation_section(request.code, message, request.challenge)
 
     def _add_firmware(
-        self, answer: dict[str, Any], device_id: str, info: dict[str, Any], base_url: str
+        self, answer: dict[str, Any], device_id: str, info: dict[str, Any], host: str | None
     ) -> None:
         current = info.get("firmware_version")
         release = self.releases.offer(device_id, info.get("board_type"), current)
@@ -349,8 +351,10 @@ class Provisioning:
             if section is not None:
                 answer["firmware"] = section
             return
-        url = f"{base_url.rstrip('/')}{self.settings.ota_path}firmware/{release.board}/"
-        url += release.version
+        # Host and this listener's port, not the request's base URL: stock firmware's HTTP
+        # client may send Host without the port, as its WebSocket client does (§1.1).
+        url = f"http://{self._hostname(host)}:{self.http_port}{self.settings.ota_path}"
+        url += f"firmware/{release.board}/{release.version}"
         answer["firmware"] = proto.upgrade(release.version, url, release.sha256, release.size)
         log.info(
             "firmware offered",
@@ -424,6 +428,13 @@ class _Listener(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+
+def _owner_only(path: Path) -> None:
+    """chmod 0600 the SQLite file and its WAL companions (SQLite gives new ones the same mode)."""
+    for candidate in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        with contextlib.suppress(OSError):
+            candidate.chmod(0o600)
 
 
 def _url_host(host: str) -> str:
