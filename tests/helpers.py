@@ -92,6 +92,8 @@ async def start_cli(
         "0",
         "--http-port",
         "0",
+        "--device-http-port",
+        "0",
         *extra,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,

@@ -39,6 +39,10 @@ DataDirOpt = Annotated[
 ]
 WsPortOpt = Annotated[int | None, typer.Option("--ws-port", help="Device WebSocket port.")]
 HttpPortOpt = Annotated[int | None, typer.Option("--http-port", help="Admin API port.")]
+DeviceHttpPortOpt = Annotated[
+    int | None,
+    typer.Option("--device-http-port", help="Device HTTP port (OTA, activation, firmware)."),
+]
 ServerOpt = Annotated[
     str | None, typer.Option("--server", help="Admin API URL [env: BRIDGE_SERVER].")
 ]
@@ -56,11 +60,18 @@ def serve(
     data_dir: DataDirOpt = None,
     ws_port: WsPortOpt = None,
     http_port: HttpPortOpt = None,
+    device_http_port: DeviceHttpPortOpt = None,
 ) -> None:
-    """Run the bridge: device WebSocket endpoint and admin API, until Ctrl-C."""
+    """Run the bridge: device WebSocket endpoint, device HTTP (OTA) and admin API, until Ctrl-C."""
     from backend.cli.runs import run_bridge
 
-    settings = cli_settings(config, data_dir=data_dir, ws_port=ws_port, http_port=http_port)
+    settings = cli_settings(
+        config,
+        data_dir=data_dir,
+        ws_port=ws_port,
+        http_port=http_port,
+        device_http_port=device_http_port,
+    )
     _run(run_bridge(settings))
 
 
@@ -70,11 +81,18 @@ def demo(
     data_dir: DataDirOpt = None,
     ws_port: WsPortOpt = None,
     http_port: HttpPortOpt = None,
+    device_http_port: DeviceHttpPortOpt = None,
 ) -> None:
     """Start the bridge and one simulated device, call two tools, keep serving until Ctrl-C."""
     from backend.cli.runs import run_demo
 
-    settings = cli_settings(config, data_dir=data_dir, ws_port=ws_port, http_port=http_port)
+    settings = cli_settings(
+        config,
+        data_dir=data_dir,
+        ws_port=ws_port,
+        http_port=http_port,
+        device_http_port=device_http_port,
+    )
     _run(run_demo(settings, console))
 
 
