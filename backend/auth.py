@@ -2,7 +2,9 @@
 
 Auth is on by default. Tokens come from settings (`BRIDGE_ADMIN_TOKEN`, `BRIDGE_DEVICE_TOKEN`);
 when unset, `serve` creates them once in the data directory (mode 0600), where `simulate`,
-`demo` and the CLI on the same machine find them. Tokens never reach the logs.
+`demo` and the CLI on the same machine find them. The shared device token exists only in the
+development mode `device_auth = "shared"`; by default every device has its own token
+(`backend.provisioning`). Tokens never reach the logs.
 """
 
 import hmac
@@ -22,7 +24,7 @@ DEVICE_TOKEN_FILE = "device.token"
 @dataclass(frozen=True)
 class Tokens:
     admin: str
-    device: str
+    device: str | None = None  # the shared device token (device_auth = "shared" only)
     created: list[Path] = field(default_factory=list)
 
 
@@ -32,9 +34,9 @@ def ensure_tokens(settings: Settings) -> Tokens:
     admin = _configured(settings.admin_token) or _load_or_create(
         settings.data_dir / ADMIN_TOKEN_FILE, created
     )
-    device = _configured(settings.device_token) or _load_or_create(
-        settings.data_dir / DEVICE_TOKEN_FILE, created
-    )
+    device = _configured(settings.device_token)
+    if device is None and settings.device_auth == "shared":
+        device = _load_or_create(settings.data_dir / DEVICE_TOKEN_FILE, created)
     return Tokens(admin=admin, device=device, created=created)
 
 
@@ -56,6 +58,12 @@ def token_matches(presented: str | None, expected: str) -> bool:
     if rest and scheme.lower() == "bearer":
         presented = rest.strip()
     return hmac.compare_digest(presented.encode(), expected.encode())
+
+
+def load_or_create_secret(path: Path, created: list[Path]) -> str:
+    """The secret in `path`, created (random, mode 0600) when missing; new files go to
+    `created` so the caller can say so."""
+    return _load_or_create(path, created)
 
 
 def _configured(secret: SecretStr | None) -> str | None:

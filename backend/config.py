@@ -6,9 +6,9 @@ file (`--config` or `BRIDGE_CONFIG`), the defaults below. Every default is liste
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -21,6 +21,30 @@ from backend.errors import BridgeError
 
 class ConfigError(BridgeError):
     """The configuration cannot be loaded; the message is one line for the user."""
+
+
+DeviceAuth = Literal["device", "shared", "off"]
+
+
+class RateLimit(BaseModel):
+    """A token bucket: `per_s` requests a second on average, bursts of up to `burst`."""
+
+    per_s: float = Field(gt=0)
+    burst: int = Field(ge=1)
+
+
+# Per client IP and per Device-Id, for the WebSocket handshake, the OTA check and activation.
+DEFAULT_RATE_LIMITS: dict[str, RateLimit] = {
+    # TCP connections to the device endpoint, counted at accept (before a byte is parsed).
+    "connection_ip": RateLimit(per_s=20, burst=50),
+    "handshake_ip": RateLimit(per_s=20, burst=200),
+    "handshake_device": RateLimit(per_s=1, burst=10),
+    "ota_ip": RateLimit(per_s=10, burst=100),
+    "ota_device": RateLimit(per_s=1, burst=10),
+    "activate_ip": RateLimit(per_s=10, burst=100),
+    "activate_device": RateLimit(per_s=1, burst=10),
+}
+DEFAULT_CONFIRM_TOOLS = ("*.reboot", "*upgrade*", "*reconfigure*", "*.set_download_url")
 
 
 def default_data_dir() -> Path:
@@ -43,7 +67,9 @@ class Settings(BaseSettings):
     # Tokens; when unset, `serve` creates them in data_dir (mode 0600).
     admin_token: SecretStr | None = None
     device_token: SecretStr | None = None
-    device_auth: bool = True
+    # "device": per-device tokens from OTA activation (docs/provisioning.md); "shared": every
+    # device uses device_token (development); "off": no device check. true/false mean device/off.
+    device_auth: DeviceAuth = "device"
     # Limits and timeouts.
     max_message_bytes: int = Field(65536, ge=1024)
     max_queue: int = Field(16, ge=1)
@@ -55,13 +81,6 @@ class Settings(BaseSettings):
     max_inbound_bytes_per_s: float = Field(2_000_000.0, gt=0)
     write_timeout_s: float = Field(10.0, gt=0)
     max_pending_handshakes: int = Field(1024, ge=1)
-    # Connection attempts: a burst, then a steady rate, per device id and per remote address.
-    handshakes_per_device_burst: float = Field(20.0, ge=1)
-    handshakes_per_device_per_s: float = Field(1.0, gt=0)
-    connections_per_address_burst: float = Field(50.0, ge=1)
-    connections_per_address_per_s: float = Field(20.0, gt=0)
-    # Local processes (a simulated fleet, tools) are not limited per address unless asked.
-    limit_loopback: bool = False
     hello_timeout_s: float = Field(10.0, gt=0)
     init_timeout_s: float = Field(10.0, gt=0)
     call_timeout_s: float = Field(10.0, gt=0)
@@ -94,7 +113,29 @@ class Settings(BaseSettings):
     udp_port: int = Field(8884, ge=0, le=65535)
     udp_public_host: str | None = None  # the UDP address devices are told in the hello
 
-    @field_validator("ws_path")
+    @field_validator("device_auth", mode="before")
+    @classmethod
+    def _auth_mode(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            return "device" if value else "off"
+        if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+            return "device" if value.strip().lower() in ("true", "1") else "off"
+        return value
+
+    @field_validator("rate_limits", mode="before")
+    @classmethod
+    def _merged_limits(cls, value: Any) -> Any:
+        """A table names only the limits it changes; the others keep their defaults."""
+        if not isinstance(value, dict):
+            return value
+        unknown = set(value) - set(DEFAULT_RATE_LIMITS)
+        if unknown:
+            raise ValueError(
+                f"unknown rate limit(s) {sorted(unknown)}: {sorted(DEFAULT_RATE_LIMITS)}"
+            )
+        return {**DEFAULT_RATE_LIMITS, **value}
+
+    @field_validator("ws_path", "ota_path")
     @classmethod
     def _path_has_slash(cls, value: str) -> str:
         return value if value.startswith("/") else "/" + value
@@ -123,6 +164,30 @@ class Settings(BaseSettings):
     search_enabled: bool = True
     search_timeout_s: float = Field(3.0, gt=0)
     search_results: int = Field(5, ge=1, le=20)
+
+    # ---- provisioning (backend/provisioning, docs/provisioning.md) -------------------------------
+    # The device-facing HTTP listener: the OTA/activation endpoint and firmware downloads.
+    device_http_host: str = "0.0.0.0"
+    device_http_port: int = Field(8002, ge=0, le=65535)
+    device_http_max_connections: int = Field(1024, ge=1)  # more at once: 503 at once
+    ota_path: str = "/xiaozhi/ota/"
+    # What the OTA answer tells devices; by default built from the Host the device used.
+    ota_websocket_url: str | None = None
+    ota_mqtt_endpoint: str | None = None  # "host:port" of the broker, as devices reach it
+    device_transport: Literal["websocket", "mqtt"] = "websocket"  # per device: devices transport
+    ota_timezone_offset_min: int | None = Field(None, ge=-720, le=840)  # default: the bridge's
+    activation_message: str = "Activation code {code}"
+    activation_ttl_s: float = Field(86400.0, gt=0)  # a pending request not polled for this long
+    max_pending_activations: int = Field(4096, ge=1)
+    activation_auto_approve_macs: list[str] = Field(default_factory=list)  # MAC prefixes
+    activation_require_hmac: bool = False  # devices with a serial number must prove its key
+    firmware_max_attempts: int = Field(3, ge=1)  # offers of one version before giving up
+    # Tools that need an explicit confirmation (fnmatch patterns, "DEVICE/TOOL" for one device,
+    # "!" exempts; the last matching entry wins), and MCP `destructiveHint: true` tools.
+    confirm_tools: list[str] = Field(default_factory=lambda: list(DEFAULT_CONFIRM_TOOLS))
+    confirm_destructive_hint: bool = True
+    rate_limits: dict[str, RateLimit] = Field(default_factory=lambda: dict(DEFAULT_RATE_LIMITS))
+    rate_limit_exempt: list[str] = Field(default_factory=lambda: ["127.0.0.0/8", "::1/128"])
 
 
 def load_settings(config_file: Path | str | None = None, **overrides: Any) -> Settings:

@@ -21,14 +21,19 @@ import structlog
 import uvicorn
 
 from backend.api import create_app
+from backend.api.provisioning import provisioning_router
 from backend.auth import Tokens, ensure_tokens
 from backend.config import Settings
 from backend.devices import DeviceRegistry
+from backend.devices.audit import AUDIT_MIGRATIONS, AuditLog
 from backend.devices.catalog import DEVICE_MIGRATIONS, DeviceCatalog
+from backend.devices.confirm import ConfirmationPolicy
 from backend.devices.conversation import ConversationHub
 from backend.devices.gateway import DeviceGateway
 from backend.devices.registry import SHUTDOWN
 from backend.frontends import FRONTEND_MIGRATIONS, FrontEnds
+from backend.provisioning.service import MIGRATIONS as PROVISIONING_MIGRATIONS
+from backend.provisioning.service import Provisioning
 from backend.runtime import remove_runtime_file, write_runtime_file
 from backend.storage import Database, Migration
 from backend.storage.database import DATABASE_FILE
@@ -40,12 +45,16 @@ from backend.transports.admission import (
 )
 from backend.transports.base import Transport
 from backend.transports.mqtt_setup import MqttService, mqtt_enabled
-from backend.transports.throttle import HandshakeThrottle, KeyedRate
 from backend.transports.websocket import WebSocketTransport
 
 log = structlog.get_logger("bridge")
 
-MIGRATIONS: tuple[Migration, ...] = (*DEVICE_MIGRATIONS, *FRONTEND_MIGRATIONS)
+MIGRATIONS: tuple[Migration, ...] = (
+    *DEVICE_MIGRATIONS,
+    *FRONTEND_MIGRATIONS,
+    *PROVISIONING_MIGRATIONS,
+    *AUDIT_MIGRATIONS,
+)
 
 
 class _ApiServer(uvicorn.Server):
@@ -62,17 +71,38 @@ class Bridge:
     def __init__(self, settings: Settings, tokens: Tokens | None = None) -> None:
         self.settings = settings
         self.tokens = tokens or ensure_tokens(settings)
-        self.registry = DeviceRegistry(max_pending_calls=settings.max_pending_calls)
+        self.registry = DeviceRegistry(
+            max_pending_calls=settings.max_pending_calls,
+            confirmation=ConfirmationPolicy(
+                settings.confirm_tools, destructive_hint=settings.confirm_destructive_hint
+            ),
+        )
         self.conversations = ConversationHub(self.registry)
         self.database = Database(settings.data_dir / DATABASE_FILE, MIGRATIONS)
         self.catalog = DeviceCatalog(self.database, self.registry)
-        self.admission = Admission(self._device_credentials(), handshake_throttle(settings))
+        self.audit = AuditLog(self.database, self.registry)
+        # OTA endpoint, per-device credentials, firmware offers (docs/provisioning.md).
+        self.provisioning = Provisioning(
+            settings,
+            self.database,
+            self.registry,
+            websocket_port=lambda: self.websocket.port,
+            mqtt_endpoint=lambda hostname: (
+                None if self.mqtt is None else self.mqtt.device_endpoint(hostname)
+            ),
+            created=self.tokens.created,
+        )
+        self.admission = Admission(self._device_credentials(), self.provisioning.handshake_limits)
         self.gateway = DeviceGateway(self.registry, self.conversations, settings)
         self.websocket = WebSocketTransport(settings, self.admission)
         self.transports: list[Transport] = [self.websocket]
         # MQTT + UDP (docs/mqtt.md) when `mqtt_url` is set; `secrets_created` lists new files.
         self.secrets_created: list[Path] = []
-        self.mqtt = MqttService(settings, self.secrets_created) if mqtt_enabled(settings) else None
+        self.mqtt = (
+            MqttService(settings, self.secrets_created, self.provisioning.store)
+            if mqtt_enabled(settings)
+            else None
+        )
         if self.mqtt is not None:
             self.transports.append(self.mqtt)
         self.frontends = FrontEnds(settings, self.database, self.registry, self.conversations)
@@ -80,7 +110,10 @@ class Bridge:
             self.registry,
             self.tokens.admin,
             resolve_key=self.frontends.keys.resolve,
-            routers=self.frontends.routers(),
+            routers=[
+                *self.frontends.routers(),
+                provisioning_router(self.provisioning, self.audit),
+            ],
             routes=self.frontends.routes(),
         )
         self._started: list[Transport] = []
@@ -91,9 +124,13 @@ class Bridge:
         self._running = False
 
     def _device_credentials(self) -> DeviceCredentials:
-        if not self.settings.device_auth:
+        mode = self.settings.device_auth
+        if mode == "off":
             return NoDeviceAuth()
-        return SharedDeviceToken(self.tokens.device)
+        if mode == "shared":
+            assert self.tokens.device is not None, "ensure_tokens makes it in shared mode"
+            return SharedDeviceToken(self.tokens.device)
+        return self.provisioning.store  # each device's own token
 
     @property
     def ws_url(self) -> str:
@@ -122,19 +159,30 @@ class Bridge:
             await self.catalog.load()
             self.catalog.start()
             await self.frontends.start()
+            await self.provisioning.start()
+            self.audit.start()
             for transport in self.transports:
                 await transport.start(self.gateway)
                 self._started.append(transport)
             await self._start_api()
+            await self.provisioning.start_listener()
         except BaseException:
             await self.stop()
             raise
         self._running = True
         write_runtime_file(
             self.settings.data_dir,
-            {"ws_url": self.ws_url, "api_url": self.api_url, "endpoints": self.endpoints()},
+            {
+                "ws_url": self.ws_url,
+                "api_url": self.api_url,
+                "ota_url": self.provisioning.ota_url,
+                "device_auth": self.settings.device_auth,
+                "endpoints": self.endpoints(),
+            },
         )
-        log.info("bridge listening", api=self.api_url, **self.endpoints())
+        log.info(
+            "bridge listening", api=self.api_url, ota=self.provisioning.ota_url, **self.endpoints()
+        )
 
     async def _start_api(self) -> None:
         self._api_socket = _bind(self.settings.http_host, self.settings.http_port)
@@ -155,6 +203,7 @@ class Bridge:
         if self._running:
             log.info("bridge stopping", devices=len(self.registry))
         self.registry.shutdown(SHUTDOWN)
+        await self.provisioning.stop_listener()
         for transport in reversed(self._started):
             await transport.stop()
         await self.frontends.stop_sessions()
@@ -165,6 +214,10 @@ class Bridge:
         if self.database.is_open:
             with contextlib.suppress(Exception):
                 await self.catalog.stop()
+            with contextlib.suppress(Exception):
+                await self.audit.stop()
+            with contextlib.suppress(Exception):
+                await self.provisioning.stop()
             await self.database.close()
         remove_runtime_file(self.settings.data_dir)
         if self._running:
@@ -195,12 +248,6 @@ class Bridge:
         _tb: TracebackType | None,
     ) -> None:
         await self.stop()
-
-
-def handshake_throttle(settings: Settings) -> HandshakeThrottle:
-    return HandshakeThrottle(
-        KeyedRate(settings.handshakes_per_device_per_s, settings.handshakes_per_device_burst)
-    )
 
 
 def _bind(host: str, port: int) -> socket.socket:

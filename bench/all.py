@@ -5,8 +5,9 @@ import sys
 
 from bench.common import REPO, parse_args
 
-# The bridge-core benchmarks, the UDP audio channel, the MQTT transport end to end, then the
-# firmware's heap benchmark (needs the MicroPython unix port).
+# The bridge-core benchmarks, the UDP audio channel, the MQTT transport end to end, the OTA
+# endpoint, reliability under attack, fuzzing, then the firmware's heap benchmark (needs the
+# MicroPython unix port).
 BENCHMARKS = (
     "tool_call",
     "sdk_compare",
@@ -18,6 +19,7 @@ BENCHMARKS = (
     "reliability",
     "fuzz",
     "mqtt",
+    "ota",
     "firmware_memory",
 )
 

@@ -120,7 +120,8 @@ def raise_open_files(wanted: int) -> None:
 
 
 def bench_settings(data_dir: Path, **overrides: Any) -> "Settings":
-    """Bridge settings on ephemeral loopback ports with fixed tokens."""
+    """Bridge settings on ephemeral loopback ports with fixed tokens; devices share one token
+    (`device_auth = "shared"`) except where a benchmark measures provisioning itself."""
     from backend.config import Settings
 
     values: dict[str, Any] = {
@@ -128,8 +129,11 @@ def bench_settings(data_dir: Path, **overrides: Any) -> "Settings":
         "ws_host": "127.0.0.1",
         "ws_port": 0,
         "http_port": 0,
+        "device_http_host": "127.0.0.1",
+        "device_http_port": 0,
         "admin_token": ADMIN_TOKEN,
         "device_token": DEVICE_TOKEN,
+        "device_auth": "shared",
     }
     values.update(overrides)
     return Settings(**values)

@@ -31,6 +31,7 @@ from bench.common import (
     VOLUME_TOOL,
     Stats,
     bench_main,
+    bench_settings,
     kib,
     ms,
     quiet_logging,
@@ -110,16 +111,10 @@ async def mosquitto(device_ids: list[str]) -> AsyncIterator[tuple[int, str]]:
 @contextlib.asynccontextmanager
 async def bridge(data_dir: Path, **overrides: Any) -> AsyncIterator[Any]:
     from backend.auth import Tokens
-    from backend.config import Settings
     from backend.server import Bridge
 
-    settings = Settings(
-        data_dir=data_dir,
-        ws_host="127.0.0.1",
-        ws_port=0,
-        http_port=0,
-        admin_token=ADMIN_TOKEN,
-        device_token=DEVICE_TOKEN,
+    settings = bench_settings(
+        data_dir,
         mqtt_host="127.0.0.1",
         mqtt_port=0,
         mqtt_secret=SECRET,

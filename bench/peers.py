@@ -11,6 +11,8 @@ Every role prints JSON lines on stdout, reads JSON commands on stdin and exits w
   fleet          `simulator.run_fleet` of --count devices; reports when it started
   idle           --count idle connections of the firmware's WebSocket client
   bridge         a Bridge; reports its URLs, then the time its --expect'th device became ready
+  ota_bridge     a Bridge with per-device tokens and --count devices approved; reports its URLs
+                 and pid; {"cmd":"stats"} reports pending activations, approved devices, RSS
 """
 
 import argparse
@@ -222,6 +224,45 @@ async def bridge(args: argparse.Namespace) -> None:
         waiting.cancel()
 
 
+async def ota_bridge(args: argparse.Namespace) -> None:
+    import psutil
+
+    from backend.runtime import tune_gc_for_many_devices
+    from bench.common import running_bridge
+
+    raise_open_files(4096)
+    # The load reuses --count device ids thousands of times a second: their per-device OTA
+    # limit (a real device checks at boot) would refuse it, so it is lifted here.
+    unlimited = {"per_s": 1e9, "burst": 10**9}
+    async with running_bridge(
+        device_auth="device",
+        device_http_max_connections=4096,
+        rate_limits={"ota_device": unlimited},
+    ) as running:
+        tune_gc_for_many_devices()  # as `esp32-bridge serve` does
+        store = running.provisioning.store
+        for index in range(args.count):
+            await store.grant(known_device(index), known_client(index), by="bench")
+        report(ota_url=running.provisioning.ota_url, api_url=running.api_url, pid=os.getpid())
+        async for command in commands():
+            if command.get("cmd") == "stats":
+                report(
+                    pending=store.pending_count,
+                    approved=len(store.devices()),
+                    rss=psutil.Process().memory_info().rss,
+                )
+            else:
+                answer(command)
+
+
+def known_device(index: int) -> str:
+    return "a4:cf:01:" + ":".join(f"{byte:02x}" for byte in index.to_bytes(3, "big"))
+
+
+def known_client(index: int) -> str:
+    return f"00000000-0000-4000-8000-{index:012x}"
+
+
 async def _stop_all(devices: list[Any]) -> None:
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(5):
@@ -235,6 +276,7 @@ ROLES = {
     "fleet": fleet,
     "idle": idle,
     "bridge": bridge,
+    "ota_bridge": ota_bridge,
 }
 
 

@@ -1,5 +1,10 @@
 """Device entry point: config -> HAL -> Wi-Fi -> MCP server + app, then serve forever.
 
+With `ota_url` in the config (instead of `url` and `token`) the device asks the bridge's OTA
+endpoint at every boot where to connect and with which token, activating itself first if the
+bridge does not know it yet, and installs a newer firmware bundle when one is offered
+(lib/ota.py); it then reboots (the ESP32) or exits with status 3 (a host, to be restarted).
+
 On the ESP32 it runs after boot.py with config.json beside it. On the MicroPython unix port:
 `micropython firmware/main.py path/to/config.json`; there is no `network` module, so the fake
 HAL is used and its state changes are printed (`[hal] volume = 42`). Lines typed on the console
@@ -14,6 +19,7 @@ import sys
 FIRMWARE_VERSION = "0.1.0"
 DEFAULT_BOARD_NAME = "esp32-mcp-bridge"
 EXIT_BAD_CONFIG = 2
+EXIT_UPDATED = 3
 CLIENT_ID_FILE = "client_id"
 WIFI_RETRY_S = 30
 
@@ -31,6 +37,7 @@ import asyncio  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 
+import ota  # noqa: E402
 import tools_stock  # noqa: E402
 from app import App, console_input  # noqa: E402
 from compat import MICROPYTHON  # noqa: E402
@@ -66,14 +73,23 @@ def check_config(config):
     if not isinstance(config, dict):
         raise ConfigError("config must be a JSON object")
     transport = config.get("transport", "ws")
+    if transport not in ("ws", "mqtt"):
+        raise ConfigError('"transport" ' + repr(transport) + ' is not supported: "ws" or "mqtt"')
     if transport == "mqtt":
         check_mqtt_config(config.get("mqtt"))
-    elif transport != "ws":
-        raise ConfigError('"transport" ' + repr(transport) + ' is not supported: "ws" or "mqtt"')
-    else:
-        url = config.get("url")
-        if not isinstance(url, str) or not url:
-            raise ConfigError('"url" is missing, e.g. "ws://192.168.1.10:8000/xiaozhi/v1/"')
+    ota_url = config.get("ota_url")
+    if ota_url is not None:
+        try:
+            ota.parse_http_url(ota_url)
+        except ValueError as error:
+            raise ConfigError('"ota_url": ' + str(error))
+    url = config.get("url")
+    if transport == "ws" and ota_url is None and (not isinstance(url, str) or not url):
+        raise ConfigError(
+            '"ota_url" (e.g. "http://192.168.1.10:8002/xiaozhi/ota/") or "url" (e.g. '
+            '"ws://192.168.1.10:8000/xiaozhi/v1/") is missing'
+        )
+    if transport == "ws" and url is not None:
         try:
             parse_url(url)
         except ValueError as error:
@@ -180,6 +196,7 @@ def esp32_hal_module():
 async def make_hal(config, client_id):
     """(hal, device_id); joins Wi-Fi first on the real hardware."""
     board_name = config.get("board_name") or DEFAULT_BOARD_NAME
+    version = ota.stored_version(_here(), FIRMWARE_VERSION)
     hal_esp32 = esp32_hal_module() if config.get("hal", "esp32") == "esp32" else None
     if hal_esp32 is None:
         if config.get("hal") != "fake":
@@ -189,7 +206,7 @@ async def make_hal(config, client_id):
         device_id = config.get("device_id") or host_mac(client_id)
         hal = hal_fake.HalFake(
             board_name=board_name,
-            firmware_version=FIRMWARE_VERSION,
+            firmware_version=version,
             on_change=print_change,
             mac=device_id,
             client_id=client_id,
@@ -198,7 +215,7 @@ async def make_hal(config, client_id):
     if not config.get("ssid"):
         bad_config('"ssid" is missing: the ESP32 needs Wi-Fi (or set "hal": "fake")')
     try:
-        hal = hal_esp32.HalEsp32(config.get("pins") or {}, client_id, board_name, FIRMWARE_VERSION)
+        hal = hal_esp32.HalEsp32(config.get("pins") or {}, client_id, board_name, version)
     except (ValueError, TypeError) as error:  # e.g. a pin number the chip does not have
         bad_config('"pins": ' + str(error))
         raise
@@ -215,12 +232,15 @@ async def main(config, path):
     directory = path[: path.rfind("/")] if "/" in path else "."
     client_id = config.get("client_id") or stored_client_id(directory)
     hal, device_id = await make_hal(config, client_id)
+    url, token = config.get("url"), config.get("token") or ""
+    if config.get("ota_url") and config.get("transport", "ws") == "ws":
+        url, token = await from_ota(config["ota_url"], hal, device_id, client_id)
     server = McpServer(hal.board_name, hal.firmware_version)
     tools_stock.register(server, hal)
     mqtt = config.get("mqtt") if config.get("transport") == "mqtt" else None
     app_config = {
-        "url": mqtt["url"] if mqtt else config["url"],
-        "token": config.get("token") or "",
+        "url": mqtt["url"] if mqtt else url,
+        "token": token,
         "device_id": device_id,
         "client_id": client_id,
         "protocol_version": config.get("protocol_version") or 1,
@@ -246,6 +266,23 @@ def mqtt_app(mqtt, app_config, hal, server, device_id, client_id):
         return MqttTransport(mqtt, device_id, client_id, log=print)
 
     return MqttApp(app_config, hal, server, connect, log=print)
+
+
+async def from_ota(ota_url, hal, device_id, client_id):
+    """(url, token) from the OTA answer; a newer firmware bundle is installed first."""
+    answer = await ota.provision(ota_url, hal, device_id, client_id, log=print)
+    update = ota.offered_update(answer, hal.firmware_version)
+    if update is not None:
+        print("ota: firmware " + str(update["version"]) + " offered; downloading")
+        try:
+            await ota.apply_bundle(update["url"], _here(), update.get("sha256"), log=print)
+        except Exception as error:  # a failed update keeps the running firmware
+            print("ota: update failed: " + str(error))
+        else:
+            hal.reboot()
+            print("ota: updated; restarting")
+            sys.exit(EXIT_UPDATED)  # the ESP32 has reset already; a host run ends here
+    return ota.websocket_endpoint(answer)
 
 
 def start():

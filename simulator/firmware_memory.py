@@ -177,8 +177,11 @@ def _bridge_settings(data_dir: Path) -> Settings:
         "ws_host": "127.0.0.1",
         "ws_port": 0,
         "http_port": 0,
+        "device_http_host": "127.0.0.1",
+        "device_http_port": 0,
         "admin_token": ADMIN_TOKEN,
         "device_token": DEVICE_TOKEN,
+        "device_auth": "shared",
         "init_timeout_s": 10.0,
         "call_timeout_s": 10.0,
     }

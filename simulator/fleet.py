@@ -4,6 +4,10 @@ Each device is the real firmware (`app.App`, `transport_ws`, `mcp_server`, `tool
 in-memory HAL, so it connects exactly like the stock firmware: same headers, same hello, same MCP
 replies. `extra_tools` adds synthetic tools so `tools/list` spans several 8000-byte pages; they
 also take a `delay_ms` argument, which makes slow calls (timeouts, cancellation) easy to test.
+
+With `ota_url` a device first asks that OTA endpoint for its WebSocket URL and token, as stock
+firmware does at boot, running the firmware's own `ota.provision` (activation included: with an
+enrollment URL it is approved at once, otherwise it shows its code and waits for the operator).
 """
 
 import asyncio
@@ -59,38 +63,81 @@ class SimulatedDevice:
         log: Callable[..., None] | None = None,
         reconnect_min_s: float = 1.0,
         mqtt: MqttOptions | None = None,
+        ota_url: str | None = None,
+        ota_poll_s: float = 1.0,
     ) -> None:
         hal_module = firmware_module("hal_fake")
         mcp_module = firmware_module("mcp_server")
         tools_module = firmware_module("tools_stock")
 
         self.device_id = device_id or device_id_for(index)
-        self.hal = hal_module.HalFake(board_name=BOARD_NAME, firmware_version=FIRMWARE_VERSION)
+        self.client_id = client_id_for(index)
+        self.ota_url = ota_url
+        self.ota_poll_s = ota_poll_s
+        self.ota_answer: dict[str, Any] | None = None
+        self.log = log or _quiet
+        self.hal = hal_module.HalFake(
+            board_name=BOARD_NAME,
+            firmware_version=FIRMWARE_VERSION,
+            mac=self.device_id,
+            client_id=self.client_id,
+        )
         self.server = mcp_module.McpServer(BOARD_NAME, FIRMWARE_VERSION)
         tools_module.register(self.server, self.hal)
         add_synthetic_tools(self.server, extra_tools)
-        client_id = client_id_for(index)
+        client_id = self.client_id
         config = {
             "url": url,
             "token": token or "",
             "device_id": self.device_id,
-            "client_id": client_id,
+            "client_id": self.client_id,
             "protocol_version": 1,
             "reconnect_min_s": reconnect_min_s,
         }
         logger = log or _quiet
+        self._mqtt_login: dict[str, Any] | None = None  # the broker login, over MQTT
         if mqtt is None:
             app_class = firmware_module("app").App
             factory = firmware_module("transport_ws").WsTransport
         else:
             app_class = mqtt_firmware_module("app_mqtt").MqttApp
-            factory = _mqtt_factory(url, self.device_id, client_id, mqtt, logger)
+            factory, self._mqtt_login = _mqtt_factory(url, self.device_id, client_id, mqtt, logger)
         self.app = app_class(config, self.hal, self.server, factory, log=logger)
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> asyncio.Task[None]:
-        self._task = asyncio.create_task(self.app.run(), name=f"sim {self.device_id}")
+        self._task = asyncio.create_task(self._run(), name=f"sim {self.device_id}")
         return self._task
+
+    async def _run(self) -> None:
+        if self.ota_url is not None:
+            await self.provision(self.ota_url)
+        await self.app.run()
+
+    async def provision(self, ota_url: str) -> dict[str, Any]:
+        """Ask the OTA endpoint for this device's URL and token (activating it if needed)."""
+        ota = firmware_module("ota")
+        protocol = firmware_module("protocol")
+        answer: dict[str, Any] = await ota.provision(
+            ota_url,
+            self.hal,
+            self.device_id,
+            self.client_id,
+            log=self.log,
+            retry_min_s=1,
+            poll_s=self.ota_poll_s,
+        )
+        self.ota_answer = answer
+        if self._mqtt_login is not None:  # over MQTT the broker login comes from the answer
+            url, username, password = ota.mqtt_login(answer)
+            self._mqtt_login.update(url=url, username=username, password=password)
+            return answer
+        url, token = ota.websocket_endpoint(answer)
+        self.app.url = url
+        self.app.headers = protocol.handshake_headers(
+            token, self.device_id, self.client_id, self.app.protocol_version
+        )
+        return answer
 
     async def stop(self) -> None:
         self.app.stop()
@@ -111,7 +158,8 @@ def mqtt_firmware_module(name: str) -> Any:
 
 def _mqtt_factory(
     url: str, device_id: str, client_id: str, mqtt: MqttOptions, log: Callable[..., None]
-) -> Callable[[str, Any], Any]:
+) -> tuple[Callable[[str, Any], Any], dict[str, Any]]:
+    """The firmware's MQTT transport factory and its config (a login `provision` may replace)."""
     transport_class = mqtt_firmware_module("transport_mqtt").MqttTransport
     config: dict[str, Any] = {
         "url": url,
@@ -126,7 +174,7 @@ def _mqtt_factory(
     def factory(_url: str, _headers: Any) -> Any:
         return transport_class(config, device_id, client_id, log=log)
 
-    return factory
+    return factory, config
 
 
 def _key(device_id: str) -> str:
@@ -167,10 +215,20 @@ async def run_fleet(
     first_index: int = 1,
     log: Callable[..., None] | None = None,
     mqtt: MqttOptions | None = None,
+    ota_url: str | None = None,
 ) -> list[SimulatedDevice]:
-    """Create and start `count` devices; they keep running (and reconnecting) until stopped."""
+    """Create and start `count` devices; they keep running (and reconnecting) until stopped.
+    With `ota_url` each asks it for its URL and token first (`url`, `token` are then unused)."""
     devices = [
-        SimulatedDevice(url, token, first_index + i, extra_tools=extra_tools, log=log, mqtt=mqtt)
+        SimulatedDevice(
+            url,
+            token,
+            first_index + i,
+            extra_tools=extra_tools,
+            log=log,
+            mqtt=mqtt,
+            ota_url=ota_url,
+        )
         for i in range(count)
     ]
     for device in devices:

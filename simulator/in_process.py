@@ -37,6 +37,8 @@ class FirmwareDevice:
         arguments: dict[str, Any] | None = None,
         *,
         timeout_s: float | None = None,
+        confirmed: bool = False,
+        actor: str | None = None,
     ) -> CallResult:
         self.calls.append((name, dict(arguments or {})))
         reply = self.server.handle_message(

@@ -112,11 +112,13 @@ class Siege:
             "BRIDGE_DEVICE_TOKEN": DEVICE_TOKEN,
             "BRIDGE_LOG_FORMAT": "json",
             # Every attack comes from loopback here: limit it as if it came from the LAN.
-            "BRIDGE_LIMIT_LOOPBACK": "true",
+            "BRIDGE_RATE_LIMIT_EXEMPT": "[]",
+            # One shared token (development mode): an attacker holding "the device token".
+            "BRIDGE_DEVICE_AUTH": "shared",
             **self.extra_env,
         }
         argv = [sys.executable, "-m", "backend.cli", "serve", "--data-dir", str(data_dir)]
-        argv += ["--ws-port", "0", "--http-port", "0", *self.serve_args]
+        argv += ["--ws-port", "0", "--http-port", "0", "--device-http-port", "0", *self.serve_args]
         self.bridge = WatchedProcess(argv, env)
         await self.bridge.start()
         runtime = data_dir / "bridge.json"

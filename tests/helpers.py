@@ -24,14 +24,19 @@ STARTED: list[asyncio.subprocess.Process] = []
 
 def make_settings(data_dir: Path, **overrides: Any) -> Settings:
     """Bridge settings on ephemeral loopback ports with the tests' tokens and short timeouts;
-    chat runs offline without web search unless a test points it at the fake LLM."""
+    chat runs offline without web search unless a test points it at the fake LLM. Devices use
+    the shared test token (the development mode `device_auth = "shared"`): the suite tests the
+    core with it; the provisioning tests set `device_auth="device"`, the default."""
     values: dict[str, Any] = {
         "data_dir": data_dir,
         "ws_host": "127.0.0.1",
         "ws_port": 0,
         "http_port": 0,
+        "device_http_host": "127.0.0.1",
+        "device_http_port": 0,
         "admin_token": ADMIN_TOKEN,
         "device_token": DEVICE_TOKEN,
+        "device_auth": "shared",
         "hello_timeout_s": 5.0,
         "init_timeout_s": 5.0,
         "call_timeout_s": 5.0,
@@ -86,6 +91,8 @@ async def start_cli(
         "--ws-port",
         "0",
         "--http-port",
+        "0",
+        "--device-http-port",
         "0",
         *extra,
         stdout=asyncio.subprocess.PIPE,

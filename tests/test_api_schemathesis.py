@@ -34,10 +34,12 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         **os.environ,
         "BRIDGE_ADMIN_TOKEN": ADMIN_TOKEN,
         "BRIDGE_DEVICE_TOKEN": DEVICE_TOKEN,
+        "BRIDGE_DEVICE_AUTH": "shared",
         "BRIDGE_LLM_PROVIDER": "none",  # chat routes answer offline: no model, no internet
         "BRIDGE_SEARCH_ENABLED": "false",
     }
     serve = [*CLI, "serve", "--data-dir", str(data_dir), "--ws-port", "0", "--http-port", "0"]
+    serve += ["--device-http-port", "0"]
     log_file = (data_dir / "bridge.log").open("w")  # read it when a case fails: the traceback
     bridge = subprocess.Popen(serve, env=env, stderr=log_file)
     fleet = None

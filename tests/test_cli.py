@@ -16,7 +16,15 @@ from tests.stock_device import WireDevice
 @pytest.fixture
 async def self_configured_bridge(tmp_path: Path):
     """A bridge that created its own tokens in its data dir, as `serve` does."""
-    settings = Settings(data_dir=tmp_path / "data", ws_host="127.0.0.1", ws_port=0, http_port=0)
+    settings = Settings(
+        data_dir=tmp_path / "data",
+        ws_host="127.0.0.1",
+        ws_port=0,
+        http_port=0,
+        device_http_host="127.0.0.1",
+        device_http_port=0,
+        device_auth="shared",
+    )
     async with Bridge(settings) as bridge:
         device = WireDevice(bridge.ws_url, bridge.tokens.device)
         await device.connect()
@@ -135,9 +143,23 @@ async def test_bad_config_file(tmp_path):
 
 
 @pytest.mark.parametrize("command", [["simulate"], ["firmware", "run-host"]])
-async def test_device_commands_without_a_device_token(tmp_path, command):
+async def test_device_commands_without_a_bridge_or_a_device_token(tmp_path, command):
+    # Per-device tokens (the default): the devices would enrol through a running bridge.
     code, _, err = await run_cli(
         *command, "--data-dir", str(tmp_path), env={"BRIDGE_DEVICE_TOKEN": ""}
+    )
+    assert code == 1
+    assert f"no bridge running with data dir {tmp_path}" in err and "--ota URL" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", [["simulate"], ["firmware", "run-host"]])
+async def test_device_commands_in_shared_mode_without_a_device_token(tmp_path, command):
+    code, _, err = await run_cli(
+        *command,
+        "--data-dir",
+        str(tmp_path),
+        env={"BRIDGE_DEVICE_TOKEN": "", "BRIDGE_DEVICE_AUTH": "shared"},
     )
     assert code == 1
     assert "no device token: pass --token" in err and str(tmp_path / "device.token") in err
@@ -165,3 +187,46 @@ async def test_simulate_spreads_devices_over_workers_and_stops_them_on_sigterm(b
     await eventually(lambda: len(bridge.registry) == 0, timeout_s=30)  # the workers are gone
     assert process.stdout is not None
     assert b"5 simulated devices over 2 worker processes" in await process.stdout.read()
+
+
+async def test_simulate_enrols_its_devices_through_a_serve_with_per_device_tokens(tmp_path):
+    import signal
+
+    import httpx
+
+    from simulator.fleet import device_id_for
+    from tests.helpers import CLI, STARTED, eventually, start_cli
+
+    data_dir = tmp_path / "data"
+    serve = await start_cli("serve", data_dir)
+    await eventually(lambda: (data_dir / "bridge.json").exists(), timeout_s=30)
+    runtime = json.loads((data_dir / "bridge.json").read_text())
+    assert runtime["device_auth"] == "device"
+    simulate = await asyncio.create_subprocess_exec(
+        *CLI, "simulate", "--devices", "3", "--data-dir", str(data_dir),
+        stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, "BRIDGE_ADMIN_TOKEN": "", "BRIDGE_DEVICE_TOKEN": ""},
+    )  # fmt: skip
+    STARTED.append(simulate)
+    admin = (data_dir / "admin.token").read_text().strip()
+    wanted = {device_id_for(index) for index in (1, 2, 3)}
+    async with httpx.AsyncClient(
+        base_url=runtime["api_url"], headers={"Authorization": f"Bearer {admin}"}
+    ) as api:
+
+        async def ready() -> set[str]:
+            listed = (await api.get("/api/devices", params={"state": "ready"})).json()
+            return {device["device_id"] for device in listed["devices"]}
+
+        async with asyncio.timeout(30):
+            while await ready() != wanted:  # noqa: ASYNC110 - polling the API
+                await asyncio.sleep(0.05)
+        provisioned = (await api.get("/api/provisioning/devices")).json()["devices"]
+        assert {d["device_id"] for d in provisioned} == wanted
+        assert all(d["approved_by"].startswith("auto:enrollment:") for d in provisioned)
+        codes = (await api.get("/api/provisioning/enrollment-codes")).json()["enrollment_codes"]
+        assert [(c["name"], c["uses_left"]) for c in codes] == [("esp32-bridge simulate", 0)]
+    simulate.send_signal(signal.SIGTERM)
+    await asyncio.wait_for(simulate.wait(), 30)
+    serve.send_signal(signal.SIGTERM)
+    await asyncio.wait_for(serve.wait(), 30)

@@ -21,6 +21,9 @@ async def served(tmp_path: Path) -> AsyncIterator[tuple[Bridge, WireDevice, str]
         ws_host="127.0.0.1",
         ws_port=0,
         http_port=0,
+        device_http_host="127.0.0.1",
+        device_http_port=0,
+        device_auth="shared",
         llm_provider="none",
         search_enabled=False,
     )

@@ -17,7 +17,7 @@ def test_defaults_are_secure(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
     settings = load_settings()
     assert settings.http_host == "127.0.0.1"
-    assert settings.device_auth is True
+    assert settings.device_auth == "device"  # per-device tokens from OTA activation
     assert settings.ws_port == 8000 and settings.ws_path == "/xiaozhi/v1/"
     assert settings.data_dir == tmp_path / "esp32-bridge"
     assert settings.timeout_for("self.camera.take_photo") == 30.0
@@ -61,8 +61,27 @@ def test_missing_config_file(tmp_path):
         load_settings(tmp_path / "nope.toml")
 
 
+def test_device_auth_modes_and_their_old_boolean_spelling(tmp_path, monkeypatch):
+    assert load_settings(device_auth=True).device_auth == "device"
+    assert load_settings(device_auth=False).device_auth == "off"
+    monkeypatch.setenv("BRIDGE_DEVICE_AUTH", "false")
+    assert load_settings().device_auth == "off"
+    monkeypatch.setenv("BRIDGE_DEVICE_AUTH", "shared")
+    assert load_settings().device_auth == "shared"
+    monkeypatch.setenv("BRIDGE_DEVICE_AUTH", "nobody")
+    with pytest.raises(ConfigError, match="device_auth"):
+        load_settings()
+
+
+def test_per_device_mode_creates_no_shared_device_token(tmp_path):
+    tokens = ensure_tokens(load_settings(data_dir=tmp_path / "d"))
+    assert tokens.device is None
+    assert [path.name for path in tokens.created] == ["admin.token"]
+    assert not (tmp_path / "d" / "device.token").exists()
+
+
 def test_tokens_created_once_with_mode_0600(tmp_path):
-    settings = load_settings(data_dir=tmp_path / "d")
+    settings = load_settings(data_dir=tmp_path / "d", device_auth="shared")
     first = ensure_tokens(settings)
     assert len(first.created) == 2
     for path in first.created:

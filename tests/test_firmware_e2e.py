@@ -256,6 +256,9 @@ class BridgeProcess:
             "BRIDGE_WS_HOST": "127.0.0.1",
             "BRIDGE_ADMIN_TOKEN": ADMIN_TOKEN,
             "BRIDGE_DEVICE_TOKEN": DEVICE_TOKEN,
+            "BRIDGE_DEVICE_AUTH": "shared",  # this test is about reconnecting, not enrolment
+            "BRIDGE_DEVICE_HTTP_HOST": "127.0.0.1",
+            "BRIDGE_DEVICE_HTTP_PORT": "0",
         }
         process = WatchedProcess(command, env, cwd=REPO)
         self.runs.append(process)

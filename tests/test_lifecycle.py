@@ -10,7 +10,25 @@ import httpx
 import pytest
 
 from tests.helpers import eventually, start_cli
-from tests.stock_device import WireDevice, hang_and_signal
+from tests.stock_device import CLIENT_ID, WireDevice, hang_and_signal
+
+
+async def enrolled_token(runtime: dict, admin: str) -> str:
+    """A device's own token, as a stock device gets it: OTA check, approval, OTA check."""
+    headers = {"Device-Id": "a4:cf:12:34:56:78", "Client-Id": CLIENT_ID}
+    async with httpx.AsyncClient(timeout=10) as http:
+        first = await http.post(runtime["ota_url"], json={}, headers=headers)
+        code = first.json()["activation"]["code"]
+        approved = await http.post(
+            runtime["api_url"] + "/api/provisioning/approve",
+            json={"target": code},
+            headers={"Authorization": f"Bearer {admin}"},
+        )
+        assert approved.status_code == 200, approved.text
+        token: str = (await http.post(runtime["ota_url"], json={}, headers=headers)).json()[
+            "websocket"
+        ]["token"]
+    return token
 
 
 async def start_serve(data_dir: Path) -> asyncio.subprocess.Process:
@@ -25,10 +43,12 @@ async def test_signal_stops_gracefully(tmp_path, sig):
     process = await start_serve(data_dir)
     runtime = json.loads((data_dir / "bridge.json").read_text())
     admin = (data_dir / "admin.token").read_text().strip()
-    device_token = (data_dir / "device.token").read_text().strip()
-    for name in ("admin.token", "device.token"):
+    for name in ("admin.token", "device-credentials.secret"):
         assert stat.S_IMODE((data_dir / name).stat().st_mode) == 0o600
+    assert not (data_dir / "device.token").exists()  # per-device tokens by default
+    assert runtime["device_auth"] == "device"
 
+    device_token = await enrolled_token(runtime, admin)
     device = WireDevice(runtime["ws_url"], device_token)
     hung = asyncio.Event()
     device.handlers["tools/call"] = hang_and_signal(hung)
@@ -62,4 +82,4 @@ async def test_signal_stops_gracefully(tmp_path, sig):
     assert admin not in logs + out.decode() and device_token not in logs + out.decode()
     events = [json.loads(line)["event"] for line in logs.splitlines() if line.startswith("{")]
     assert "bridge stopping" in events and "bridge stopped" in events
-    assert "created token file" in out.decode()
+    assert "created secret file" in out.decode()

@@ -22,7 +22,7 @@ from starlette.routing import BaseRoute, Route
 from backend import __version__
 from backend.api.errors import http_status
 from backend.api.gate import OPEN_PATHS, AdminGate
-from backend.api.scopes import needs, principal_of
+from backend.api.scopes import actor_of, needs, principal_of
 from backend.devices import DeviceRegistry, DeviceState
 from backend.devices.registry import LIVE_STATES, is_user_only, iso_time
 from backend.errors import BridgeError
@@ -48,6 +48,7 @@ class ToolCallRequest(BaseModel):
     name: str = Field(min_length=1)
     arguments: dict[str, Any] = Field(default_factory=dict)
     timeout_s: float | None = Field(default=None, gt=0, le=600)
+    confirm: bool = False  # a risky tool (reboot, upgrade, settings) runs only with it
 
 
 class ToolCallResponse(BaseModel):
@@ -157,14 +158,21 @@ def create_app(
     async def call_tool(request: Request) -> Response:
         """`POST /api/devices/{device_id}/tools/call`, the hot path of the admin API."""
         device_id = request.path_params["device_id"]
-        principal_of(request).require_call(device_id)  # before the body is read
+        principal = principal_of(request)
+        principal.require_call(device_id)  # before the body is read
         try:
             call = _CALL_REQUEST.validate_json(await request.body())
         except ValidationError as exc:
             raise ApiError(422, "invalid_request", _first_error(exc)) from None
         device = registry.require(device_id)
         started = time.perf_counter()
-        result = await device.call_tool(call.name, call.arguments, timeout_s=call.timeout_s)
+        result = await device.call_tool(
+            call.name,
+            call.arguments,
+            timeout_s=call.timeout_s,
+            confirmed=call.confirm,
+            actor=actor_of(principal),
+        )
         answer = {
             "content": result.content,
             "isError": result.is_error,

@@ -28,7 +28,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from backend.api.app import ApiError
-from backend.api.scopes import needs
+from backend.api.scopes import actor_of, needs
 from backend.chat import (
     ChatEvent,
     ChatService,
@@ -177,7 +177,9 @@ class ChatFront:
         if device_id is not None:
             device = self.registry.require(device_id)  # 404 unknown, 503 offline
             reason = principal.call_denied_reason(device_id)
-            request.toolbox = DeviceToolBox(device, unavailable_reason=reason)
+            request.toolbox = DeviceToolBox(
+                device, unavailable_reason=reason, actor=f"chat:{actor_of(principal)}"
+            )
         if conversation_id is not None:
             request.conversation_id = check_conversation_id(conversation_id)
         elif device_id is not None:

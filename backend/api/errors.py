@@ -6,6 +6,7 @@ table does not matter and a new subclass inherits its parent's mapping until it 
 
 from backend.chat.memory import ConversationNotFound, InvalidConversationId
 from backend.devices.errors import (
+    ConfirmationRequired,
     DeviceBusy,
     DeviceNotReady,
     DeviceOffline,
@@ -23,6 +24,18 @@ from backend.mcp_session import (
     ProtocolViolation,
     RequestTimeout,
 )
+from backend.provisioning.errors import (
+    AmbiguousActivation,
+    InvalidInput,
+    InvalidRelease,
+    NotProvisioned,
+    NotVerified,
+    TooManyPending,
+    UnknownActivation,
+    UnknownEnrollment,
+    UnknownRelease,
+    UnknownSerialKey,
+)
 from backend.storage import DatabaseError
 
 ERROR_TABLE: dict[type[BaseException], tuple[int, str]] = {
@@ -38,6 +51,17 @@ ERROR_TABLE: dict[type[BaseException], tuple[int, str]] = {
     MessageTooLarge: (413, "message_too_large"),
     InvalidConversationId: (422, "invalid_request"),
     DeviceBusy: (429, "device_busy"),
+    ConfirmationRequired: (428, "confirmation_required"),
+    UnknownActivation: (404, "unknown_activation"),
+    UnknownEnrollment: (404, "unknown_enrollment"),
+    UnknownRelease: (404, "unknown_release"),
+    UnknownSerialKey: (404, "unknown_serial_key"),
+    NotProvisioned: (404, "not_provisioned"),
+    AmbiguousActivation: (409, "ambiguous_activation"),
+    NotVerified: (409, "not_verified"),
+    InvalidInput: (422, "invalid_request"),
+    InvalidRelease: (422, "invalid_release"),
+    TooManyPending: (503, "too_many_pending"),
     DeviceError: (502, "device_error"),
     ProtocolViolation: (502, "device_protocol_error"),
     McpError: (502, "device_protocol_error"),

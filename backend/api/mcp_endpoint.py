@@ -293,7 +293,9 @@ class McpEndpoint:
             )
         log.info("mcp tool call", device_id=device_id, tool=entry.tool, key_id=principal.key_id)
         try:
-            result = await entry.device.call_tool(entry.tool, arguments)
+            result = await entry.device.call_tool(
+                entry.tool, arguments, actor=f"mcp:key:{principal.key_id}"
+            )
         except (BridgeError, McpError) as exc:
             return _error_result(str(exc))
         return types.CallToolResult(

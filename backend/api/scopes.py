@@ -38,3 +38,8 @@ def needs(scope: Scope) -> Callable[[HTTPConnection], Principal]:
         return principal
 
     return dependency
+
+
+def actor_of(principal: Principal) -> str:
+    """How the audit log names a caller: `admin` (the admin token) or `key:<id>`."""
+    return "admin" if principal.key_id == "admin" else f"key:{principal.key_id}"

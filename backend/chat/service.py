@@ -5,6 +5,7 @@ device tools → sources → memory with an accumulated summary; offline when no
 never raises for model, search, tool or device failures: they become events and metadata.
 """
 
+import json
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -14,6 +15,15 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field, SkipValidation, model_validator
 
 from backend.chat import prompts
+from backend.chat.confirm import (
+    CANCELLED,
+    DONE,
+    FAILED,
+    ConfirmationBook,
+    PendingConfirmation,
+    answer_kind,
+    question,
+)
 from backend.chat.events import (
     ChatEvent,
     Done,
@@ -128,6 +138,7 @@ class _Turn:
     search_error: str | None = None
     tool_rounds: int = 0
     used_tools: list[str] = field(default_factory=list)
+    confirmation: PendingConfirmation | None = None  # a risky call the user is asked about
 
     @property
     def conversation_id(self) -> str | None:
@@ -173,6 +184,7 @@ class ChatService:
         self.history_messages = history_messages
         self.max_tool_rounds = max_tool_rounds
         self.detector = IntentDetector(intent_threshold)
+        self.confirmations = ConfirmationBook()
 
     @classmethod
     def from_settings(cls, settings: Settings, memory: MemoryStore) -> "ChatService":
@@ -223,6 +235,14 @@ class ChatService:
         functions = [with_description_choices(spec) for spec in toolbox.functions()]
         turn.log_step("language", began, language=turn.language)
 
+        asked = self.confirmations.take(_confirmation_keys(request))
+        if asked is not None and asked.device_id == request.device_id:
+            kind = answer_kind(turn.query)
+            if kind != "other":
+                async for event in self._confirmed(turn, toolbox, asked, kind == "yes"):
+                    yield event
+                return
+
         began = time.perf_counter()
         verdict, dental = await self._guardrail(turn, functions)
         turn.log_step("guardrail", began, verdict=verdict.verdict, by=verdict.by)
@@ -248,6 +268,13 @@ class ChatService:
         if turn.offline_reason is not None:
             async for event in self._answer_offline(turn, toolbox, functions, device_only):
                 yield event
+        if turn.confirmation is not None:
+            text = ("\n\n" if turn.answer else "") + question(
+                turn.language, turn.confirmation, _compact(turn.confirmation.arguments)
+            )
+            turn.answer.append(text)
+            yield Token(text=text)
+            self.confirmations.remember(_confirmation_keys(request, turn), turn.confirmation)
 
         sources = self._sources(turn, device_only)
         if sources is not None:
@@ -378,6 +405,8 @@ class ChatService:
                             messages.append(reply)
                     invalid = invalid or call.arguments is None
                 tool_time += time.perf_counter() - tools_began
+                if turn.confirmation is not None:
+                    break  # a risky call: the user is asked before anything else happens
                 invalid_rounds += invalid
                 if invalid_rounds >= 2:
                     text_end = prompts.INVALID_TOOL_CALL_ANSWER[turn.language]
@@ -410,8 +439,11 @@ class ChatService:
         yield ToolStarted(tool=tool, llm_name=call.name, arguments=call.arguments), None
         began = time.perf_counter()
         outcome = await toolbox.call(call.name, call.arguments)
-        turn.used_tools.append(tool)
         _log_tool_call(turn, tool, began, outcome)
+        if outcome.needs_confirmation is not None:
+            turn.confirmation = _pending(turn, tool, call.name, call.arguments, outcome)
+        else:
+            turn.used_tools.append(tool)
         if outcome.failed:
             event: ChatEvent = ToolFailed(tool=tool, llm_name=call.name, error=outcome.text)
         else:
@@ -442,8 +474,12 @@ class ChatService:
             yield ToolStarted(tool=tool, llm_name=intent.llm_name, arguments=intent.arguments)
             call_began = time.perf_counter()
             outcome = await toolbox.call(intent.llm_name, intent.arguments)
-            turn.used_tools.append(tool)
             _log_tool_call(turn, tool, call_began, outcome)
+            if outcome.needs_confirmation is not None:
+                yield ToolFailed(tool=tool, llm_name=intent.llm_name, error=outcome.text)
+                turn.confirmation = _pending(turn, tool, intent.llm_name, intent.arguments, outcome)
+                break
+            turn.used_tools.append(tool)
             if outcome.failed:
                 yield ToolFailed(tool=tool, llm_name=intent.llm_name, error=outcome.text)
             else:
@@ -474,6 +510,36 @@ class ChatService:
             calls=len(plan.intents),
             question=bool(question),
         )
+
+    async def _confirmed(
+        self, turn: _Turn, toolbox: ToolBox, asked: PendingConfirmation, yes: bool
+    ) -> AsyncIterator[ChatEvent]:
+        """The turn after a risky call was asked about: run it (yes) or drop it (no)."""
+        verdict = Guardrail(verdict="passed", reason="confirmation answer", by="rules")
+        await self._load_memory(turn)
+        if yes:
+            yield ToolStarted(tool=asked.tool, llm_name=asked.llm_name, arguments=asked.arguments)
+            began = time.perf_counter()
+            outcome = await toolbox.call(asked.llm_name, asked.arguments, confirmed=True)
+            turn.used_tools.append(asked.tool)
+            _log_tool_call(turn, asked.tool, began, outcome)
+            if outcome.failed:
+                yield ToolFailed(tool=asked.tool, llm_name=asked.llm_name, error=outcome.text)
+            else:
+                yield ToolCompleted(
+                    tool=asked.tool,
+                    llm_name=asked.llm_name,
+                    result_text=outcome.text,
+                    is_error=outcome.is_error,
+                )
+            template = FAILED if outcome.failed or outcome.is_error else DONE
+            text = template[turn.language].format(tool=asked.tool, result=outcome.text)
+        else:
+            text = CANCELLED[turn.language].format(tool=asked.tool)
+        turn.answer.append(text)
+        yield Token(text=text)
+        stored = await self._store(turn, text, None)
+        yield Done(metadata=self._metadata(turn, verdict, stored=stored))
 
     def _unavailable_event(
         self,
@@ -586,6 +652,33 @@ def _log_tool_call(turn: _Turn, tool: str, began: float, outcome: ToolOutcome) -
         conversation_id=turn.conversation_id,
         device_id=turn.device_id,
     )
+
+
+def _confirmation_keys(request: TurnRequest, turn: _Turn | None = None) -> list[str]:
+    """Where a question about a risky call is remembered: the conversation; the device only
+    for a turn that named no conversation (so another conversation cannot answer it)."""
+    conversation_id = request.conversation_id or (turn.conversation_id if turn else None)
+    keys = [f"conversation:{conversation_id}"] if conversation_id else []
+    if request.conversation_id is None and request.device_id is not None:
+        keys.append(f"device:{request.device_id}")
+    return keys
+
+
+def _pending(
+    turn: _Turn, tool: str, llm_name: str, arguments: dict[str, Any], outcome: ToolOutcome
+) -> PendingConfirmation:
+    return PendingConfirmation(
+        device_id=turn.device_id,
+        tool=tool,
+        llm_name=llm_name,
+        arguments=dict(arguments),
+        reason=outcome.needs_confirmation or "risky tool",
+        asked_at=time.time(),
+    )
+
+
+def _compact(arguments: dict[str, Any]) -> str:
+    return json.dumps(arguments, ensure_ascii=False, separators=(",", ":")) if arguments else ""
 
 
 def _without_sources(content: str) -> str:

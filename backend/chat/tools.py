@@ -8,6 +8,10 @@ device failures: they come back as an error `ToolOutcome` that the model is told
 tools only (user-only tools stay with the user), LLM-safe names from `ToolNameMap`, the full
 `inputSchema` as parameters. `unavailable_reason` (e.g. "missing scope devices:call") keeps the
 functions visible for intent detection, but the turn offers no tools and reports why.
+
+A risky tool (reboot, upgrade, settings: `backend.devices.confirm`) comes back unrun with
+`needs_confirmation`; the turn asks the user and calls it again with `confirmed=True` only after
+a "yes" in the next turn (backend/chat/service.py). `actor` names who asks, for the audit log.
 """
 
 from dataclasses import dataclass
@@ -16,6 +20,7 @@ from typing import Any, Protocol
 import structlog
 
 from backend.chat.llm.base import FunctionSpec
+from backend.devices.errors import ConfirmationRequired
 from backend.errors import BridgeError
 from backend.mcp_session import CallResult, McpError, Tool, ToolNameMap, UnknownToolName
 from backend.mcp_session.names import llm_functions
@@ -34,6 +39,7 @@ class ToolOutcome:
     text: str
     is_error: bool = False
     failed: bool = False
+    needs_confirmation: str | None = None  # why the tool did not run yet (a risky tool)
 
 
 class ToolBox(Protocol):
@@ -43,7 +49,9 @@ class ToolBox(Protocol):
 
     def device_tool_name(self, llm_name: str) -> str: ...
 
-    async def call(self, llm_name: str, arguments: dict[str, Any]) -> ToolOutcome: ...
+    async def call(
+        self, llm_name: str, arguments: dict[str, Any], *, confirmed: bool = False
+    ) -> ToolOutcome: ...
 
 
 class ToolSource(Protocol):
@@ -59,6 +67,8 @@ class ToolSource(Protocol):
         arguments: dict[str, Any] | None = None,
         *,
         timeout_s: float | None = None,
+        confirmed: bool = False,
+        actor: str | None = None,
     ) -> CallResult: ...
 
 
@@ -71,10 +81,12 @@ class DeviceToolBox:
         *,
         unavailable_reason: str | None = None,
         timeout_s: float | None = None,
+        actor: str | None = None,
     ) -> None:
         self.source = source
         self.unavailable_reason = unavailable_reason
         self.timeout_s = timeout_s
+        self.actor = actor
         self._tools: list[Tool] = []
         self._names = ToolNameMap(())
         self._functions: list[FunctionSpec] = []
@@ -106,7 +118,9 @@ class DeviceToolBox:
         except UnknownToolName:
             return llm_name
 
-    async def call(self, llm_name: str, arguments: dict[str, Any]) -> ToolOutcome:
+    async def call(
+        self, llm_name: str, arguments: dict[str, Any], *, confirmed: bool = False
+    ) -> ToolOutcome:
         if self.unavailable_reason is not None:
             return ToolOutcome(f"error: {self.unavailable_reason}", is_error=True, failed=True)
         try:
@@ -119,7 +133,16 @@ class DeviceToolBox:
                 failed=True,
             )
         try:
-            result = await self.source.call_tool(name, arguments, timeout_s=self.timeout_s)
+            result = await self.source.call_tool(
+                name, arguments, timeout_s=self.timeout_s, confirmed=confirmed, actor=self.actor
+            )
+        except ConfirmationRequired as exc:
+            return ToolOutcome(
+                f"not run yet: {exc.reason}; the user is asked to confirm",
+                is_error=True,
+                failed=True,
+                needs_confirmation=exc.reason,
+            )
         except (BridgeError, McpError) as exc:
             return ToolOutcome(f"error: {exc}", is_error=True, failed=True)
         except Exception as exc:
@@ -144,5 +167,7 @@ class NoTools:
     def device_tool_name(self, llm_name: str) -> str:
         return llm_name
 
-    async def call(self, llm_name: str, arguments: dict[str, Any]) -> ToolOutcome:
+    async def call(
+        self, llm_name: str, arguments: dict[str, Any], *, confirmed: bool = False
+    ) -> ToolOutcome:
         return ToolOutcome(f"error: there is no function {llm_name!r}", is_error=True, failed=True)

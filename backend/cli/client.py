@@ -62,10 +62,14 @@ class AdminClient:
         name: str,
         arguments: dict[str, Any],
         timeout_s: float | None = None,
+        *,
+        confirm: bool = False,
     ) -> dict[str, Any]:
         body: dict[str, Any] = {"name": name, "arguments": arguments}
         if timeout_s is not None:
             body["timeout_s"] = timeout_s
+        if confirm:
+            body["confirm"] = True
         path = f"/api/devices/{quote(device_id, safe='')}/tools/call"
         # The HTTP wait must outlast the tool's own timeout, so the server's 504 reaches us.
         wait = (timeout_s or 30.0) + 5.0
@@ -89,6 +93,27 @@ class AdminClient:
 
     def revoke_key(self, key_id: str) -> dict[str, Any]:
         return _object(self._request("DELETE", f"/api/keys/{quote(key_id, safe='')}"))
+
+    # ---- provisioning, firmware releases, audit (scope admin) ---------------------------------
+
+    def get(self, path: str, params: dict[str, str] | None = None) -> dict[str, Any]:
+        return _object(self._request("GET", path, params))
+
+    def post(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        return _object(self._request("POST", path, json=body or {}))
+
+    def put(self, path: str, body: dict[str, Any]) -> Any:
+        return self._request("PUT", path, json=body)
+
+    def delete(self, path: str) -> Any:
+        return self._request("DELETE", path)
+
+    def text(self, path: str) -> str:
+        with self._errors():
+            response = self._http.get(path)
+        if not response.is_success:
+            raise AdminError(_error_message(response))
+        return response.text
 
     # ---- chat (scope chat:use) -----------------------------------------------------------------
 

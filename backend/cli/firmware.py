@@ -15,7 +15,13 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from backend.cli.local import cli_settings, device_endpoint
+from backend.cli.local import (
+    cli_settings,
+    device_auth_mode,
+    device_endpoint,
+    device_token,
+    local_ota_url,
+)
 from backend.cli.output import console, fail, say, warn
 from backend.firmware.build import DEFAULT_MARCH, DEFAULT_OUT, BuiltFile, build, stale_build
 from backend.firmware.deploy import plan_deploy, run_deploy
@@ -145,10 +151,16 @@ def flash(
 
 
 def _local_endpoint(data_dir: Path | None) -> LocalEndpoint:
-    """The local bridge's device URL and token (as for `esp32-bridge simulate`)."""
+    """How the firmware reaches the local bridge: its OTA endpoint (per-device tokens: the
+    firmware shows an activation code to approve), else its device URL and shared token."""
 
-    def endpoint(url: str | None, token: str | None) -> tuple[str, str | None]:
-        return device_endpoint(cli_settings(None, data_dir=data_dir), url, token)
+    def endpoint(url: str | None, token: str | None) -> dict[str, str]:
+        settings = cli_settings(None, data_dir=data_dir)
+        shared = bool(token) or device_token(settings) is not None
+        if not shared and device_auth_mode(settings) == "device":
+            return {"ota_url": local_ota_url(settings)}
+        found_url, found_token = device_endpoint(settings, url, token)
+        return {"url": found_url, "token": found_token or ""}
 
     return endpoint
 
@@ -178,3 +190,118 @@ def run_host(
             "Ctrl-C stops it"
         )
         run_on_host(micropython, firmware, device_config)
+
+
+# ---- releases for the OTA endpoint (through the running bridge's admin API) -------------------
+
+ServerOpt = Annotated[
+    str | None, typer.Option("--server", help="Admin API URL [env: BRIDGE_SERVER].")
+]
+TokenOpt = Annotated[
+    str | None, typer.Option("--token", help="Admin token [env: BRIDGE_ADMIN_TOKEN].")
+]
+DataDirOpt = Annotated[Path | None, typer.Option("--data-dir", help="The bridge's data dir.")]
+
+
+@firmware_app.command("publish")
+def publish(
+    board: Annotated[str, typer.Argument(help="Board type, as devices report it.")],
+    version: Annotated[str, typer.Argument(help="Digits and dots, e.g. 2.4.3.")],
+    file: Annotated[Path, typer.Argument(help="The firmware image (or bundle) to offer.")],
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+    data_dir: DataDirOpt = None,
+) -> None:
+    """Offer FILE as VERSION to every BOARD device that reports an older version."""
+    from backend.cli.client import AdminError
+    from backend.cli.keys import admin_client
+
+    path = file.expanduser().resolve()
+    if not path.is_file():
+        raise fail(f"{file} is not a file", 2)
+    body = {"board": board, "version": version, "path": str(path)}
+    with admin_client(server, token, data_dir, None) as admin:
+        try:
+            release = admin.post("/api/firmware", body)
+        except AdminError as exc:
+            raise fail(str(exc)) from None
+    say(
+        f"published {release['board']} {release['version']}: {release['size']} bytes, "
+        f"sha256 {release['sha256']}"
+    )
+
+
+@firmware_app.command("releases")
+def releases(
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+    data_dir: DataDirOpt = None,
+) -> None:
+    """Published firmware: board, version, size, SHA-256, downloads since the bridge started."""
+    from backend.cli.client import AdminError
+    from backend.cli.keys import admin_client
+
+    with admin_client(server, token, data_dir, None) as admin:
+        try:
+            rows = admin.get("/api/firmware")["releases"]
+        except AdminError as exc:
+            raise fail(str(exc)) from None
+    if not rows:
+        say("no firmware published")
+        return
+    table = Table("board", "version", "bytes", "sha256", "published_at", "downloads")
+    for row in rows:
+        table.add_row(
+            row["board"],
+            row["version"],
+            str(row["size"]),
+            row["sha256"][:16],
+            row["published_at"],
+            str(row["downloads"]),
+        )
+    console.print(table)
+
+
+@firmware_app.command("unpublish")
+def unpublish(
+    board: Annotated[str, typer.Argument(help="Board type.")],
+    version: Annotated[str, typer.Argument(help="Version.")],
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+    data_dir: DataDirOpt = None,
+) -> None:
+    """Stop offering a release (and delete its file from the bridge's data dir)."""
+    from urllib.parse import quote
+
+    from backend.cli.client import AdminError
+    from backend.cli.keys import admin_client
+
+    path = f"/api/firmware/{quote(board, safe='')}/{quote(version, safe='')}"
+    with admin_client(server, token, data_dir, None) as admin:
+        try:
+            admin.delete(path)
+        except AdminError as exc:
+            raise fail(str(exc)) from None
+    say(f"unpublished {board} {version}")
+
+
+@firmware_app.command("bundle")
+def bundle(
+    version: Annotated[str, typer.Argument(help="The version the bundle installs, e.g. 0.2.0.")],
+    out: Annotated[Path, typer.Option("--out", help="Bundle file to write.")] = Path(
+        "build/firmware.bundle"
+    ),
+    build_dir: OutOpt = DEFAULT_OUT,
+) -> None:
+    """Pack a firmware build into an OTA bundle for `firmware publish` (our MicroPython
+    firmware updates its files from it)."""
+    from backend.firmware.bundle import make_bundle
+
+    with one_line_errors():
+        ensure = stale_build(build_dir)
+        if ensure is not None:
+            raise fail(f"{build_dir} is missing or older than its sources: run `firmware build`")
+        data = make_bundle(build_dir, version)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(data)
+    say(f"wrote {out}: {len(data)} bytes, firmware {version}")

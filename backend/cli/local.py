@@ -41,15 +41,33 @@ def api_url(settings: Settings) -> str:
 def device_endpoint(
     settings: Settings, url: str | None = None, token: str | None = None
 ) -> tuple[str, str | None]:
-    """The device URL and token to use: the given ones, else the local bridge's."""
+    """The device URL and token to use: the given ones, else the local bridge's (shared
+    device token: `device_auth = "shared"`)."""
     url = url or device_url(settings)
     token = token or device_token(settings)
-    if token is None and settings.device_auth:
+    if token is None and device_auth_mode(settings) != "off":
         raise fail(
             "no device token: pass --token or run `esp32-bridge serve` once to create "
             f"{settings.data_dir / DEVICE_TOKEN_FILE}"
         )
     return url, token
+
+
+def device_auth_mode(settings: Settings) -> str:
+    """How the local bridge checks devices: its runtime file says, else the settings."""
+    return _runtime_value(settings, "device_auth") or settings.device_auth
+
+
+def local_ota_url(settings: Settings) -> str:
+    """The running local bridge's OTA endpoint; fails (exit 1) when none is running."""
+    url = _runtime_value(settings, "ota_url")
+    if url is None:
+        raise fail(
+            f"no bridge running with data dir {settings.data_dir}: start `esp32-bridge serve`, "
+            "or pass --ota URL (e.g. from `esp32-bridge devices enroll`), or --url and --token "
+            '(a bridge with device_auth = "shared")'
+        )
+    return url
 
 
 def device_token(settings: Settings) -> str | None:

@@ -8,11 +8,20 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
+from backend.cli.audit import audit as audit_command
 from backend.cli.chat import chat as chat_command
 from backend.cli.client import AdminClient, AdminError
+from backend.cli.devices import devices_app
 from backend.cli.firmware import firmware_app
 from backend.cli.keys import keys_app
-from backend.cli.local import admin_token, api_url, cli_settings, device_endpoint
+from backend.cli.local import (
+    admin_token,
+    api_url,
+    cli_settings,
+    device_auth_mode,
+    device_endpoint,
+    device_token,
+)
 from backend.cli.mqtt import mqtt_app
 from backend.cli.output import console, fail
 from backend.errors import BridgeError
@@ -32,6 +41,10 @@ DataDirOpt = Annotated[
 ]
 WsPortOpt = Annotated[int | None, typer.Option("--ws-port", help="Device WebSocket port.")]
 HttpPortOpt = Annotated[int | None, typer.Option("--http-port", help="Admin API port.")]
+DeviceHttpPortOpt = Annotated[
+    int | None,
+    typer.Option("--device-http-port", help="Device HTTP port (OTA, activation, firmware)."),
+]
 ServerOpt = Annotated[
     str | None, typer.Option("--server", help="Admin API URL [env: BRIDGE_SERVER].")
 ]
@@ -69,8 +82,10 @@ def serve(
     mqtt: MqttOpt = None,
     mqtt_port: MqttPortOpt = None,
     udp_public_host: UdpPublicHostOpt = None,
+    device_http_port: DeviceHttpPortOpt = None,
 ) -> None:
-    """Run the bridge: device WebSocket endpoint (and MQTT + UDP) and admin API, until Ctrl-C."""
+    """Run the bridge: device WebSocket endpoint (and MQTT + UDP), device HTTP (OTA) and admin
+    API, until Ctrl-C."""
     from backend.cli.runs import run_bridge
 
     settings = cli_settings(
@@ -81,6 +96,7 @@ def serve(
         mqtt_url=mqtt,
         mqtt_port=mqtt_port,
         udp_public_host=udp_public_host,
+        device_http_port=device_http_port,
     )
     _run(run_bridge(settings))
 
@@ -91,11 +107,18 @@ def demo(
     data_dir: DataDirOpt = None,
     ws_port: WsPortOpt = None,
     http_port: HttpPortOpt = None,
+    device_http_port: DeviceHttpPortOpt = None,
 ) -> None:
     """Start the bridge and one simulated device, call two tools, keep serving until Ctrl-C."""
     from backend.cli.runs import run_demo
 
-    settings = cli_settings(config, data_dir=data_dir, ws_port=ws_port, http_port=http_port)
+    settings = cli_settings(
+        config,
+        data_dir=data_dir,
+        ws_port=ws_port,
+        http_port=http_port,
+        device_http_port=device_http_port,
+    )
     _run(run_demo(settings, console))
 
 
@@ -128,24 +151,50 @@ def simulate(
             help="MQTT: behave like stock firmware (GID_ client id, no will, no subscription).",
         ),
     ] = False,
+    ota: Annotated[
+        str | None,
+        typer.Option(
+            "--ota",
+            envvar="BRIDGE_SIMULATE_OTA",
+            help="OTA URL the devices ask for their URL and token (an enrollment URL approves "
+            "them at once) [default: a local bridge in device mode enrols them].",
+        ),
+    ] = None,
     data_dir: DataDirOpt = None,
     config: ConfigOpt = None,
 ) -> None:
-    """Connect N simulated devices (the real firmware code on a fake HAL) to a bridge."""
-    from backend.cli.runs import run_simulator, simulator_mqtt, simulator_workers
+    """Connect N simulated devices (the real firmware code on a fake HAL) to a bridge.
+
+    Against a bridge with per-device tokens (the default) each device enrols itself through
+    the OTA endpoint, with an enrollment code for N devices that this command creates through
+    the local bridge's admin API; with --token (or a bridge in shared mode) they share a token.
+    Over MQTT they enrol the same way and log in to the broker with the token the OTA answer
+    gives them (against a bridge in shared mode, or with --mqtt, with derived credentials)."""
+    from backend.cli.runs import (
+        enrollment_url,
+        run_simulator,
+        simulator_mqtt,
+        simulator_workers,
+    )
 
     settings = cli_settings(config, data_dir=data_dir)
     if transport not in ("ws", "mqtt"):
         raise fail(f"--transport must be ws or mqtt, got {transport!r}", 2)
     options = None
     if transport == "mqtt":
-        url, options = simulator_mqtt(settings, mqtt, stock)
+        if ota is None and mqtt is None and device_auth_mode(settings) == "device":
+            ota = enrollment_url(settings, devices, "mqtt")
+        url, options = simulator_mqtt(settings, mqtt, stock, provisioned=ota is not None)
     else:
-        url, token = device_endpoint(settings, url, token)
+        no_credentials = token is None and url is None and device_token(settings) is None
+        if ota is None and no_credentials and device_auth_mode(settings) == "device":
+            ota = enrollment_url(settings, devices)
+        if ota is None:
+            url, token = device_endpoint(settings, url, token)
     processes = simulator_workers(devices, workers)
     _run(
         run_simulator(
-            url,
+            url or "",
             token,
             devices,
             tools,
@@ -153,45 +202,12 @@ def simulate(
             workers=processes,
             first_index=first_index,
             mqtt=options,
+            ota_url=ota,
         )
     )
 
 
 # ---- admin commands ---------------------------------------------------------------------------
-
-
-@app.command("devices")
-def list_devices(
-    online: Annotated[
-        bool | None,
-        typer.Option("--online/--offline", help="Only connected (or only offline) devices."),
-    ] = None,
-    server: ServerOpt = None,
-    token: TokenOpt = None,
-    data_dir: DataDirOpt = None,
-    config: ConfigOpt = None,
-) -> None:
-    """List devices: connected ones and those seen before (offline, with their last tools)."""
-    with _admin(server, token, data_dir, config) as admin:
-        rows = _admin_call(admin.devices, online=online)
-    table = Table("device_id", "state", "transport", "tools", "server", "connected_at", "last_seen")
-    for device in rows:
-        info = device.get("server_info") or {}
-        table.add_row(
-            device["device_id"],
-            device["state"],
-            device["transport"],
-            str(device["tool_count"]),
-            " ".join(str(info.get(k, "")) for k in ("name", "version")).strip(),
-            device.get("connected_at") or "",
-            device.get("last_seen") or "",
-        )
-    if rows:
-        console.print(table)
-    else:
-        console.print(
-            "no devices" if online is None else f"no {'on' if online else 'off'}line devices"
-        )
 
 
 @app.command("forget")
@@ -247,6 +263,10 @@ def call_tool(
         list[str] | None, typer.Option("--arg", help="One argument as key=value (JSON value).")
     ] = None,
     timeout: Annotated[float | None, typer.Option("--timeout", help="Seconds.")] = None,
+    confirm: Annotated[
+        bool,
+        typer.Option("--confirm", help="Confirm a risky tool (reboot, upgrade, settings)."),
+    ] = False,
     server: ServerOpt = None,
     token: TokenOpt = None,
     data_dir: DataDirOpt = None,
@@ -255,7 +275,7 @@ def call_tool(
     """Call one tool on one device and print its result."""
     args = _parse_arguments(arguments, arg or [])
     with _admin(server, token, data_dir, config) as admin:
-        result = _admin_call(admin.call, device, tool, args, timeout)
+        result = _admin_call(admin.call, device, tool, args, timeout, confirm=confirm)
     for item in result["content"]:
         text = item.get("text") if item.get("type") == "text" else json.dumps(item)
         console.print(text, highlight=False, markup=False, soft_wrap=True)
@@ -265,6 +285,8 @@ def call_tool(
 
 app.command("chat")(chat_command)
 app.add_typer(keys_app, name="keys")
+app.add_typer(devices_app, name="devices")
+app.command("audit")(audit_command)
 
 
 # ---- helpers ----------------------------------------------------------------------------------

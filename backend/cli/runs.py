@@ -26,13 +26,17 @@ async def run_bridge(settings: Settings) -> None:
     configure_logging(settings.log_level, settings.log_format)
     raise_open_file_limit()
     bridge = Bridge(settings)
-    for path in bridge.tokens.created:
-        print(f"created token file {path} (mode 0600)", flush=True)
-    for path in bridge.secrets_created:
+    for path in [*bridge.tokens.created, *bridge.secrets_created]:
         print(f"created secret file {path} (mode 0600)", flush=True)
+    for warning in auth_warnings(settings):
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     await bridge.start()
     tune_gc_for_many_devices()
-    print(f"bridge ready: devices at {bridge.ws_url}, admin API at {bridge.api_url}", flush=True)
+    print(
+        f"bridge ready: devices at {bridge.ws_url} (OTA: {bridge.provisioning.ota_url}), "
+        f"admin API at {bridge.api_url}",
+        flush=True,
+    )
     if bridge.mqtt is not None:
         mqtt = bridge.mqtt.endpoints()
         print(
@@ -41,6 +45,27 @@ async def run_bridge(settings: Settings) -> None:
             flush=True,
         )
     await bridge.serve_forever()
+
+
+def auth_warnings(settings: Settings) -> list[str]:
+    """What `serve` says at start about a device auth weaker than per-device tokens."""
+    warnings = []
+    if settings.device_auth == "shared":
+        warnings.append(
+            'device_auth = "shared" (development mode): every device uses the one device '
+            "token, and the OTA endpoint hands it to anyone who asks; use per-device tokens "
+            '(device_auth = "device", the default) for real devices'
+        )
+    elif settings.device_auth == "off":
+        warnings.append(
+            'device_auth = "off": anyone who reaches the device port can connect as any device'
+        )
+    if settings.activation_auto_approve_macs:
+        warnings.append(
+            "activation_auto_approve_macs approves devices by MAC prefix; MAC addresses are easy "
+            "to spoof: use it on a trusted network only"
+        )
+    return warnings
 
 
 DEMO_TURNS = ("Set the volume to 30", "How long should I brush my teeth?")
@@ -54,12 +79,22 @@ async def run_demo(settings: Settings, console: Console) -> None:
     settings = await _offline_without_model(settings, console)
     bridge = Bridge(settings)
     await bridge.start()
-    device = SimulatedDevice(bridge.ws_url, bridge.tokens.device, index=1)
+    # The secure path in one process: the device enrols through the OTA endpoint with a
+    # one-time enrollment code and connects with its own token.
+    ota_url = bridge.provisioning.ota_url
+    if settings.device_auth == "device":
+        _enrollment, code = await bridge.provisioning.store.create_enrollment("demo", ttl_s=600)
+        ota_url = bridge.provisioning.enrollment_url(code)
+    device = SimulatedDevice(bridge.ws_url, None, index=1, ota_url=ota_url)
     device.hal.on_change = lambda what, value: console.print(f"[dim]  device: {what} = {value}")
     device.start()
     try:
         console.print(f"bridge: devices at {bridge.ws_url}, admin API at {bridge.api_url}")
-        await bridge.registry.wait_for_state(device.device_id, timeout_s=10)
+        await bridge.registry.wait_for_state(device.device_id, timeout_s=20)
+        console.print(
+            f"device {device.device_id} enrolled through {bridge.provisioning.ota_url} "
+            "and connected with its own token"
+        )
         await _demo_calls(bridge, device.device_id, console)
         await _demo_chat(bridge, device.device_id, console)
         console.print(
@@ -96,9 +131,12 @@ async def _demo_calls(bridge: Bridge, device_id: str, console: Console) -> None:
             console.print_json(json.dumps(result))
 
 
-def simulator_mqtt(settings: Settings, url: str | None, stock: bool) -> tuple[str, "MqttOptions"]:
+def simulator_mqtt(
+    settings: Settings, url: str | None, stock: bool, *, provisioned: bool = False
+) -> tuple[str, "MqttOptions"]:
     """The broker URL and the options of `simulate --transport mqtt`: the local bridge's broker
-    and topic prefix unless given; passwords derived from its credential secret."""
+    and topic prefix unless given. Passwords are derived from its credential secret, unless the
+    devices are `provisioned` (their broker login then comes from the OTA answer)."""
     from backend.cli.output import fail
     from backend.runtime import read_runtime_file
     from backend.transports.mqtt_setup import MQTT_SECRET_FILE, device_credentials, mqtt_secret
@@ -108,6 +146,12 @@ def simulator_mqtt(settings: Settings, url: str | None, stock: bool) -> tuple[st
     url = url or endpoints.get("mqtt")
     if not url:
         raise fail("no broker: pass --mqtt mqtt://host:port or run `serve --mqtt ...` first", 2)
+    prefix = endpoints.get("mqtt_topic_prefix") or settings.mqtt_topic_prefix
+    # Worker processes (--workers) read these from the environment, as they do the device
+    # token: other users can read a command line, not it.
+    os.environ["BRIDGE_MQTT_TOPIC_PREFIX"] = prefix
+    if provisioned:
+        return url, MqttOptions(password=lambda _device_id: "", stock=stock, topic_prefix=prefix)
     has_secret = settings.mqtt_secret is not None or (settings.data_dir / MQTT_SECRET_FILE).exists()
     if not has_secret:
         raise fail(
@@ -116,11 +160,7 @@ def simulator_mqtt(settings: Settings, url: str | None, stock: bool) -> tuple[st
             2,
         )
     credentials = device_credentials(settings)
-    prefix = endpoints.get("mqtt_topic_prefix") or settings.mqtt_topic_prefix
-    # Worker processes (--workers) read both from the environment, as they do the device token:
-    # other users can read a command line, not it.
     os.environ["BRIDGE_MQTT_SECRET"] = mqtt_secret(settings).decode()
-    os.environ["BRIDGE_MQTT_TOPIC_PREFIX"] = prefix
     options = MqttOptions(
         password=lambda device_id: credentials.issue(device_id).password,
         stock=stock,
@@ -186,6 +226,27 @@ async def _demo_chat(bridge: Bridge, device_id: str, console: Console) -> None:
                         printer.event(json.loads(line[len("data: ") :]))
 
 
+def enrollment_url(settings: Settings, devices: int, transport: str = "websocket") -> str:
+    """An enrollment URL for `devices` simulated devices, made by the local bridge (an hour),
+    that sends them to `transport` (websocket or mqtt)."""
+    from backend.cli.client import AdminClient, AdminError
+    from backend.cli.local import admin_token, api_url, local_ota_url
+    from backend.cli.output import fail
+
+    local_ota_url(settings)  # fails clearly when no bridge runs here
+    token = admin_token(settings)
+    if token is None:
+        raise fail("no admin token to enrol the simulated devices: pass --ota or --token")
+    body = {"name": "esp32-bridge simulate", "uses": devices, "ttl_s": 3600, "transport": transport}
+    try:
+        with AdminClient(api_url(settings), token) as admin:
+            created = admin.post("/api/provisioning/enrollment-codes", body)
+    except AdminError as exc:
+        raise fail(str(exc)) from None
+    url: str = created["ota_url"]
+    return url
+
+
 async def run_simulator(
     url: str,
     token: str | None,
@@ -196,13 +257,17 @@ async def run_simulator(
     workers: int = 1,
     first_index: int = 1,
     mqtt: "MqttOptions | None" = None,
+    ota_url: str | None = None,
 ) -> None:
     """`count` simulated devices: in this process, or split over `workers` child processes
-    (each runs this command for its share; device indexes, hence ids, never overlap)."""
+    (each runs this command for its share; device indexes, hence ids, never overlap). With
+    `ota_url` every device gets its URL and token from that OTA endpoint first."""
     if workers > 1:
         transport = [] if mqtt is None else ["--transport", "mqtt", "--mqtt", url]
         transport += ["--stock"] if mqtt is not None and mqtt.stock else []
-        await _run_workers(url, token, count, extra_tools, console, workers, first_index, transport)
+        await _run_workers(
+            url, token, count, extra_tools, console, workers, first_index, transport, ota_url
+        )
         return
     from simulator import run_fleet
 
@@ -213,11 +278,19 @@ async def run_simulator(
             console.print("[dim]" + " ".join(str(p) for p in parts), highlight=False)
 
     devices = await run_fleet(
-        url, token, count, extra_tools=extra_tools, first_index=first_index, log=log, mqtt=mqtt
+        url,
+        token,
+        count,
+        extra_tools=extra_tools,
+        first_index=first_index,
+        log=log,
+        mqtt=mqtt,
+        ota_url=ota_url,
     )
     last = first_index + count - 1
+    where = f"{url}" if ota_url is None else "the bridge (URL and tokens from its OTA endpoint)"
     console.print(
-        f"{count} simulated device(s) (indexes {first_index}-{last}) connecting to {url}; "
+        f"{count} simulated device(s) (indexes {first_index}-{last}) connecting to {where}; "
         "Ctrl-C stops them"
     )
     try:
@@ -235,10 +308,14 @@ async def _run_workers(
     workers: int,
     first_index: int,
     transport: list[str],
+    ota_url: str | None = None,
 ) -> None:
     shares = [count // workers + (1 if i < count % workers else 0) for i in range(workers)]
-    # The token goes through the environment: other users can read a command line, not it.
+    # Token and OTA URL (it may hold an enrollment code) go through the environment: other
+    # users can read a command line, not it.
     env = {**os.environ, "BRIDGE_DEVICE_TOKEN": token or ""}
+    if ota_url is not None:
+        env["BRIDGE_SIMULATE_OTA"] = ota_url
     children = []
     start = first_index
     for share in shares:

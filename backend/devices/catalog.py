@@ -56,17 +56,27 @@ DEVICE_MIGRATIONS = (
         );
         """,
     ),
+    # What a device reports at its OTA check: board, chip, firmware, network, system info.
+    Migration(
+        "devices",
+        2,
+        """
+        ALTER TABLE devices ADD COLUMN ota TEXT;
+        ALTER TABLE devices ADD COLUMN ota_at REAL;
+        """,
+    ),
 )
 
 _UPSERT = """
 INSERT INTO devices (device_id, client_id, transport, board, firmware, server_info,
-                     tools_digest, tool_count, tools_read_at, first_seen, last_seen)
-VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                     tools_digest, tool_count, tools_read_at, first_seen, last_seen, ota, ota_at)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 ON CONFLICT (device_id) DO UPDATE SET
     client_id = excluded.client_id, transport = excluded.transport, board = excluded.board,
     firmware = excluded.firmware, server_info = excluded.server_info,
     tools_digest = excluded.tools_digest, tool_count = excluded.tool_count,
-    tools_read_at = excluded.tools_read_at, last_seen = excluded.last_seen
+    tools_read_at = excluded.tools_read_at, last_seen = excluded.last_seen,
+    ota = excluded.ota, ota_at = excluded.ota_at
 """
 _DROP_ORPHAN_TOOL_LISTS = """
 DELETE FROM tool_lists WHERE digest NOT IN
@@ -186,6 +196,7 @@ class DeviceCatalog:
             or record.transport != stored.transport
             or record.server_info != stored.server_info
             or record.tools is not stored.tools
+            or record.ota != stored.ota
         )
 
     async def _write_forever(self) -> None:
@@ -217,6 +228,7 @@ def _read_all(
 
 def _record(row: sqlite3.Row, tool_sets: dict[str, ToolSet]) -> DeviceRecord:
     server_info = json.loads(row["server_info"]) if row["server_info"] else None
+    ota = json.loads(row["ota"]) if row["ota"] else None
     digest = row["tools_digest"]
     return DeviceRecord(
         device_id=row["device_id"],
@@ -227,6 +239,8 @@ def _record(row: sqlite3.Row, tool_sets: dict[str, ToolSet]) -> DeviceRecord:
         server_info=server_info if isinstance(server_info, dict) else None,
         tools=tool_sets[digest] if digest in tool_sets else ToolSet.of(()),
         tools_read_at=row["tools_read_at"],
+        ota=ota if isinstance(ota, dict) else None,
+        ota_at=row["ota_at"],
     )
 
 
@@ -272,4 +286,8 @@ def _row(record: DeviceRecord) -> tuple[Any, ...]:
         record.tools_read_at,
         record.first_seen,
         record.last_seen,
+        json.dumps(dict(record.ota), ensure_ascii=False, separators=(",", ":"))
+        if record.ota is not None
+        else None,
+        record.ota_at,
     )

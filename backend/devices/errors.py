@@ -58,3 +58,16 @@ class InvalidArguments(DeviceLayerError):
         super().__init__(f"invalid arguments for {tool!r}: {reason}")
         self.tool = tool
         self.reason = reason
+
+
+class ConfirmationRequired(DeviceLayerError):
+    """A risky tool (reboot, upgrade, settings) called without an explicit confirmation."""
+
+    def __init__(self, device_id: str, tool: str, reason: str) -> None:
+        super().__init__(
+            f"{tool!r} on {device_id!r} needs an explicit confirmation ({reason}): "
+            'send "confirm": true (API) or --confirm (CLI)'
+        )
+        self.device_id = device_id
+        self.tool = tool
+        self.reason = reason

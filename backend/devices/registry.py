@@ -25,9 +25,12 @@ from typing import Any, Protocol
 
 import structlog
 
+from backend.devices.confirm import ConfirmationPolicy
 from backend.devices.conversation import Conversation
 from backend.devices.errors import (
+    ConfirmationRequired,
     DeviceBusy,
+    DeviceLayerError,
     DeviceNotReady,
     DeviceOffline,
     DeviceOnline,
@@ -45,6 +48,7 @@ REPLACED = "replaced by a new connection"
 SHUTDOWN = "bridge shutting down"
 GOING_AWAY = 1001
 NORMAL_CLOSURE = 1000
+POLICY_VIOLATION = 1008
 
 
 class DeviceState(StrEnum):
@@ -68,7 +72,8 @@ class EventKind(StrEnum):
     DISCONNECTED = "disconnected"  # → offline; detail["reason"] says why (replaced, shutdown...)
     TOOLS_CHANGED = "tools_changed"  # a ready device's tool list was read again and differs
     FORGOTTEN = "forgotten"  # an offline device was removed from the catalogue
-    TOOL_CALLED = "tool_called"  # not a state change: one tools/call finished
+    REPORTED = "reported"  # the device reported its system info (OTA check)
+    TOOL_CALLED = "tool_called"  # not a state change: one tools/call finished or was refused
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,16 +161,27 @@ class DeviceRecord:
     server_info: Mapping[str, Any] | None = None
     tools: ToolSet = EMPTY_TOOLS
     tools_read_at: float | None = None
+    # What the device reported at its last OTA check (board, chip, firmware, network, ...).
+    ota: Mapping[str, Any] | None = None
+    ota_at: float | None = None
 
     @property
     def board(self) -> str | None:
-        value = (self.server_info or {}).get("name")
+        value = (self.server_info or {}).get("name") or (self.ota or {}).get("board_type")
         return value if isinstance(value, str) else None
 
     @property
     def firmware(self) -> str | None:
-        value = (self.server_info or {}).get("version")
+        value = (self.server_info or {}).get("version") or (self.ota or {}).get("firmware_version")
         return value if isinstance(value, str) else None
+
+    def ota_summary(self) -> dict[str, Any] | None:
+        """The OTA report for the API (without the raw system info)."""
+        if self.ota is None:
+            return None
+        shown = {key: value for key, value in self.ota.items() if key != "system_info"}
+        shown["reported_at"] = iso_time(self.ota_at)
+        return shown
 
     def summary(self) -> dict[str, Any]:
         """The API's view of an offline device."""
@@ -181,6 +197,7 @@ class DeviceRecord:
             "tool_count": len(self.tools),
             "tools_read_at": iso_time(self.tools_read_at),
             "error": None,
+            "ota": self.ota_summary(),
         }
 
 
@@ -287,29 +304,50 @@ class Device:
             "tool_count": len(self._tools),
             "tools_read_at": iso_time(record.tools_read_at) if record else None,
             "error": self._error,
+            "ota": record.ota_summary() if record else None,
         }
 
     async def call_tool(
-        self, name: str, arguments: dict[str, Any] | None = None, *, timeout_s: float | None = None
+        self,
+        name: str,
+        arguments: dict[str, Any] | None = None,
+        *,
+        timeout_s: float | None = None,
+        confirmed: bool = False,
+        actor: str | None = None,
     ) -> CallResult:
         """Validate and send one tools/call.
 
-        Raises DeviceNotReady, UnknownTool, InvalidArguments, DeviceBusy before sending, and the
-        MCP client's errors after (RequestTimeout, DeviceDisconnected, DeviceError,
-        ProtocolViolation). A tool that reports `isError` returns normally.
+        Raises DeviceNotReady, UnknownTool, InvalidArguments, ConfirmationRequired (a risky tool
+        without `confirmed`), DeviceBusy before sending, and the MCP client's errors after
+        (RequestTimeout, DeviceDisconnected, DeviceError, ProtocolViolation). A tool that
+        reports `isError` returns normally. Every call, refused ones too, ends in one
+        `tool_called` event with `actor` (who asked: a key id, a conversation), the outcome and
+        the arguments (the audit log keeps their digest).
         """
         arguments = arguments or {}
-        tool = self._checked_tool(name, arguments)
-        mcp = self._connection.mcp
-        limit = self._registry.max_pending_calls
-        if mcp.pending_count >= limit:
-            raise DeviceBusy(self.device_id, limit)
         started = time.perf_counter()
         outcome = "error"
+        error: str | None = None
         try:
+            tool = self._checked_tool(name, arguments)
+            if not confirmed:
+                reason = self._registry.confirmation.reason(self.device_id, tool)
+                if reason is not None:
+                    raise ConfirmationRequired(self.device_id, name, reason)
+            mcp = self._connection.mcp
+            limit = self._registry.max_pending_calls
+            if mcp.pending_count >= limit:
+                raise DeviceBusy(self.device_id, limit)
             result = await mcp.call_tool(tool.name, arguments, timeout_s=timeout_s)
             outcome = "tool_error" if result.is_error else "ok"
             return result
+        except DeviceLayerError as exc:
+            outcome, error = "refused", type(exc).__name__
+            raise
+        except Exception as exc:
+            error = type(exc).__name__
+            raise
         finally:
             duration_ms = (time.perf_counter() - started) * 1000
             self._registry.emit(
@@ -318,6 +356,10 @@ class Device:
                 tool=name,
                 outcome=outcome,
                 duration_ms=round(duration_ms, 3),
+                actor=actor,
+                arguments=arguments,
+                confirmed=confirmed,
+                error=error,
             )
 
     def _checked_tool(self, name: str, arguments: dict[str, Any]) -> Tool:
@@ -351,8 +393,12 @@ class DevicePage:
 class DeviceRegistry:
     """Every device by id: live ones (at most one link per id) and remembered offline ones."""
 
-    def __init__(self, *, max_pending_calls: int = 256) -> None:
+    def __init__(
+        self, *, max_pending_calls: int = 256, confirmation: ConfirmationPolicy | None = None
+    ) -> None:
         self.max_pending_calls = max_pending_calls
+        # Which tools need an explicit confirmation (secure default: reboot, upgrade, ...).
+        self.confirmation = confirmation if confirmation is not None else ConfirmationPolicy()
         self._live: dict[str, Device] = {}
         self._known: dict[str, DeviceRecord] = {}
         self._listeners: list[Listener] = []
@@ -507,6 +553,37 @@ class DeviceRegistry:
         for device in list(self._live.values()):
             self._go_offline(device, reason)
             device.connection.disconnect(reason, GOING_AWAY)
+
+    def reported(
+        self, device_id: str, client_id: str | None, info: Mapping[str, Any]
+    ) -> DeviceRecord:
+        """The device reported its system info (OTA check): remember it, live or not."""
+        now = time.time()
+        known = self._known.get(device_id)
+        if known is None:
+            known = DeviceRecord(device_id, client_id, "ota", now, now, ota=info, ota_at=now)
+        else:
+            known = replace(
+                known,
+                client_id=known.client_id or client_id,
+                ota=info,
+                ota_at=now,
+                last_seen=known.last_seen if device_id in self._live else now,
+            )
+        self._known[device_id] = known
+        self.emit(EventKind.REPORTED, device_id)
+        return known
+
+    def disconnect(self, device_id: str, reason: str, code: int = POLICY_VIOLATION) -> bool:
+        """Take a live device offline and close its link now (e.g. its credentials were
+        revoked); False when it is not connected."""
+        device = self._live.get(device_id)
+        if device is None:
+            return False
+        log.info("closing the device's link", device_id=device_id, reason=reason)
+        self._go_offline(device, reason)
+        device.connection.disconnect(reason, code)
+        return True
 
     def forget(self, device_id: str) -> None:
         """Remove an offline device from memory and (through the event) from the catalogue."""

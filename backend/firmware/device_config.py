@@ -57,10 +57,19 @@ def check_for_board(path: Path, config: dict[str, Any]) -> None:
 def board_warnings(path: Path, config: dict[str, Any]) -> list[str]:
     """Settings of a checked config that are valid but rarely what one wants on a board."""
     warnings = []
+    if config.get("ota_url"):
+        host, _port, _path = firmware_module_ota().parse_http_url(config["ota_url"])
+        if host in LOOPBACK_HOSTS:
+            warnings.append(
+                f"{path}: ota_url host {host} is the board itself; use the bridge machine's "
+                "LAN address"
+            )
+        return warnings
     mqtt = config.get("transport") == "mqtt"  # docs/mqtt.md: the broker login is its own
     if not config.get("token") and not mqtt:
         warnings.append(
-            f'{path}: "token" is empty; a bridge with device auth (the default) answers 401'
+            f'{path}: "token" is empty; a bridge with device auth (the default) answers 401: '
+            'set "ota_url" instead so the board gets its own token'
         )
     host = mqtt_url_host(config["mqtt"]["url"]) if mqtt else url_host(config["url"])
     if host in LOOPBACK_HOSTS:
@@ -77,6 +86,12 @@ def mqtt_url_host(url: str) -> str:
 
     host, _port = parse_url(url)[:2]
     return str(host)
+
+
+def firmware_module_ota() -> Any:
+    """The firmware's own ota module (its URL parser), loaded beside main.py."""
+    entry = firmware_entry()
+    return entry.ota
 
 
 def url_host(url: str) -> str:

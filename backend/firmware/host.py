@@ -16,8 +16,10 @@ from backend.firmware.device_config import check_device_config, read_device_conf
 from backend.firmware.errors import FirmwareExited
 from backend.firmware.tools import micropython_env, stop_process
 
-# (url or None, token or None) -> (url, token or None) of the local bridge, for what is missing.
-LocalEndpoint = Callable[[str | None, str | None], tuple[str, str | None]]
+# (url or None, token or None) -> the config fields that reach the local bridge: {"url",
+# "token"} (a bridge with a shared device token), or {"ota_url"} (per-device tokens: the
+# firmware activates itself through the OTA endpoint).
+LocalEndpoint = Callable[[str | None, str | None], dict[str, str]]
 
 
 def host_client_id() -> str:
@@ -32,16 +34,17 @@ def host_config(
     local_endpoint: LocalEndpoint,
 ) -> dict[str, Any]:
     """The device config for a host run: `config` (if given) with `url`/`token` over it; what is
-    still missing comes from `local_endpoint`. "hal" is forced to "fake"; checked like deploy."""
+    still missing comes from `local_endpoint` (a config with `ota_url` needs nothing more).
+    "hal" is forced to "fake"; checked like deploy."""
     device = read_device_config(config) if config else {}
     if url:
         device["url"] = url
     if token:
         device["token"] = token
     mqtt = device.get("transport") == "mqtt"  # its broker and login are in config["mqtt"]
-    if not mqtt and (not device.get("url") or not device.get("token")):
-        endpoint = local_endpoint(device.get("url"), device.get("token"))
-        device["url"], device["token"] = endpoint[0], endpoint[1] or ""
+    needs_endpoint = not device.get("url") or not device.get("token")
+    if not device.get("ota_url") and not mqtt and needs_endpoint:
+        device.update(local_endpoint(device.get("url"), device.get("token")))
     device["hal"] = "fake"
     device.setdefault("client_id", host_client_id())
     check_device_config(str(config or "run-host"), device)

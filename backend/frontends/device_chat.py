@@ -186,7 +186,7 @@ class DeviceChat:
                 text=text,
                 device_id=device_id,
                 conversation_id=conversation_id,
-                toolbox=DeviceToolBox(device),
+                toolbox=DeviceToolBox(device, actor=f"device:{device_id}"),
             )
             events = [event async for event in self.chat.run_turn(request)]
             done = next((event for event in events if isinstance(event, Done)), None)

@@ -14,7 +14,6 @@ from typing import Protocol
 from backend.auth import token_matches
 from backend.errors import BridgeError
 from backend.transports.base import DeviceIdentity
-from backend.transports.throttle import HandshakeThrottle
 
 _DEVICE_ID = re.compile(r"^[A-Za-z0-9:_.\-]{1,64}$")
 SUPPORTED_PROTOCOL_VERSIONS = ("1", "2", "3")
@@ -59,6 +58,14 @@ class SharedDeviceToken:
         return "missing device token" if not presented else "invalid device token"
 
 
+class HandshakeLimits(Protocol):
+    """Rate limits for handshakes: a refusal reason (answered 429) or None."""
+
+    def ip_refusal(self, remote: str | None) -> str | None: ...
+
+    def device_refusal(self, device_id: str) -> str | None: ...
+
+
 class NoDeviceAuth:
     """Device auth switched off (`device_auth = false`): anyone with a valid Device-Id."""
 
@@ -70,20 +77,21 @@ class Admission:
     """Checks handshakes for every transport with the same rules."""
 
     def __init__(
-        self, credentials: DeviceCredentials, throttle: HandshakeThrottle | None = None
+        self, credentials: DeviceCredentials, limits: HandshakeLimits | None = None
     ) -> None:
         self.credentials = credentials
-        self.throttle = throttle
+        self.limits = limits
 
     def admit(self, request: HandshakeRequest) -> DeviceIdentity:
         """The device's identity, or HandshakeRefused (400 malformed fields, 401 credential,
-        429 too many attempts)."""
+        429 too many handshakes from that address or for that device)."""
+        limits = self.limits
+        if limits is not None and (refusal := limits.ip_refusal(request.remote)) is not None:
+            raise HandshakeRefused(429, refusal)
         device_id = normalize_device_id(request.device_id)
+        if limits is not None and (refusal := limits.device_refusal(device_id)) is not None:
+            raise HandshakeRefused(429, refusal)
         version = _protocol_version(request.protocol_version)
-        if self.throttle is not None:
-            limited = self.throttle.refusal(device_id, request.remote)
-            if limited is not None:
-                raise HandshakeRefused(429, limited)
         refusal = self.credentials.refusal(device_id, request.credential)
         if refusal is not None:
             raise HandshakeRefused(401, refusal)

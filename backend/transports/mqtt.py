@@ -28,6 +28,7 @@ import random
 import socket
 import ssl
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
@@ -57,6 +58,7 @@ from backend.transports.mqtt_topics import (
 )
 from backend.transports.udp import DEFAULT_MAX_PAYLOAD, UdpAudioChannel, UdpError, UdpSession
 
+POLICY_VIOLATION = 1008  # a revoked device, or one cut off for breaking a bound
 log = structlog.get_logger("transport.mqtt")
 
 TRANSPORT = "mqtt"
@@ -217,8 +219,12 @@ class MqttLink:
             self.udp = None
 
     async def close(self, code: int = 1000, reason: str = "") -> None:
-        """Forget the device until it shows up again (MQTT cannot disconnect it from here)."""
+        """Forget the device until it shows up again; on a policy close (revoked, cut off for
+        flooding) the broker is asked to drop its connection too, where it can."""
         self._transport.close_link(self, reason or f"closed by the bridge ({code})")
+        drop = self._transport.drop_client
+        if code == POLICY_VIOLATION and drop is not None:
+            await drop(self.device_key)
 
     def _on_audio(self, frame: AudioFrame) -> None:
         handler = self.handler
@@ -258,9 +264,13 @@ class MqttTransport:
         admission: Admission,
         *,
         udp: UdpAudioChannel | None = None,
+        drop_client: Callable[[str], Awaitable[bool]] | None = None,
     ) -> None:
         self.settings = settings
         self.admission = admission
+        # Asks the broker to disconnect a device (an embedded broker can; an external one is
+        # told through its ACLs and password files instead).
+        self.drop_client = drop_client
         self.address = settings.address()
         self.scheme = TopicScheme(settings.topic_prefix)
         self.udp = udp or UdpAudioChannel(

@@ -96,6 +96,17 @@ class DerivedCredentials:
         return base64.urlsafe_b64encode(digest).decode()[:32]
 
 
+class EitherCredentials:
+    """A login is good when any of the providers accepts it (per-device tokens from
+    provisioning, and the derived development passwords when the bridge allows those)."""
+
+    def __init__(self, *providers: CredentialProvider) -> None:
+        self._providers = providers
+
+    def verify(self, username: str, password: str) -> bool:
+        return any(provider.verify(username, password) for provider in self._providers)
+
+
 class CredentialTable:
     """Random per-device passwords, kept only as salted PBKDF2-SHA256 hashes (in memory)."""
 

@@ -25,7 +25,12 @@ from backend.transports.mqtt import (
     MqttTransport,
 )
 from backend.transports.mqtt_broker import BrokerSettings, EmbeddedBroker
-from backend.transports.mqtt_credentials import BridgeAccount, DerivedCredentials
+from backend.transports.mqtt_credentials import (
+    BridgeAccount,
+    CredentialProvider,
+    DerivedCredentials,
+    EitherCredentials,
+)
 
 log = structlog.get_logger("transport.mqtt")
 
@@ -83,12 +88,23 @@ class MqttService:
 
     name = "mqtt"
 
-    def __init__(self, settings: Settings, created: list[Path] | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        created: list[Path] | None = None,
+        device_logins: CredentialProvider | None = None,
+    ) -> None:
         url = settings.mqtt_url
         if not url:
             raise MqttConfigError("MQTT is off (mqtt_url is not set)")
         self.settings = settings
         self.credentials = device_credentials(settings, created)
+        # Who may log in to the embedded broker: each device with its own token (provisioning),
+        # and with the derived development passwords only when device auth is not per device.
+        providers: list[CredentialProvider] = [] if device_logins is None else [device_logins]
+        if settings.device_auth != "device" or device_logins is None:
+            providers.append(self.credentials)
+        logins = EitherCredentials(*providers)
         self.broker: EmbeddedBroker | None = None
         self._address: BrokerAddress | None = None
         if url == EMBEDDED:
@@ -98,7 +114,7 @@ class MqttService:
                     port=settings.mqtt_port,
                     topic_prefix=settings.mqtt_topic_prefix,
                 ),
-                self.credentials,
+                logins,
                 BridgeAccount(),
             )
         else:
@@ -136,7 +152,9 @@ class MqttService:
             else:
                 broker_url = self.settings.mqtt_url or ""
             self.transport = MqttTransport(
-                self._transport_settings(broker_url), Admission(BrokerVouched())
+                self._transport_settings(broker_url),
+                Admission(BrokerVouched()),
+                drop_client=self.broker.disconnect_device if self.broker is not None else None,
             )
             await self.transport.start(acceptor)
             if self.broker is not None:  # in process: subscribed before the bridge is "ready"
@@ -163,6 +181,13 @@ class MqttService:
         assert address is not None
         scheme = "mqtts" if address.tls else "mqtt"
         return f"{scheme}://{_url_host(address.host)}:{address.port}"
+
+    def device_endpoint(self, hostname: str) -> str:
+        """`host:port` of the broker for the OTA answer of a device that reached the bridge at
+        `hostname`: that host with the embedded broker's port, else the external broker's."""
+        if self.broker is not None:
+            return f"{_url_host(hostname)}:{self.broker.port}"
+        return self.device_url.split("://", 1)[1]
 
     def endpoints(self) -> dict[str, str]:
         found = {

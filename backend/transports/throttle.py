@@ -1,49 +1,75 @@
-"""Handshake rate limits: how often one device id, and one address, may try to connect.
-
-A device that reconnects in a loop (or 500 connections claiming one Device-Id) would otherwise
-cost a handshake, a session, an MCP initialize and log lines each time. Stock firmware connects
-once per conversation, so a small burst and a slow refill never bother a real device.
+"""Token buckets per key (a device id, an address), in bounded tables, and the networks that
+are exempt from per-address limits. Used at accept time by the WebSocket transport and by
+`backend.provisioning.ratelimit` for handshakes, OTA checks and activation.
 """
 
 import ipaddress
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
-class KeyedRate:
-    """A token bucket per key, for at most `max_keys` keys (the least recently used go)."""
+@dataclass(slots=True)
+class _Bucket:
+    tokens: float
+    at: float
 
-    def __init__(self, rate_per_s: float, burst: float, max_keys: int = 50_000) -> None:
-        self.rate_per_s = rate_per_s
+
+class KeyedLimiter:
+    """A token bucket per key; `allow(key)` takes one token or says no. At most `max_keys`
+    buckets are kept (the least recently used go), so invented keys cost bounded memory."""
+
+    def __init__(
+        self,
+        per_s: float,
+        burst: float,
+        *,
+        max_keys: int = 100_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.per_s = per_s
         self.burst = burst
-        self._max_keys = max_keys
-        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        self.max_keys = max_keys
+        self._clock = clock
+        self._buckets: OrderedDict[str, _Bucket] = OrderedDict()
+        self.refused = 0
 
     def allow(self, key: str) -> bool:
-        now = time.monotonic()
-        tokens, last = self._buckets.pop(key, (self.burst, now))
-        tokens = min(self.burst, tokens + (now - last) * self.rate_per_s)
-        allowed = tokens >= 1
-        self._buckets[key] = (tokens - 1 if allowed else tokens, now)
-        if len(self._buckets) > self._max_keys:
-            self._buckets.popitem(last=False)
-        return allowed
-
-
-class HandshakeThrottle:
-    """How often one device id may try to connect (any transport)."""
-
-    def __init__(self, per_device: KeyedRate) -> None:
-        self.per_device = per_device
-
-    def refusal(self, device_id: str, remote: str | None) -> str | None:
-        if not self.per_device.allow(device_id):
-            return "too many connection attempts for this device"
-        return None
-
-
-def is_loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address.strip("[]")).is_loopback
-    except ValueError:
+        now = self._clock()
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            while len(self._buckets) >= self.max_keys:
+                self._buckets.popitem(last=False)
+            bucket = self._buckets[key] = _Bucket(float(self.burst), now)
+        else:
+            self._buckets.move_to_end(key)
+            bucket.tokens = min(float(self.burst), bucket.tokens + (now - bucket.at) * self.per_s)
+            bucket.at = now
+        if bucket.tokens >= 1.0:
+            bucket.tokens -= 1.0
+            return True
+        self.refused += 1
         return False
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+
+class ExemptNetworks:
+    """Addresses not limited per address (loopback by default: a simulated fleet or a
+    benchmark on the bridge's own machine is not an attack)."""
+
+    def __init__(self, networks: Iterable[str]) -> None:
+        self._networks: list[Network] = [ipaddress.ip_network(n, strict=False) for n in networks]
+
+    def __contains__(self, ip: object) -> bool:
+        if not self._networks or not isinstance(ip, str):
+            return False
+        try:
+            address = ipaddress.ip_address(ip.strip("[]"))
+        except ValueError:
+            return False
+        return any(address in network for network in self._networks)

@@ -29,7 +29,7 @@ from backend.logs import LogBudget
 from backend.protocol.audio import AudioFrame, AudioFrameError, decode_audio, encode_audio
 from backend.transports.admission import Admission, HandshakeRefused, HandshakeRequest
 from backend.transports.base import DeviceIdentity, LinkAcceptor, LinkClosed
-from backend.transports.throttle import KeyedRate, is_loopback
+from backend.transports.throttle import ExemptNetworks, KeyedLimiter
 
 log = structlog.get_logger("transport.websocket")
 
@@ -102,7 +102,8 @@ class HandshakeGuard:
       exhaust descriptors): past the cap a new one is dropped at once.
     - One address may open `per_address` connections at a burst, then at a steady rate: a
       connection storm from one host is dropped before its requests are parsed (loopback is
-      exempt unless `limit_loopback`: a local fleet simulation is not an attack).
+      addresses in `rate_limit_exempt`, loopback by default, are not limited: a local fleet
+      simulation is not an attack).
     - An address whose handshakes keep being refused (bad tokens, too many attempts) goes in a
       penalty box: `penalty_refusals` refusals within `penalty_s` block it for `penalty_s`, so a
       storm of doomed handshakes costs a few parsed requests, not thousands.
@@ -111,21 +112,21 @@ class HandshakeGuard:
     def __init__(
         self,
         limit: int,
-        per_address: KeyedRate | None = None,
+        per_address: KeyedLimiter | None = None,
         *,
-        limit_loopback: bool = False,
+        exempt: ExemptNetworks | None = None,
         penalty_refusals: int = 20,
         penalty_s: float = 10.0,
     ) -> None:
         self.limit = limit
         self._per_address = per_address
-        self._limit_loopback = limit_loopback
+        self._exempt = exempt if exempt is not None else ExemptNetworks(())
         self.pending: set[ServerConnection] = set()
         self.refused = 0
         self._budget = LogBudget(log)
         self._penalty_refusals = penalty_refusals
         self._penalty_s = penalty_s
-        self._refusals = KeyedRate(penalty_refusals / penalty_s, penalty_refusals)
+        self._refusals = KeyedLimiter(penalty_refusals / penalty_s, penalty_refusals)
         self._blocked_until: dict[str, float] = {}
 
     def admit(self, connection: ServerConnection, address: str | None) -> bool:
@@ -136,7 +137,7 @@ class HandshakeGuard:
         if (
             address is not None
             and self._per_address is not None
-            and (self._limit_loopback or not is_loopback(address))
+            and address not in self._exempt
             and not self._per_address.allow(address)
         ):
             self.refused += 1
@@ -213,10 +214,11 @@ class WebSocketTransport:
         self._refusals = LogBudget(log, burst=5)
         self.handshakes = HandshakeGuard(
             _handshake_cap(settings.max_pending_handshakes),
-            KeyedRate(
-                settings.connections_per_address_per_s, settings.connections_per_address_burst
+            KeyedLimiter(
+                settings.rate_limits["connection_ip"].per_s,
+                settings.rate_limits["connection_ip"].burst,
             ),
-            limit_loopback=settings.limit_loopback,
+            exempt=ExemptNetworks(settings.rate_limit_exempt),
         )
 
     @property

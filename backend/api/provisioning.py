@@ -1,0 +1,160 @@
+"""Admin API routes of provisioning, firmware releases and the audit log (scope `admin`).
+
+- `GET /api/provisioning/pending`: `{pending: [{code, device_id, client_id, serial_number,
+  serial_check, remote, board, firmware, chip, created_at, last_seen}]}`;
+- `POST /api/provisioning/approve`: body `{target: CODE or DEVICE_ID, transport?}`;
+- `GET /api/provisioning/devices`: `{devices: [{device_id, client_id, status, generation, ...}]}`;
+- `POST /api/provisioning/devices/{device_id}/revoke`: its live link is closed at once;
+- `PUT /api/provisioning/devices/{device_id}/transport`: body `{transport}` (or null);
+- `POST /api/provisioning/enrollment-codes`: body `{name?, uses?, ttl_s?, transport?}` → 201
+  with `code` and `ota_url` (shown once); `GET` lists them, `DELETE .../{id}` revokes one;
+- `PUT /api/provisioning/serial-keys/{serial}` body `{key: hex}`, `DELETE`, `GET` (serials);
+- `GET /api/provisioning/mosquitto-passwd`: a Mosquitto `password_file` of approved devices;
+- `POST /api/firmware` body `{board, version, path}` (a file on the bridge's machine) → 201;
+  `GET /api/firmware`; `DELETE /api/firmware/{board}/{version}`;
+- `GET /api/audit?device_id=&tool=&actor=&before=&limit=`: `{entries, next_before}`.
+"""
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Query, Response
+from pydantic import BaseModel, Field
+
+from backend.api.scopes import actor_of, needs
+from backend.devices.audit import AuditLog
+from backend.keys import Principal, Scope
+from backend.provisioning.errors import InvalidInput, InvalidRelease
+from backend.provisioning.service import Provisioning
+from backend.transports.mqtt_credentials import mosquitto_password_file
+
+Admin = Annotated[Principal, Depends(needs(Scope.ADMIN))]
+TransportName = Literal["websocket", "mqtt"]
+
+
+class ApproveRequest(BaseModel):
+    target: str = Field(min_length=1, max_length=128)
+    transport: TransportName | None = None
+
+
+class TransportRequest(BaseModel):
+    transport: TransportName | None
+
+
+class EnrollmentRequest(BaseModel):
+    name: str = Field("enrollment", max_length=100)
+    uses: int = Field(1, ge=1, le=1_000_000)
+    ttl_s: float | None = Field(3600.0, gt=0, le=366 * 86400)  # at most a year
+    transport: TransportName | None = None
+
+
+class SerialKeyRequest(BaseModel):
+    key: str = Field(min_length=32, max_length=128, pattern="^[0-9A-Fa-f]+$")
+
+
+class PublishRequest(BaseModel):
+    board: str = Field(min_length=1, max_length=64)
+    version: str = Field(min_length=1, max_length=40)
+    path: str = Field(min_length=1, max_length=4096)
+
+
+def provisioning_router(service: Provisioning, audit: AuditLog) -> APIRouter:
+    router = APIRouter()
+    store = service.store
+
+    @router.get("/api/provisioning/pending")
+    async def pending(_admin: Admin) -> dict[str, Any]:
+        return {"pending": store.pending_json()}
+
+    @router.post("/api/provisioning/approve")
+    async def approve(body: ApproveRequest, principal: Admin) -> dict[str, Any]:
+        device = await service.approve(
+            body.target, by=actor_of(principal), transport=body.transport
+        )
+        return device.to_json()
+
+    @router.get("/api/provisioning/devices")
+    async def devices(_admin: Admin) -> dict[str, Any]:
+        return {"devices": [device.to_json() for device in store.devices()]}
+
+    @router.post("/api/provisioning/devices/{device_id}/revoke")
+    async def revoke(device_id: str, principal: Admin) -> dict[str, Any]:
+        return (await service.revoke(device_id, by=actor_of(principal))).to_json()
+
+    @router.put("/api/provisioning/devices/{device_id}/transport")
+    async def set_transport(
+        device_id: str, body: TransportRequest, _admin: Admin
+    ) -> dict[str, Any]:
+        return (await store.set_transport(device_id, body.transport)).to_json()
+
+    @router.post("/api/provisioning/enrollment-codes", status_code=201)
+    async def create_enrollment(body: EnrollmentRequest, _admin: Admin) -> dict[str, Any]:
+        enrollment, code = await store.create_enrollment(
+            body.name, uses=body.uses, ttl_s=body.ttl_s, transport=body.transport
+        )
+        return {**enrollment.to_json(), "code": code, "ota_url": service.enrollment_url(code)}
+
+    @router.get("/api/provisioning/enrollment-codes")
+    async def enrollments(_admin: Admin) -> dict[str, Any]:
+        return {"enrollment_codes": [e.to_json() for e in store.enrollments()]}
+
+    @router.delete("/api/provisioning/enrollment-codes/{enrollment_id}")
+    async def revoke_enrollment(enrollment_id: str, _admin: Admin) -> dict[str, Any]:
+        return (await store.revoke_enrollment(enrollment_id)).to_json()
+
+    @router.get("/api/provisioning/serial-keys")
+    async def serial_keys(_admin: Admin) -> dict[str, Any]:
+        return {"serial_numbers": store.serial_numbers()}
+
+    @router.put("/api/provisioning/serial-keys/{serial}", status_code=204)
+    async def set_serial_key(serial: str, body: SerialKeyRequest, _admin: Admin) -> Response:
+        if len(body.key) % 2:
+            raise InvalidInput("the key must be an even number of hex digits")
+        await store.set_serial_key(serial, bytes.fromhex(body.key))
+        return Response(status_code=204)
+
+    @router.delete("/api/provisioning/serial-keys/{serial}", status_code=204)
+    async def remove_serial_key(serial: str, _admin: Admin) -> Response:
+        await store.remove_serial_key(serial)
+        return Response(status_code=204)
+
+    @router.get("/api/provisioning/mosquitto-passwd")
+    async def mosquitto_passwd(_admin: Admin) -> Response:
+        logins = store.broker_logins()
+        text = mosquitto_password_file(logins) if logins else ""
+        return Response(text, media_type="text/plain")
+
+    @router.post("/api/firmware", status_code=201)
+    async def publish(body: PublishRequest, _admin: Admin) -> dict[str, Any]:
+        path = Path(body.path)
+        if not path.is_absolute():
+            raise InvalidRelease("give the firmware file's absolute path on the bridge's machine")
+        release = await service.releases.publish(body.board, body.version, path)
+        return release.to_json()
+
+    @router.get("/api/firmware")
+    async def releases(_admin: Admin) -> dict[str, Any]:
+        return {"releases": [release.to_json() for release in service.releases.releases()]}
+
+    @router.delete("/api/firmware/{board}/{version}")
+    async def unpublish(board: str, version: str, _admin: Admin) -> dict[str, Any]:
+        return (await service.releases.unpublish(board, version)).to_json()
+
+    @router.get("/api/audit")
+    async def audit_entries(
+        _admin: Admin,
+        device_id: str | None = None,
+        tool: str | None = None,
+        actor: str | None = None,
+        before: Annotated[int | None, Query(ge=1, le=2**62)] = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    ) -> dict[str, Any]:
+        entries = await audit.entries(
+            device_id=device_id, tool=tool, actor=actor, before=before, limit=limit
+        )
+        return {
+            "entries": [entry.to_json() for entry in entries],
+            "next_before": entries[-1].id if len(entries) == limit else None,
+        }
+
+    return router

@@ -1,0 +1,104 @@
+"""Risky device tools in a chat: ask first, call only after a "yes" in the next turn.
+
+When a turn wants a tool that needs confirmation (reboot, upgrade, settings: the device
+registry refuses it unconfirmed), the turn does not call it; it asks the user and remembers the
+call here, for the conversation (and the device, for a front end that names only the device).
+The next turn of that conversation:
+
+- starts with yes/ok/sure/có/vâng/đồng ý... → the remembered call runs, confirmed, and the turn
+  says how it went (nothing else happens in that turn);
+- starts with no/cancel/không/hủy... → it is dropped and the turn says so;
+- anything else → it is dropped and the turn goes on as usual.
+
+A question expires after `ttl_s` (5 minutes) and at most `limit` are kept (oldest go first).
+"""
+
+import re
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from backend.chat.text import Language
+
+_YES = {
+    "yes", "y", "yeah", "yep", "ok", "okay", "sure", "confirm", "confirmed", "go",
+    "có", "co", "vâng", "vang", "ừ", "được", "duoc", "đồng", "dong", "xác", "xac",
+}  # fmt: skip
+_NO = {"no", "n", "nope", "cancel", "stop", "don't", "dont", "không", "khong", "hủy", "huy", "thôi"}
+_WORD = re.compile(r"[\w']+", re.UNICODE)
+
+QUESTION = {
+    "en": 'This needs your confirmation: {tool} {arguments} ({reason}). Reply "yes" to go ahead; '
+    "anything else cancels it.",
+    "vi": 'Thao tác này cần bạn xác nhận: {tool} {arguments} ({reason}). Trả lời "có" để tiếp '
+    "tục; câu trả lời khác sẽ hủy.",
+}
+CANCELLED = {"en": "OK, I did not run {tool}.", "vi": "Được, tôi đã không chạy {tool}."}
+DONE = {"en": "Done: {tool} → {result}", "vi": "Đã xong: {tool} → {result}"}
+FAILED = {"en": "{tool} failed: {result}", "vi": "{tool} thất bại: {result}"}
+
+
+@dataclass(frozen=True, slots=True)
+class PendingConfirmation:
+    device_id: str | None
+    tool: str  # the device's MCP name
+    llm_name: str
+    arguments: dict[str, Any]
+    reason: str
+    asked_at: float
+
+
+def answer_kind(text: str) -> Literal["yes", "no", "other"]:
+    """Whether a reply starts with a yes, a no, or neither."""
+    words = _WORD.findall(text.lower())
+    if not words:
+        return "other"
+    if words[0] in _YES:
+        return "yes"
+    if words[0] in _NO:
+        return "no"
+    return "other"
+
+
+def question(language: Language, pending: PendingConfirmation, arguments_text: str) -> str:
+    return QUESTION[language].format(
+        tool=pending.tool, arguments=arguments_text, reason=pending.reason
+    )
+
+
+class ConfirmationBook:
+    """Remembered questions by conversation id (and `device:<id>`)."""
+
+    def __init__(
+        self, *, ttl_s: float = 300.0, limit: int = 1000, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.ttl_s = ttl_s
+        self.limit = limit
+        self._clock = clock
+        self._pending: OrderedDict[str, PendingConfirmation] = OrderedDict()
+
+    def remember(self, keys: list[str], pending: PendingConfirmation) -> None:
+        for key in keys:
+            self._pending.pop(key, None)
+            self._pending[key] = pending
+        while len(self._pending) > self.limit:
+            self._pending.popitem(last=False)
+
+    def take(self, keys: list[str]) -> PendingConfirmation | None:
+        """The question asked in one of these conversations (removed), if still fresh."""
+        found: PendingConfirmation | None = None
+        for key in keys:
+            pending = self._pending.pop(key, None)
+            if pending is not None and found is None:
+                found = pending
+        if found is not None:
+            for key in [k for k, v in self._pending.items() if v is found]:
+                del self._pending[key]
+        if found is None or self._clock() - found.asked_at > self.ttl_s:
+            return None
+        return found
+
+    def __len__(self) -> int:
+        return len(self._pending)

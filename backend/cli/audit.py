@@ -1,0 +1,53 @@
+"""`esp32-bridge audit`: the audit log of device tool calls, newest first (scope admin)."""
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from backend.cli.client import AdminError
+from backend.cli.keys import admin_client
+from backend.cli.output import console, fail, say
+
+
+def audit(
+    device: Annotated[str | None, typer.Option("--device", help="Only this device.")] = None,
+    tool: Annotated[str | None, typer.Option("--tool", help="Only this tool.")] = None,
+    actor: Annotated[
+        str | None, typer.Option("--actor", help="Only this caller, e.g. key:<id> or admin.")
+    ] = None,
+    limit: Annotated[int, typer.Option("--limit", min=1, max=1000, help="Entries.")] = 50,
+    server: Annotated[str | None, typer.Option("--server", help="Admin API URL.")] = None,
+    token: Annotated[str | None, typer.Option("--token", help="Admin token.")] = None,
+    data_dir: Annotated[Path | None, typer.Option("--data-dir", help="Data dir.")] = None,
+    config: Annotated[Path | None, typer.Option("--config", help="TOML config file.")] = None,
+) -> None:
+    """Who called which device tool, when, with which outcome (arguments as a SHA-256)."""
+    params = {"limit": str(limit)}
+    for name, value in (("device_id", device), ("tool", tool), ("actor", actor)):
+        if value is not None:
+            params[name] = value
+    with admin_client(server, token, data_dir, config) as admin:
+        try:
+            entries = admin.get("/api/audit", params)["entries"]
+        except AdminError as exc:
+            raise fail(str(exc)) from None
+    if not entries:
+        say("no tool calls recorded")
+        return
+    table = Table("at", "actor", "device_id", "tool", "outcome", "ms", "arguments sha256")
+    for entry in entries:
+        outcome = entry["outcome"] + (f" ({entry['error']})" if entry["error"] else "")
+        if entry["confirmed"]:
+            outcome += " confirmed"
+        table.add_row(
+            entry["at"],
+            entry["actor"] or "",
+            entry["device_id"],
+            entry["tool"],
+            outcome,
+            f"{entry['duration_ms']:.1f}",
+            entry["arguments_sha256"][:16],
+        )
+    console.print(table)

@@ -1,0 +1,255 @@
+"""`esp32-bridge devices [...]`: list devices; activate, approve and revoke them.
+
+`esp32-bridge devices` alone lists devices, as before. The subcommands manage who may connect
+(docs/provisioning.md), through the admin API (scope admin):
+
+- `pending`: activation requests waiting for the operator, with the code each device shows;
+- `approve CODE|DEVICE`: give the device its own credentials (by the code it shows, or by its
+  id when only one request is pending for it);
+- `revoke DEVICE`: its token stops working and its live link is closed at once;
+- `transport DEVICE websocket|mqtt|default`: what its next OTA answer hands it;
+- `enroll`: a one-time (or N-time) enrollment code for fleets: a device whose OTA URL carries
+  it is approved by itself;
+- `serial-key SERIAL` / `serial-key SERIAL --remove`: the HMAC key of a device's eFuse serial;
+- `mosquitto-passwd FILE`: a Mosquitto password file with every approved device's login.
+"""
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import quote
+
+import typer
+from rich.table import Table
+
+from backend.cli.client import AdminError
+from backend.cli.keys import admin_client
+from backend.cli.output import console, fail, say
+
+devices_app = typer.Typer(
+    help="List devices (no subcommand), or manage who may connect: pending, approve, revoke, "
+    "enroll, ...",
+    invoke_without_command=True,
+)
+
+ConfigOpt = Annotated[Path | None, typer.Option("--config", help="TOML config file.")]
+DataDirOpt = Annotated[
+    Path | None, typer.Option("--data-dir", help="Where tokens and runtime files live.")
+]
+ServerOpt = Annotated[
+    str | None, typer.Option("--server", help="Admin API URL [env: BRIDGE_SERVER].")
+]
+TokenOpt = Annotated[
+    str | None, typer.Option("--token", help="Admin token [env: BRIDGE_ADMIN_TOKEN].")
+]
+TRANSPORTS = ("websocket", "mqtt")
+
+
+def _call(method: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return method(*args, **kwargs)
+    except AdminError as exc:
+        raise fail(str(exc)) from None
+
+
+@devices_app.callback()
+def list_devices(
+    ctx: typer.Context,
+    online: Annotated[
+        bool | None,
+        typer.Option("--online/--offline", help="Only connected (or only offline) devices."),
+    ] = None,
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+    data_dir: DataDirOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """List devices: connected ones and those seen before (offline, with their last tools)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    with admin_client(server, token, data_dir, config) as admin:
+        rows = _call(admin.devices, online=online)
+    table = Table("device_id", "state", "transport", "tools", "server", "connected_at", "last_seen")
+    for device in rows:
+        info = device.get("server_info") or {}
+        ota = device.get("ota") or {}
+        server_text = " ".join(str(info.get(k, "")) for k in ("name", "version")).strip()
+        if not server_text:
+            server_text = " ".join(
+                str(ota.get(k, "")) for k in ("board_type", "firmware_version")
+            ).strip()
+        table.add_row(
+            device["device_id"],
+            device["state"],
+            device["transport"],
+            str(device["tool_count"]),
+            server_text,
+            device.get("connected_at") or "",
+            device.get("last_seen") or "",
+        )
+    if rows:
+        console.print(table)
+    else:
+        console.print(
+            "no devices" if online is None else f"no {'on' if online else 'off'}line devices"
+        )
+
+
+@devices_app.command("pending")
+def pending(
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+    data_dir: DataDirOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Activation requests waiting for approval, with the code each device shows."""
+    with admin_client(server, token, data_dir, config) as admin:
+        rows = _call(admin.get, "/api/provisioning/pending")["pending"]
+    if not rows:
+        say("no pending activations")
+        return
+    table = Table("code", "device_id", "client_id", "board", "firmware", "serial", "from", "since")
+    for row in rows:
+        serial = row["serial_number"] or ""
+        if serial:
+            serial += f" ({row['serial_check']})"
+        table.add_row(
+            row["code"],
+            row["device_id"],
+            row["client_id"],
+            row["board"] or "",
+            row["firmware"] or "",
+            serial,
+            row["remote"] or "",
+            row["created_at"],
+        )
+    console.print(table)
+
+
+@devices_app.command("approve")
+def approve(
+    target: Annotated[str, typer.Argument(help="The code the device shows, or its device id.")],
+    transport: Annotated[
+        str | None,
+        typer.Option("--transport", help="websocket or mqtt (default: the bridge's setting)."),
+    ] = None,
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+    data_dir: DataDirOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Approve a device: its next OTA check hands it its own credentials."""
+    if transport is not None and transport not in TRANSPORTS:
+        raise fail("--transport is websocket or mqtt", 2)
+    body: dict[str, Any] = {"target": target}
+    if transport is not None:
+        body["transport"] = transport
+    with admin_client(server, token, data_dir, config) as admin:
+        device = _call(admin.post, "/api/provisioning/approve", body)
+    say(
+        f"approved {device['device_id']} (client {device['client_id']}); "
+        "it gets its credentials at its next OTA check"
+    )
+
+
+@devices_app.command("revoke")
+def revoke(
+    device: Annotated[str, typer.Argument(help="Device id.")],
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+    data_dir: DataDirOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Revoke a device's credentials; a connected device is disconnected at once."""
+    with admin_client(server, token, data_dir, config) as admin:
+        revoked = _call(admin.post, f"/api/provisioning/devices/{quote(device, safe='')}/revoke")
+    say(f"revoked {revoked['device_id']}")
+
+
+@devices_app.command("transport")
+def set_transport(
+    device: Annotated[str, typer.Argument(help="Device id.")],
+    transport: Annotated[str, typer.Argument(help="websocket, mqtt or default.")],
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+    data_dir: DataDirOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Choose what the device's next OTA answer gives it: WebSocket or MQTT credentials."""
+    if transport not in (*TRANSPORTS, "default"):
+        raise fail("transport is websocket, mqtt or default", 2)
+    value = None if transport == "default" else transport
+    path = f"/api/provisioning/devices/{quote(device, safe='')}/transport"
+    with admin_client(server, token, data_dir, config) as admin:
+        _call(admin.put, path, {"transport": value})
+    say(f"{device}: transport {transport}")
+
+
+@devices_app.command("enroll")
+def enroll(
+    name: Annotated[str, typer.Option("--name", help="What the code is for.")] = "enrollment",
+    uses: Annotated[int, typer.Option("--uses", min=1, help="Devices it may enrol.")] = 1,
+    ttl: Annotated[float, typer.Option("--ttl", min=1, help="Seconds until it expires.")] = 3600.0,
+    transport: Annotated[str | None, typer.Option("--transport", help="websocket or mqtt.")] = None,
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+    data_dir: DataDirOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Create an enrollment code: a device whose OTA URL carries it is approved by itself."""
+    if transport is not None and transport not in TRANSPORTS:
+        raise fail("--transport is websocket or mqtt", 2)
+    body: dict[str, Any] = {"name": name, "uses": uses, "ttl_s": ttl}
+    if transport is not None:
+        body["transport"] = transport
+    with admin_client(server, token, data_dir, config) as admin:
+        created = _call(admin.post, "/api/provisioning/enrollment-codes", body)
+    say(f"enrollment code {created['id']}: {uses} use(s), expires {created['expires_at']}")
+    say("OTA URL for the devices (shown once):")
+    say(created["ota_url"])
+
+
+@devices_app.command("serial-key")
+def serial_key(
+    serial: Annotated[str, typer.Argument(help="The device's eFuse serial number.")],
+    key_file: Annotated[
+        Path | None,
+        typer.Option("--key-file", help="File with the key in hex (default: read stdin)."),
+    ] = None,
+    remove: Annotated[bool, typer.Option("--remove", help="Forget the key.")] = False,
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+    data_dir: DataDirOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Register the HMAC key of a serial number (§5.3 activation challenge), or remove it.
+    The key is read from a file or stdin, never from the command line."""
+    path = f"/api/provisioning/serial-keys/{quote(serial, safe='')}"
+    with admin_client(server, token, data_dir, config) as admin:
+        if remove:
+            _call(admin.delete, path)
+            say(f"removed the key of {serial}")
+            return
+        key = (key_file.read_text() if key_file is not None else sys.stdin.read()).strip()
+        _call(admin.put, path, {"key": key})
+    say(f"registered the key of {serial}")
+
+
+@devices_app.command("mosquitto-passwd")
+def mosquitto_passwd(
+    out: Annotated[Path, typer.Argument(help="The password_file to write (mode 0600).")],
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+    data_dir: DataDirOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Write a Mosquitto password file with every approved device's broker login
+    (username = device key, password = its token, stored as PBKDF2 hashes)."""
+    with admin_client(server, token, data_dir, config) as admin:
+        text = _call(admin.text, "/api/provisioning/mosquitto-passwd")
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    out.chmod(0o600)
+    say(f"wrote {len(text.splitlines())} device logins to {out}")

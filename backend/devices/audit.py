@@ -1,0 +1,214 @@
+"""The audit log: one row per device tool call, refused ones included.
+
+Every `Device.call_tool` ends in one `tool_called` registry event; this listener turns it into a
+row: when, who (`actor`: `key:<id>` for an API key, `admin` for the admin token, `chat:...` or
+`device:<id>` for a chat turn or a device's own conversation), which device and tool, the
+SHA-256 of the arguments (canonical JSON; the arguments themselves are not kept: they may hold
+personal data), the outcome (`ok`, `tool_error`, `error`, `refused`), the error class, whether
+the call was confirmed, and how long it took. Rows are written off the call path, batched, at
+most every `flush_interval_s`; past `max_buffer` unwritten rows (a database that stopped
+answering) new ones are counted as `dropped` rather than kept.
+"""
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import sqlite3
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from backend.devices.registry import DeviceEvent, DeviceRegistry, EventKind, iso_time
+from backend.storage import Database, DatabaseError, Migration
+
+log = structlog.get_logger("audit")
+
+AUDIT_MIGRATIONS = (
+    Migration(
+        "audit",
+        1,
+        """
+        CREATE TABLE audit_log (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            at REAL NOT NULL,
+            actor TEXT,
+            device_id TEXT NOT NULL,
+            tool TEXT NOT NULL,
+            arguments_sha256 TEXT NOT NULL,
+            outcome TEXT NOT NULL,
+            error TEXT,
+            confirmed INTEGER NOT NULL,
+            duration_ms REAL NOT NULL
+        );
+        CREATE INDEX audit_log_device ON audit_log (device_id, id);
+        """,
+    ),
+)
+
+
+def arguments_digest(arguments: Any) -> str:
+    try:
+        canonical = json.dumps(arguments, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    except (TypeError, ValueError):
+        canonical = repr(arguments)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class AuditEntry:
+    id: int
+    at: float
+    actor: str | None
+    device_id: str
+    tool: str
+    arguments_sha256: str
+    outcome: str
+    error: str | None
+    confirmed: bool
+    duration_ms: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "at": iso_time(self.at),
+            "actor": self.actor,
+            "device_id": self.device_id,
+            "tool": self.tool,
+            "arguments_sha256": self.arguments_sha256,
+            "outcome": self.outcome,
+            "error": self.error,
+            "confirmed": self.confirmed,
+            "duration_ms": self.duration_ms,
+        }
+
+
+class AuditLog:
+    """Follows the registry's `tool_called` events into the `audit_log` table."""
+
+    def __init__(
+        self,
+        database: Database,
+        registry: DeviceRegistry,
+        *,
+        flush_interval_s: float = 0.5,
+        max_buffer: int = 100_000,
+    ) -> None:
+        self._db = database
+        self._registry = registry
+        self._flush_interval_s = flush_interval_s
+        self._max_buffer = max_buffer
+        self._buffer: list[tuple[Any, ...]] = []
+        self._wake = asyncio.Event()
+        self._writer: asyncio.Task[None] | None = None
+        self._unsubscribe: Any = None
+        self.dropped = 0
+        self.written = 0
+
+    def start(self) -> None:
+        self._unsubscribe = self._registry.subscribe(self._on_event)
+        self._writer = asyncio.create_task(self._write_forever(), name="audit-log")
+
+    async def stop(self) -> None:
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        if self._writer is not None:
+            self._writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._writer
+            self._writer = None
+        with contextlib.suppress(DatabaseError):
+            await self.flush()
+
+    def _on_event(self, event: DeviceEvent) -> None:
+        if event.kind is not EventKind.TOOL_CALLED:
+            return
+        if len(self._buffer) >= self._max_buffer:
+            self.dropped += 1
+            return
+        detail = event.detail
+        self._buffer.append(
+            (
+                time.time(),
+                detail.get("actor"),
+                event.device_id,
+                str(detail.get("tool", "")),
+                arguments_digest(detail.get("arguments") or {}),
+                str(detail.get("outcome", "")),
+                detail.get("error"),
+                int(bool(detail.get("confirmed"))),
+                float(detail.get("duration_ms", 0.0)),
+            )
+        )
+        self._wake.set()
+
+    async def flush(self) -> None:
+        rows, self._buffer = self._buffer, []
+        if not rows:
+            return
+        try:
+            await self._db.run(lambda c: _insert(c, rows))
+        except DatabaseError as exc:
+            log.error("audit rows not written; will retry", rows=len(rows), error=str(exc))
+            self._buffer = rows + self._buffer
+            raise
+        self.written += len(rows)
+
+    async def entries(
+        self,
+        *,
+        device_id: str | None = None,
+        tool: str | None = None,
+        actor: str | None = None,
+        before: int | None = None,
+        limit: int = 100,
+    ) -> list[AuditEntry]:
+        """Newest first; `before` is the id of the last entry of the previous page."""
+        await self.flush()
+        where: list[str] = []
+        parameters: list[Any] = []
+        for column, value in (("device_id", device_id), ("tool", tool), ("actor", actor)):
+            if value is not None:
+                where.append(f"{column} = ?")
+                parameters.append(value)
+        if before is not None:
+            where.append("id < ?")
+            parameters.append(before)
+        clause = f"WHERE {' AND '.join(where)}" if where else ""
+        rows = await self._db.fetchall(
+            f"SELECT * FROM audit_log {clause} ORDER BY id DESC LIMIT ?", (*parameters, limit)
+        )
+        return [
+            AuditEntry(
+                row["id"],
+                row["at"],
+                row["actor"],
+                row["device_id"],
+                row["tool"],
+                row["arguments_sha256"],
+                row["outcome"],
+                row["error"],
+                bool(row["confirmed"]),
+                row["duration_ms"],
+            )
+            for row in rows
+        ]
+
+    async def _write_forever(self) -> None:
+        while True:
+            await self._wake.wait()
+            await asyncio.sleep(self._flush_interval_s)
+            self._wake.clear()
+            with contextlib.suppress(DatabaseError):
+                await self.flush()
+
+
+def _insert(c: sqlite3.Connection, rows: list[tuple[Any, ...]]) -> None:
+    c.executemany(
+        "INSERT INTO audit_log (at, actor, device_id, tool, arguments_sha256, outcome, error,"
+        " confirmed, duration_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        rows,
+    )

@@ -1,0 +1,9 @@
+"""Provisioning: the OTA/activation endpoint for devices, per-device credentials, firmware
+offers, abuse limits (docs/provisioning.md).
+
+- `store`: approved devices, pending activations, enrollment codes, serial keys (in memory,
+  written to the bridge database); the per-device token check for handshakes and brokers.
+- `ota`: the stock OTA request and answer (protocol reference §5) as data.
+- `service`: `Provisioning`, what the bridge wires in: the store, firmware releases, rate
+  limits, the device-facing HTTP listener (`http`), and the operator's actions.
+"""

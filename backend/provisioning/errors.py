@@ -1,0 +1,66 @@
+"""Errors of provisioning; each maps to one HTTP status in `backend.api.errors.ERROR_TABLE`."""
+
+from backend.errors import BridgeError
+
+
+class ProvisioningError(BridgeError):
+    """Base class: the message is one line for an operator."""
+
+
+class InvalidInput(ProvisioningError):
+    """A value an operator gave that cannot be used (HTTP 422)."""
+
+
+class UnknownActivation(ProvisioningError):
+    """No pending activation has this code, or none is pending for this device."""
+
+    def __init__(self, target: str) -> None:
+        super().__init__(
+            f"no pending activation {target[:80]!r} (see `esp32-bridge devices pending`)"
+        )
+        self.target = target
+
+
+class AmbiguousActivation(ProvisioningError):
+    """Several pending activations for one device id (different Client-Ids): use the code."""
+
+    def __init__(self, device_id: str, count: int) -> None:
+        super().__init__(
+            f"{count} pending activations for {device_id!r} (different Client-Ids): "
+            "approve by the code the device shows"
+        )
+
+
+class NotVerified(ProvisioningError):
+    """The device sent a serial number whose key it has not proven (HMAC challenge)."""
+
+
+class NotProvisioned(ProvisioningError):
+    """The device has no credentials (never approved)."""
+
+    def __init__(self, device_id: str) -> None:
+        super().__init__(f"device {device_id!r} was never approved")
+        self.device_id = device_id
+
+
+class TooManyPending(ProvisioningError):
+    """The cap on pending activations is reached (in all, or for one device id)."""
+
+
+class UnknownEnrollment(ProvisioningError):
+    def __init__(self, enrollment_id: str) -> None:
+        super().__init__(f"no enrollment code {enrollment_id[:40]!r}")
+
+
+class UnknownRelease(ProvisioningError):
+    def __init__(self, board: str, version: str) -> None:
+        super().__init__(f"no published firmware {version!r} for board {board!r}")
+
+
+class InvalidRelease(ProvisioningError):
+    """A firmware release that cannot be published (bad version, missing file)."""
+
+
+class UnknownSerialKey(ProvisioningError):
+    def __init__(self, serial: str) -> None:
+        super().__init__(f"no key registered for serial number {serial[:64]!r}")

@@ -1,0 +1,143 @@
+"""The device-facing HTTP listener: OTA check, activation, firmware downloads (Starlette).
+
+Routes (with `ota_path` = `/xiaozhi/ota/`; each with and without its trailing slash, since
+stock firmware's HTTP client follows no redirect):
+
+- `GET /xiaozhi/ota/`: a health text;
+- `POST /xiaozhi/ota/`: the OTA check (§5.1) → the §5.2 answer;
+- `POST /xiaozhi/ota/activate`: activation polling (§5.3) → 200 / 202 / 403 / 404;
+- `POST /xiaozhi/ota/enroll/<code>/` and `.../enroll/<code>/activate`: the same, with an
+  enrollment code in the device's OTA URL;
+- `GET /xiaozhi/ota/firmware/<board>/<version>`: a published release, with Content-Length and
+  `X-Firmware-SHA256`.
+
+Bodies are capped at 16 KiB (413) before they are parsed; anything but a JSON object is 400.
+Concurrent connections are capped by the listener (`device_http_max_connections`, 503 past it).
+"""
+
+import json
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import FileResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from backend.provisioning.ota import MAX_BODY_BYTES
+from backend.provisioning.service import Answer, Provisioning, refusal
+
+HEALTH_TEXT = "OTA endpoint of esp32-mcp-bridge: POST the device's system info here.\n"
+_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def device_app(service: Provisioning) -> Starlette:
+    base = service.settings.ota_path  # always ends with "/"
+
+    async def health(_request: Request) -> Response:
+        return PlainTextResponse(HEALTH_TEXT)
+
+    async def check(request: Request) -> Response:
+        return await _handle(service, request, "ota")
+
+    async def activate(request: Request) -> Response:
+        return await _handle(service, request, "activate")
+
+    async def download(request: Request) -> Response:
+        found = service.download(
+            request.path_params["board"], request.path_params["version"], _remote(request)
+        )
+        if isinstance(found, Answer):
+            return _answer(found)
+        return FileResponse(
+            service.releases.path(found),
+            media_type="application/octet-stream",
+            headers={"X-Firmware-SHA256": found.sha256, "ETag": f'"{found.sha256}"'},
+        )
+
+    routes = []
+    for prefix in (base, f"{base}enroll/{{code}}/"):
+        routes += [
+            Route(prefix, check, methods=["POST"]),
+            Route(prefix.rstrip("/"), check, methods=["POST"]),
+            Route(f"{prefix}activate", activate, methods=["POST"]),
+            Route(f"{prefix}activate/", activate, methods=["POST"]),
+        ]
+    routes += [
+        Route(base, health, methods=["GET"]),
+        Route(base.rstrip("/"), health, methods=["GET"]),
+        Route(f"{base}firmware/{{board}}/{{version}}", download, methods=["GET", "HEAD"]),
+    ]
+    return Starlette(routes=routes)
+
+
+async def _handle(service: Provisioning, request: Request, kind: str) -> Response:
+    headers = request.headers
+    identified = service.identify(
+        kind,
+        {
+            "device_id": headers.get("device-id"),
+            "client_id": headers.get("client-id"),
+            "activation_version": headers.get("activation-version"),
+            "serial_number": headers.get("serial-number"),
+            "user_agent": headers.get("user-agent"),
+            "accept_language": headers.get("accept-language"),
+            "remote": _remote(request),
+        },
+    )
+    if isinstance(identified, Answer):
+        return _answer(identified)
+    try:
+        body = await _json_body(request)
+    except _TooLarge:
+        return _answer(refusal(413, f"body larger than {MAX_BODY_BYTES} bytes"))
+    except (ValueError, RecursionError):
+        return _answer(refusal(400, "the body is not a JSON object"))
+    enrollment = request.path_params.get("code")
+    if kind == "ota":
+        answer = await service.ota(
+            identified,
+            body,
+            enrollment=enrollment,
+            host=headers.get("host"),
+        )
+    else:
+        answer = await service.activate(identified, body)
+    return _answer(answer)
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > MAX_BODY_BYTES):
+        raise _TooLarge
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise _TooLarge
+        chunks.append(chunk)
+    raw = b"".join(chunks).strip()
+    if not raw:
+        return {}
+    value = json.loads(raw)  # ValueError (JSONDecodeError, UnicodeDecodeError) → 400
+    if not isinstance(value, dict):
+        raise ValueError("not an object")
+    return value
+
+
+def _remote(request: Request) -> str | None:
+    client = request.client
+    return f"{client.host}:{client.port}" if client is not None else None
+
+
+def _answer(answer: Answer) -> Response:
+    return Response(
+        _JSON.encode(answer.body),
+        status_code=answer.status,
+        media_type="application/json",
+        headers=answer.headers or None,
+    )

@@ -1,0 +1,107 @@
+"""The audit log holds every device tool call, refused ones too: who, which device and tool, the
+arguments' SHA-256, outcome, duration; readable through the admin API and `esp32-bridge
+audit`, and kept across a restart."""
+
+import hashlib
+import json
+from typing import Any
+
+import httpx
+
+from backend.auth import Tokens
+from backend.chat import DeviceToolBox
+from backend.devices import DeviceRegistry
+from backend.devices.registry import DeviceEvent, EventKind
+from backend.server import Bridge
+from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, create_key, make_settings, run_cli, wait_state
+from tests.stock_device import WireDevice, stock_tools
+
+VOLUME = "self.audio_speaker.set_volume"
+
+
+def digest(arguments: dict[str, Any]) -> str:
+    canonical = json.dumps(arguments, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def count_calls(registry: DeviceRegistry) -> list[DeviceEvent]:
+    seen: list[DeviceEvent] = []
+    registry.subscribe(
+        lambda event: seen.append(event) if event.kind is EventKind.TOOL_CALLED else None
+    )
+    return seen
+
+
+async def test_every_call_of_a_run_is_in_the_audit_log(tmp_path: Any) -> None:
+    settings = make_settings(tmp_path / "data")
+    async with Bridge(settings, Tokens(ADMIN_TOKEN, DEVICE_TOKEN)) as bridge:
+        seen = count_calls(bridge.registry)
+        device = WireDevice(bridge.ws_url, DEVICE_TOKEN, tools=stock_tools())
+        await device.connect()
+        await wait_state(bridge, device.device_id)
+        key = await create_key(bridge, "devices:call")
+        key_id = key.split("_")[1]
+        base = f"/api/devices/{device.device_id}/tools/call"
+        admin_headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        async with httpx.AsyncClient(base_url=bridge.api_url, headers=admin_headers) as api:
+            assert (
+                await api.post(base, json={"name": VOLUME, "arguments": {"volume": 7}})
+            ).is_success
+            assert (
+                await api.post(base, json={"name": VOLUME, "arguments": {"volume": 700}})
+            ).status_code == 422
+            assert (await api.post(base, json={"name": "self.reboot"})).status_code == 428
+            assert (await api.post(base, json={"name": "self.reboot", "confirm": True})).is_success
+            assert (await api.post(base, json={"name": "self.nope"})).status_code == 404
+            as_key = {"Authorization": f"Bearer {key}"}
+            body = {"name": VOLUME, "arguments": {"volume": 8}}
+            assert (await api.post(base, json=body, headers=as_key)).is_success
+        box = DeviceToolBox(bridge.registry.require(device.device_id), actor="chat:test")
+        outcome = await box.call("self_audio_speaker_set_volume", {"volume": 9})
+        assert not outcome.failed
+
+        async with httpx.AsyncClient(base_url=bridge.api_url, headers=admin_headers) as api:
+            entries = (await api.get("/api/audit", params={"limit": 100})).json()["entries"]
+        assert len(entries) == len(seen) == 7
+        rows = [(e["actor"], e["tool"], e["outcome"], e["error"], e["confirmed"]) for e in entries]
+        assert rows == [  # newest first
+            ("chat:test", VOLUME, "ok", None, False),
+            (f"key:{key_id}", VOLUME, "ok", None, False),
+            ("admin", "self.nope", "refused", "UnknownTool", False),
+            ("admin", "self.reboot", "ok", None, True),
+            ("admin", "self.reboot", "refused", "ConfirmationRequired", False),
+            ("admin", VOLUME, "refused", "InvalidArguments", False),
+            ("admin", VOLUME, "ok", None, False),
+        ]
+        assert entries[-1]["arguments_sha256"] == digest({"volume": 7})
+        assert entries[0]["arguments_sha256"] == digest({"volume": 9})
+        assert all(e["device_id"] == device.device_id for e in entries)
+        assert all(e["duration_ms"] >= 0 for e in entries)
+        assert "700" not in json.dumps(entries)  # arguments are kept as a digest only
+
+        code, out, err = await run_cli(
+            "audit", "--device", device.device_id, "--tool", "self.reboot",
+            "--server", bridge.api_url, "--token", ADMIN_TOKEN,
+        )  # fmt: skip
+        assert code == 0, err
+        assert out.count("self.reboot") == 2 and "confirmed" in out and VOLUME not in out
+        await device.close()
+
+    async with Bridge(settings, Tokens(ADMIN_TOKEN, DEVICE_TOKEN)) as bridge:
+        kept = await bridge.audit.entries(limit=100)
+        assert len(kept) == 7
+
+
+async def test_audit_pages_and_filters(bridge: Bridge, api: httpx.AsyncClient) -> None:
+    device = WireDevice(bridge.ws_url, DEVICE_TOKEN)
+    await device.connect()
+    await wait_state(bridge, device.device_id)
+    for volume in range(5):
+        body = {"name": VOLUME, "arguments": {"volume": volume}}
+        assert (await api.post(f"/api/devices/{device.device_id}/tools/call", json=body)).is_success
+    first = (await api.get("/api/audit", params={"limit": 3})).json()
+    assert len(first["entries"]) == 3 and first["next_before"] == first["entries"][-1]["id"]
+    rest = (await api.get("/api/audit", params={"limit": 3, "before": first["next_before"]})).json()
+    assert len(rest["entries"]) == 2 and rest["next_before"] is None
+    assert (await api.get("/api/audit", params={"actor": "key:none"})).json()["entries"] == []
+    await device.close()

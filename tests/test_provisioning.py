@@ -1,0 +1,506 @@
+"""The OTA/activation endpoint as stock firmware uses it (protocol reference §5), per-device
+credentials, revocation, enrollment codes, serial keys and the abuse limits: a real bridge with
+its device-facing HTTP listener, the admin API and real WebSockets on loopback."""
+
+import asyncio
+import hashlib
+import hmac
+import re
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import InvalidStatus
+
+from backend.server import Bridge
+from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, run_cli, wait_state
+from tests.stock_device import CLIENT_ID, WireDevice
+
+MAC = "a4:cf:12:34:56:78"
+OTHER_CLIENT = "0f8e2c61-1b7a-4c3e-9a55-7d2e0c9b1a44"
+
+
+def system_info(mac: str = MAC, client_id: str = CLIENT_ID, version: str = "2.4.2") -> dict:
+    """The §5.1 body of a stock device (free heap as a string, fields the bridge never uses)."""
+    return {
+        "version": 2,
+        "language": "en-US",
+        "flash_size": 16777216,
+        "minimum_free_heap_size": "158595",
+        "mac_address": mac,
+        "uuid": client_id,
+        "chip_model_name": "esp32s3",
+        "chip_info": {"model": 9, "cores": 2, "revision": 2, "features": 18},
+        "application": {
+            "name": "xiaozhi",
+            "version": version,
+            "compile_time": "Aug  8 2026T08:00:00Z",
+            "idf_version": "v6.0.1",
+            "elf_sha256": "ab" * 32,
+        },
+        "partition_table": [{"label": "nvs", "type": 1, "subtype": 2, "address": 36864}],
+        "ota": {"label": "ota_0"},
+        "display": {"monochrome": False, "width": 240, "height": 240},
+        "board": {
+            "type": "bread-compact-wifi",
+            "name": "bread-compact-wifi",
+            "ssid": "home",
+            "rssi": -52,
+            "channel": 6,
+            "ip": "192.168.1.23",
+            "mac": mac,
+        },
+        "future_field": {"kept": True},
+    }
+
+
+def stock_headers(
+    mac: str = MAC,
+    client_id: str | None = CLIENT_ID,
+    version: str = "2.4.2",
+    serial: str | None = None,
+) -> dict[str, str]:
+    headers = {
+        "Activation-Version": "2" if serial else "1",
+        "Device-Id": mac,
+        "User-Agent": f"bread-compact-wifi/{version}",
+        "Accept-Language": "en-US",
+        "Content-Type": "application/json",
+    }
+    if client_id is not None:
+        headers["Client-Id"] = client_id
+    if serial is not None:
+        headers["Serial-Number"] = serial
+    return headers
+
+
+class StockOta:
+    """What a stock device does against the OTA URL: check, poll activation."""
+
+    def __init__(self, http: httpx.AsyncClient, url: str, **device: Any) -> None:
+        self.http = http
+        self.url = url
+        self.device = device
+
+    async def check(self, **overrides: Any) -> httpx.Response:
+        device = {**self.device, **overrides}
+        body_keys = {"mac", "client_id", "version"}
+        body = system_info(**{k: v for k, v in device.items() if k in body_keys and v})
+        return await self.http.post(self.url, json=body, headers=stock_headers(**device))
+
+    async def activate(self, body: dict | None = None, **overrides: Any) -> httpx.Response:
+        url = self.url + ("activate" if self.url.endswith("/") else "/activate")
+        headers = stock_headers(**{**self.device, **overrides})
+        return await self.http.post(url, json=body or {}, headers=headers)
+
+
+@pytest.fixture
+async def device_bridge(bridge_factory: Callable[..., Any]) -> Bridge:
+    bridge: Bridge = await bridge_factory(device_auth="device")
+    return bridge
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(timeout=10) as client:
+        yield client
+
+
+@pytest.fixture
+async def admin(device_bridge: Bridge) -> AsyncIterator[httpx.AsyncClient]:
+    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    async with httpx.AsyncClient(base_url=device_bridge.api_url, headers=headers) as client:
+        yield client
+
+
+async def handshake_status(url: str, token: str | None, device_id: str = MAC) -> int:
+    """101 when the WebSocket upgrade is accepted, else the refusal's HTTP status."""
+    headers = {"Device-Id": device_id, "Client-Id": CLIENT_ID, "Protocol-Version": "1"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    try:
+        async with connect(url, additional_headers=headers, compression=None):
+            return 101
+    except InvalidStatus as refused:
+        return refused.response.status_code
+
+
+async def approved_token(
+    bridge: Bridge, http: httpx.AsyncClient, admin: httpx.AsyncClient, **device: Any
+) -> str:
+    ota = StockOta(http, bridge.provisioning.ota_url, **device)
+    code = (await ota.check()).json()["activation"]["code"]
+    assert (await admin.post("/api/provisioning/approve", json={"target": code})).status_code == 200
+    token: str = (await ota.check()).json()["websocket"]["token"]
+    return token
+
+
+# ---- the stock exchange -----------------------------------------------------------------------
+
+
+async def test_stock_device_activates_is_approved_and_connects_with_its_own_token(
+    device_bridge: Bridge, http: httpx.AsyncClient, admin: httpx.AsyncClient
+) -> None:
+    bridge = device_bridge
+    ota = StockOta(http, bridge.provisioning.ota_url, mac=MAC, client_id=CLIENT_ID)
+
+    first = await ota.check()
+    assert first.status_code == 200
+    answer = first.json()
+    assert set(answer) == {"server_time", "firmware", "activation"}  # no credentials
+    assert isinstance(answer["server_time"]["timestamp"], int)
+    assert answer["server_time"]["timestamp"] > 1_700_000_000_000  # milliseconds
+    assert answer["firmware"] == {"version": "2.4.2", "url": ""}  # nothing published
+    code = answer["activation"]["code"]
+    assert re.fullmatch(r"\d{6}", code) and code in answer["activation"]["message"]
+    assert re.fullmatch(r"[0-9a-f]{32}", answer["activation"]["challenge"])
+    # The same device polling again keeps its code (the one on its screen).
+    assert (await ota.check()).json()["activation"]["code"] == code
+    assert (await ota.activate()).status_code == 202
+    assert await handshake_status(bridge.ws_url, None) == 401
+
+    pending = (await admin.get("/api/provisioning/pending")).json()["pending"]
+    assert [(p["code"], p["device_id"], p["client_id"], p["board"]) for p in pending] == [
+        (code, MAC, CLIENT_ID, "bread-compact-wifi")
+    ]
+    approved = await admin.post("/api/provisioning/approve", json={"target": code})
+    assert approved.status_code == 200 and approved.json()["approved_by"] == "admin"
+
+    assert (await ota.activate()).status_code == 200
+    second = (await ota.check()).json()
+    assert set(second) == {"server_time", "firmware", "websocket"}  # no activation, no mqtt
+    websocket = second["websocket"]
+    assert websocket["url"] == bridge.ws_url and websocket["version"] == 1
+    assert websocket["token"].startswith("dtk_") and " " not in websocket["token"]
+    # Every boot asks again: the same token (it is stored only as a hash).
+    assert (await ota.check()).json()["websocket"]["token"] == websocket["token"]
+    assert websocket["token"] not in (bridge.database.path.read_bytes().decode("latin-1"))
+
+    device = WireDevice(websocket["url"], websocket["token"], MAC)
+    await device.connect()
+    try:
+        await wait_state(bridge, MAC)
+        listed = (await admin.get(f"/api/devices/{MAC}")).json()
+        assert listed["state"] == "ready"
+        reported = listed["ota"]
+        assert reported["board_type"] == "bread-compact-wifi" and reported["chip"] == "esp32s3"
+        assert reported["firmware_version"] == "2.4.2"
+        assert reported["minimum_free_heap_size"] == 158595  # a string on the wire
+        assert reported["network"] == {
+            "type": "wifi",
+            "ssid": "home",
+            "rssi": -52,
+            "channel": 6,
+            "ip": "192.168.1.23",
+        }
+        record = bridge.registry.record(MAC)
+        assert record is not None and record.ota is not None
+        assert record.ota["system_info"]["future_field"] == {"kept": True}  # unknown: kept
+    finally:
+        await device.close()
+
+
+async def test_a_stranger_never_receives_a_token(
+    device_bridge: Bridge, http: httpx.AsyncClient, admin: httpx.AsyncClient
+) -> None:
+    bridge = device_bridge
+    token = await approved_token(bridge, http, admin, mac=MAC, client_id=CLIENT_ID)
+    url = bridge.provisioning.ota_url
+    # The approved MAC with another Client-Id (a spoofer, or the device after an NVS erase):
+    # an activation code of its own, never the device's token.
+    spoofer = StockOta(http, url, mac=MAC, client_id=OTHER_CLIENT)
+    answer = (await spoofer.check()).json()
+    assert "activation" in answer and "websocket" not in answer and "mqtt" not in answer
+    assert token not in str(answer)
+    assert (await spoofer.activate()).status_code == 202
+    # No Client-Id at all: refused.
+    missing = await http.post(url, json=system_info(), headers=stock_headers(client_id=None))
+    assert missing.status_code == 400 and "Client-Id" in missing.json()["error"]
+    # A device nobody approved: a code, no credentials, however often it asks.
+    stranger = StockOta(http, url, mac="a4:cf:00:00:00:99", client_id=OTHER_CLIENT)
+    for _ in range(3):
+        reply = (await stranger.check()).json()
+        assert "activation" in reply and "websocket" not in reply
+    assert (await stranger.activate()).status_code == 202
+    # The real device still gets its own token.
+    assert (await StockOta(http, url, mac=MAC, client_id=CLIENT_ID).check()).json()["websocket"][
+        "token"
+    ] == token
+
+
+async def test_a_device_cannot_use_another_devices_token(
+    device_bridge: Bridge, http: httpx.AsyncClient, admin: httpx.AsyncClient
+) -> None:
+    bridge = device_bridge
+    token_a = await approved_token(bridge, http, admin, mac=MAC, client_id=CLIENT_ID)
+    token_b = await approved_token(
+        bridge, http, admin, mac="a4:cf:00:00:00:02", client_id=OTHER_CLIENT
+    )
+    assert token_a != token_b
+    assert await handshake_status(bridge.ws_url, token_b, MAC) == 401
+    assert await handshake_status(bridge.ws_url, token_a, "a4:cf:00:00:00:02") == 401
+    assert await handshake_status(bridge.ws_url, DEVICE_TOKEN, MAC) == 401  # no shared token
+    assert await handshake_status(bridge.ws_url, token_a, MAC) == 101
+    assert await handshake_status(bridge.ws_url, token_b, "a4:cf:00:00:00:02") == 101
+
+
+async def test_revocation_closes_the_live_link_and_refuses_the_next_handshake(
+    device_bridge: Bridge, http: httpx.AsyncClient, admin: httpx.AsyncClient
+) -> None:
+    bridge = device_bridge
+    token = await approved_token(bridge, http, admin, mac=MAC, client_id=CLIENT_ID)
+    device = WireDevice(bridge.ws_url, token, MAC)
+    await device.connect()
+    await wait_state(bridge, MAC)
+    assert device.ws is not None
+
+    code, out, err = await run_cli(
+        "devices", "revoke", MAC, "--server", bridge.api_url, "--token", ADMIN_TOKEN
+    )
+    assert code == 0 and f"revoked {MAC}" in out, err
+    async with asyncio.timeout(1.0):  # the brief: closed within a second
+        await device.ws.wait_closed()
+    assert device.ws.close_code == 1008
+    assert bridge.registry.get(MAC) is None
+    assert await handshake_status(bridge.ws_url, token, MAC) == 401
+    # Its next OTA check starts an activation again instead of handing the old token back.
+    answer = (await StockOta(http, bridge.provisioning.ota_url, mac=MAC).check()).json()
+    assert "activation" in answer and "websocket" not in answer
+    listed = (await admin.get("/api/provisioning/devices")).json()["devices"]
+    assert [(d["device_id"], d["status"]) for d in listed] == [(MAC, "revoked")]
+
+
+async def test_approval_through_the_cli_by_code_and_by_device_id(
+    device_bridge: Bridge, http: httpx.AsyncClient
+) -> None:
+    bridge = device_bridge
+    url = bridge.provisioning.ota_url
+    server = ["--server", bridge.api_url, "--token", ADMIN_TOKEN]
+    first = StockOta(http, url, mac=MAC, client_id=CLIENT_ID)
+    code = (await first.check()).json()["activation"]["code"]
+    second = StockOta(http, url, mac="a4:cf:00:00:00:02", client_id=OTHER_CLIENT)
+    await second.check()
+
+    status, out, err = await run_cli("devices", "pending", *server)
+    assert status == 0 and code in out and MAC in out and "a4:cf:00:00:00:02" in out, err
+    status, out, err = await run_cli("devices", "approve", code, *server)
+    assert status == 0 and f"approved {MAC}" in out, err
+    status, out, err = await run_cli("devices", "approve", "A4:CF:00:00:00:02", *server)
+    assert status == 0 and "approved a4:cf:00:00:00:02" in out, err
+    status, _out, err = await run_cli("devices", "approve", "999999", *server)
+    assert status == 1 and "no pending activation" in err
+    assert "websocket" in (await first.check()).json()
+    assert "websocket" in (await second.check()).json()
+    status, out, _err = await run_cli("devices", "pending", *server)
+    assert "no pending activations" in out
+
+
+async def test_two_pending_requests_for_one_mac_are_approved_by_code_only(
+    device_bridge: Bridge, http: httpx.AsyncClient, admin: httpx.AsyncClient
+) -> None:
+    url = device_bridge.provisioning.ota_url
+    real = StockOta(http, url, mac=MAC, client_id=CLIENT_ID)
+    spoof = StockOta(http, url, mac=MAC, client_id=OTHER_CLIENT)
+    code = (await real.check()).json()["activation"]["code"]
+    await spoof.check()
+    ambiguous = await admin.post("/api/provisioning/approve", json={"target": MAC})
+    assert ambiguous.status_code == 409 and ambiguous.json()["error"]["code"] == (
+        "ambiguous_activation"
+    )
+    assert (await admin.post("/api/provisioning/approve", json={"target": code})).status_code == 200
+    assert "websocket" in (await real.check()).json()
+    assert "websocket" not in (await spoof.check()).json()
+
+
+# ---- serial numbers and the HMAC challenge (§5.3) ---------------------------------------------
+
+
+async def test_a_device_with_a_serial_number_must_answer_the_challenge_with_its_key(
+    device_bridge: Bridge, http: httpx.AsyncClient, admin: httpx.AsyncClient
+) -> None:
+    serial = "SN-0001"
+    key = bytes(range(32))
+    put = await admin.put(f"/api/provisioning/serial-keys/{serial}", json={"key": key.hex()})
+    assert put.status_code == 204
+    ota = StockOta(http, device_bridge.provisioning.ota_url, mac=MAC, serial=serial)
+    activation = (await ota.check()).json()["activation"]
+    code, challenge = activation["code"], activation["challenge"]
+
+    refused = await admin.post("/api/provisioning/approve", json={"target": code})
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "not_verified"
+    wrong = hmac.new(b"x" * 32, challenge.encode(), hashlib.sha256).hexdigest()
+    body = {"algorithm": "hmac-sha256", "serial_number": serial, "challenge": challenge}
+    assert (await ota.activate({**body, "hmac": wrong})).status_code == 403
+    stale = hmac.new(key, b"another challenge", hashlib.sha256).hexdigest()
+    assert (
+        await ota.activate({**body, "challenge": "another challenge", "hmac": stale})
+    ).status_code == 403
+    right = hmac.new(key, challenge.encode(), hashlib.sha256).hexdigest()
+    assert (await ota.activate({**body, "hmac": right})).status_code == 202
+    pending = (await admin.get("/api/provisioning/pending")).json()["pending"]
+    assert pending[0]["serial_check"] == "verified"
+
+    assert (await admin.post("/api/provisioning/approve", json={"target": code})).status_code == 200
+    assert (await ota.activate({**body, "hmac": right})).status_code == 200
+    assert "websocket" in (await ota.check()).json()
+    keys = (await admin.get("/api/provisioning/serial-keys")).json()
+    assert keys == {"serial_numbers": [serial]}  # never the key itself
+
+
+# ---- policies for fleets ------------------------------------------------------------------------
+
+
+async def test_an_enrollment_code_approves_as_many_devices_as_it_allows(
+    device_bridge: Bridge, http: httpx.AsyncClient, admin: httpx.AsyncClient
+) -> None:
+    created = await admin.post(
+        "/api/provisioning/enrollment-codes", json={"name": "shelf 3", "uses": 2}
+    )
+    assert created.status_code == 201
+    url = created.json()["ota_url"]
+    assert url.startswith(device_bridge.provisioning.ota_url + "enroll/enr-")
+    macs = ["a4:cf:00:00:01:01", "a4:cf:00:00:01:02", "a4:cf:00:00:01:03"]
+    answers = [
+        (await StockOta(http, url, mac=mac, client_id=f"{i}-{CLIENT_ID[2:]}").check()).json()
+        for i, mac in enumerate(macs)
+    ]
+    assert ["websocket" in answer for answer in answers] == [True, True, False]
+    assert "activation" in answers[2]  # used up: the normal activation
+    for mac, answer in zip(macs[:2], answers[:2], strict=True):
+        assert (
+            await handshake_status(device_bridge.ws_url, answer["websocket"]["token"], mac) == 101
+        )
+    # The enrolled device keeps its OTA URL (with the used code) and keeps its credentials.
+    again = await StockOta(http, url, mac=macs[0], client_id=f"0-{CLIENT_ID[2:]}").check()
+    assert again.json()["websocket"] == answers[0]["websocket"]
+    # A wrong code is no code.
+    bogus = device_bridge.provisioning.enrollment_url("enr-not-a-real-code")
+    assert "activation" in (await StockOta(http, bogus, mac="a4:cf:00:00:01:09").check()).json()
+    listed = (await admin.get("/api/provisioning/devices")).json()["devices"]
+    assert {d["approved_by"] for d in listed} == {f"auto:enrollment:{created.json()['id']}"}
+
+
+async def test_a_mac_prefix_policy_approves_new_devices_only(
+    bridge_factory: Callable[..., Any], http: httpx.AsyncClient
+) -> None:
+    bridge: Bridge = await bridge_factory(
+        device_auth="device", activation_auto_approve_macs=["02:00:00"]
+    )
+    url = bridge.provisioning.ota_url
+    fleet = await StockOta(http, url, mac="02:00:00:00:00:07", client_id=CLIENT_ID).check()
+    assert "websocket" in fleet.json()
+    other = await StockOta(http, url, mac=MAC, client_id=CLIENT_ID).check()
+    assert "activation" in other.json()
+    # An approved fleet device asked for by another Client-Id is not re-approved by MAC.
+    spoof = await StockOta(http, url, mac="02:00:00:00:00:07", client_id=OTHER_CLIENT).check()
+    assert "activation" in spoof.json()
+
+
+# ---- abuse limits --------------------------------------------------------------------------------
+
+
+async def test_pending_activations_are_capped(
+    bridge_factory: Callable[..., Any], http: httpx.AsyncClient
+) -> None:
+    bridge: Bridge = await bridge_factory(device_auth="device", max_pending_activations=3)
+    url = bridge.provisioning.ota_url
+    statuses = [
+        (await StockOta(http, url, mac=f"a4:cf:00:00:02:{i:02x}").check()).status_code
+        for i in range(4)
+    ]
+    assert statuses == [200, 200, 200, 503]
+    # A device already pending keeps polling.
+    assert (await StockOta(http, url, mac="a4:cf:00:00:02:00").check()).status_code == 200
+
+
+async def test_ota_activation_and_handshake_rate_limits_trigger_and_recover(
+    bridge_factory: Callable[..., Any], http: httpx.AsyncClient
+) -> None:
+    slow = {"per_s": 20.0, "burst": 2}
+    bridge: Bridge = await bridge_factory(
+        device_auth="device",
+        rate_limit_exempt=[],
+        rate_limits={"ota_ip": slow, "activate_device": slow, "handshake_device": slow},
+    )
+    url = bridge.provisioning.ota_url
+    statuses = [
+        (await StockOta(http, url, mac=f"a4:cf:00:00:03:{i:02x}").check()).status_code
+        for i in range(3)
+    ]
+    assert statuses == [200, 200, 429]
+    ota = StockOta(http, url, mac="a4:cf:00:00:03:00")
+
+    async def accepted() -> bool:
+        return (await ota.check()).status_code == 200
+
+    await eventually_async(accepted)  # the bucket refills
+
+    polls = [(await ota.activate()).status_code for _ in range(3)]
+    assert polls[:2] == [202, 202] and polls[2] == 429
+    handshakes = [await handshake_status(bridge.ws_url, "x", MAC) for _ in range(3)]
+    assert handshakes == [401, 401, 429]  # refused before the token is even looked at
+
+    async def handshake_allowed() -> bool:
+        return await handshake_status(bridge.ws_url, "x", MAC) == 401
+
+    await eventually_async(handshake_allowed)
+    counts = bridge.provisioning.limits.refused()
+    assert counts["ota_ip"] >= 1 and counts["activate_device"] >= 1
+    assert counts["handshake_device"] >= 1
+
+
+async def eventually_async(check: Callable[[], Any], timeout_s: float = 5.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not await check():  # noqa: ASYNC110 - a token bucket refills with time only
+            await asyncio.sleep(0.02)
+
+
+async def test_bad_requests_are_refused_before_anything_is_stored(
+    device_bridge: Bridge, http: httpx.AsyncClient
+) -> None:
+    url = device_bridge.provisioning.ota_url
+    headers = stock_headers()
+    assert (await http.post(url, content=b"[1, 2]", headers=headers)).status_code == 400
+    assert (await http.post(url, content=b"{nope", headers=headers)).status_code == 400
+    deep = b"[" * 100_000 + b"]" * 100_000
+    assert (await http.post(url, content=deep, headers=headers)).status_code == 413
+    big = b'{"x": "' + b"a" * 20_000 + b'"}'
+    assert (await http.post(url, content=big, headers=headers)).status_code == 413
+    bad_id = {**headers, "Device-Id": "not a mac!"}
+    assert (await http.post(url, json={}, headers=bad_id)).status_code == 400
+    assert device_bridge.provisioning.store.pending_count == 0
+    health = await http.get(url)
+    assert health.status_code == 200 and "OTA" in health.text
+
+
+async def test_credentials_and_pending_codes_survive_a_restart(
+    bridge_factory: Callable[..., Any], tmp_path: Any, http: httpx.AsyncClient
+) -> None:
+    from backend.auth import Tokens
+    from tests.helpers import make_settings
+
+    settings = make_settings(tmp_path / "kept", device_auth="device")
+    async with Bridge(settings, Tokens(ADMIN_TOKEN)) as bridge:
+        headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        async with httpx.AsyncClient(base_url=bridge.api_url, headers=headers) as admin:
+            token = await approved_token(bridge, http, admin, mac=MAC, client_id=CLIENT_ID)
+        waiting = StockOta(http, bridge.provisioning.ota_url, mac="a4:cf:00:00:04:01")
+        code = (await waiting.check()).json()["activation"]["code"]
+    async with Bridge(settings, Tokens(ADMIN_TOKEN)) as bridge:
+        assert await handshake_status(bridge.ws_url, token, MAC) == 101
+        url = bridge.provisioning.ota_url
+        again = await StockOta(http, url, mac="a4:cf:00:00:04:01").check()
+        assert again.json()["activation"]["code"] == code  # what the device still shows
+        assert (await StockOta(http, url, mac=MAC).check()).json()["websocket"]["token"] == token
+
+
+async def test_the_database_with_keys_and_token_hashes_is_readable_by_its_owner_only(
+    device_bridge: Bridge,
+) -> None:
+    import stat
+
+    path = device_bridge.database.path
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.with_name(path.name + "-wal").stat().st_mode) == 0o600

@@ -1,0 +1,198 @@
+"""Risky device tools (reboot, upgrade, settings, `destructiveHint`) need an explicit
+confirmation: the admin API's `"confirm": true`, the CLI's `--confirm`, a "yes" in the next chat
+turn. Policy per tool and per device. A real bridge, a stock device over a real WebSocket, the
+fake LLM on loopback."""
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from backend.chat import (
+    ChatService,
+    DeviceToolBox,
+    Done,
+    Token,
+    ToolCompleted,
+    ToolFailed,
+    ToolStarted,
+    TurnRequest,
+    collect,
+)
+from backend.chat.llm import OpenAiProvider, Usage
+from backend.server import Bridge
+from simulator.llm_server import FakeCall, FakeLlm, Reply
+from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, run_cli, wait_state
+from tests.stock_device import STATUS_TOOL, VOLUME_TOOL, WireDevice
+
+MAC = "a4:cf:12:34:56:78"
+UPGRADE = "self.firmware.upgrade"
+ERASE = "self.storage.erase"
+REBOOT = "self.reboot"
+
+
+def risky_tools() -> list[dict[str, Any]]:
+    schema = {"type": "object", "properties": {}}
+    url = {"type": "object", "properties": {"url": {"type": "string"}}, "required": ["url"]}
+    return [
+        STATUS_TOOL,
+        VOLUME_TOOL,
+        {"name": UPGRADE, "description": "Upgrade the firmware from a URL.", "inputSchema": url},
+        {
+            "name": ERASE,
+            "description": "Erase stored data.",
+            "inputSchema": schema,
+            "annotations": {"destructiveHint": True},
+        },
+        {
+            "name": REBOOT,
+            "description": "Reboot.",
+            "inputSchema": schema,
+            "annotations": {"audience": ["user"]},
+        },
+    ]
+
+
+@pytest.fixture
+async def device(bridge: Bridge) -> AsyncIterator[WireDevice]:
+    wire = WireDevice(bridge.ws_url, DEVICE_TOKEN, MAC, tools=risky_tools())
+    await wire.connect()
+    await wait_state(bridge, MAC)
+    yield wire
+    await wire.close()
+
+
+def called(device: WireDevice) -> list[str]:
+    return [name for name, _arguments in device.stock.calls]
+
+
+async def call(
+    api: httpx.AsyncClient, name: str, device_id: str = MAC, **body: Any
+) -> httpx.Response:
+    return await api.post(f"/api/devices/{device_id}/tools/call", json={"name": name, **body})
+
+
+async def test_the_api_refuses_risky_tools_without_confirm(
+    api: httpx.AsyncClient, device: WireDevice
+) -> None:
+    for name, arguments, reason in (
+        (REBOOT, {}, "rule '*.reboot'"),
+        (UPGRADE, {"url": "http://x/f.bin"}, "rule '*upgrade*'"),
+        (ERASE, {}, "destructiveHint"),
+    ):
+        refused = await call(api, name, arguments=arguments)
+        assert refused.status_code == 428, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "confirmation_required"
+        assert reason in error["message"] and '"confirm": true' in error["message"]
+    assert called(device) == []
+
+    for name, arguments in ((REBOOT, {}), (UPGRADE, {"url": "http://x/f.bin"}), (ERASE, {})):
+        done = await call(api, name, arguments=arguments, confirm=True)
+        assert done.status_code == 200, done.text
+    assert called(device) == [REBOOT, UPGRADE, ERASE]
+    # A harmless tool needs nothing.
+    assert (await call(api, "self.audio_speaker.set_volume", arguments={"volume": 5})).is_success
+
+
+async def test_the_cli_needs_confirm_for_a_risky_tool(bridge: Bridge, device: WireDevice) -> None:
+    server = ["--server", bridge.api_url, "--token", ADMIN_TOKEN]
+    status, _out, err = await run_cli("call", MAC, REBOOT, *server)
+    assert status == 1 and "needs an explicit confirmation" in err and "--confirm" in err
+    assert len(err.strip().splitlines()) == 1 and called(device) == []
+    status, out, err = await run_cli("call", MAC, REBOOT, "--confirm", *server)
+    assert (status, out.strip()) == (0, "true"), err
+    assert called(device) == [REBOOT]
+
+
+async def test_the_policy_is_set_per_tool_and_per_device(
+    bridge_factory: Callable[..., Any],
+) -> None:
+    bridge: Bridge = await bridge_factory(
+        confirm_tools=["*.reboot", f"!{MAC}/self.reboot", "*/self.audio_speaker.*"],
+        confirm_destructive_hint=False,
+    )
+    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    lab = WireDevice(bridge.ws_url, DEVICE_TOKEN, MAC, tools=risky_tools())
+    other = WireDevice(bridge.ws_url, DEVICE_TOKEN, "a4:cf:00:00:00:02", tools=risky_tools())
+    async with httpx.AsyncClient(base_url=bridge.api_url, headers=headers) as api:
+        for wire in (lab, other):
+            await wire.connect()
+            await wait_state(bridge, wire.device_id)
+        try:
+            assert (await call(api, REBOOT)).status_code == 200  # exempt on this device
+            assert (await call(api, REBOOT, "a4:cf:00:00:00:02")).status_code == 428
+            assert (await call(api, ERASE)).status_code == 200  # destructiveHint switched off
+            volume = await call(api, "self.audio_speaker.set_volume", arguments={"volume": 9})
+            assert volume.status_code == 428  # made risky by the operator
+            assert (await call(api, UPGRADE, arguments={"url": "u"})).status_code == 200
+        finally:
+            await lab.close()
+            await other.close()
+
+
+# ---- chat: ask first, call only after a yes -----------------------------------------------------
+
+
+@pytest.fixture
+async def chat(fake_llm: FakeLlm, bridge: Bridge) -> AsyncIterator[ChatService]:
+    provider = OpenAiProvider(fake_llm.url, Usage(chat="m", guardrail="g"), timeout_s=5)
+    yield ChatService(bridge.frontends.memory, provider)
+    await provider.aclose()
+
+
+def turn(bridge: Bridge, text: str, conversation: str = "conv-risky") -> TurnRequest:
+    box = DeviceToolBox(bridge.registry.require(MAC), actor="chat:test")
+    return TurnRequest(text=text, device_id=MAC, conversation_id=conversation, toolbox=box)
+
+
+def spoken(events: list[Any]) -> str:
+    return "".join(event.text for event in events if isinstance(event, Token))
+
+
+async def test_a_chat_turn_asks_before_a_risky_tool_and_runs_it_after_yes(
+    fake_llm: FakeLlm, bridge: Bridge, chat: ChatService, device: WireDevice
+) -> None:
+    upgrade = FakeCall("self_firmware_upgrade", {"url": "http://x/f.bin"})
+    fake_llm.script("chat", Reply("Let me upgrade it.", calls=[upgrade]))
+    first = await collect(chat.run_turn(turn(bridge, "Upgrade your firmware from http://x/f.bin")))
+    assert called(device) == []
+    [failed] = [e for e in first if isinstance(e, ToolFailed)]
+    assert failed.tool == UPGRADE and "confirm" in failed.error
+    question = spoken(first)
+    assert 'Reply "yes" to go ahead' in question and UPGRADE in question
+    assert len(fake_llm.of_kind("chat")) == 1  # no second model round after the refusal
+    assert isinstance(first[-1], Done) and first[-1].metadata.stored
+
+    second = await collect(chat.run_turn(turn(bridge, "Yes, go ahead")))
+    assert called(device) == [UPGRADE]
+    assert device.stock.calls[0][1] == {"url": "http://x/f.bin"}
+    assert [type(e) for e in second if isinstance(e, ToolStarted | ToolCompleted)] == [
+        ToolStarted,
+        ToolCompleted,
+    ]
+    assert spoken(second).startswith(f"Done: {UPGRADE}")
+    assert len(fake_llm.of_kind("chat")) == 1  # the confirmation needed no model
+    # Asked once, answered once: another "yes" does nothing.
+    third = await collect(chat.run_turn(turn(bridge, "yes")))
+    assert called(device) == [UPGRADE] and not any(isinstance(e, ToolStarted) for e in third)
+
+
+async def test_no_or_another_conversation_never_runs_the_risky_tool(
+    fake_llm: FakeLlm, bridge: Bridge, chat: ChatService, device: WireDevice
+) -> None:
+    erase = FakeCall("self_storage_erase", {})
+    fake_llm.script("chat", Reply(calls=[erase]), Reply(calls=[erase]))
+    await collect(chat.run_turn(turn(bridge, "Erase your storage")))
+    declined = await collect(chat.run_turn(turn(bridge, "No, cancel that")))
+    assert "did not run self.storage.erase" in spoken(declined)
+
+    await collect(chat.run_turn(turn(bridge, "Erase your storage", conversation="a")))
+    elsewhere = await collect(chat.run_turn(turn(bridge, "yes", conversation="b")))
+    assert not any(isinstance(e, ToolStarted) for e in elsewhere)
+    # The question in "a" is still open; an unrelated answer there drops it.
+    fake_llm.script("chat", Reply("Brush twice a day."))
+    await collect(chat.run_turn(turn(bridge, "How often should I brush?", conversation="a")))
+    await collect(chat.run_turn(turn(bridge, "yes", conversation="a")))
+    assert called(device) == []
