@@ -25,6 +25,7 @@ from rich.table import Table
 
 from backend.cli.client import AdminError
 from backend.cli.keys import admin_client
+from backend.cli.options import ConfigOpt, DataDirOpt, ServerOpt, TokenOpt
 from backend.cli.output import console, fail, say
 
 devices_app = typer.Typer(
@@ -33,16 +34,6 @@ devices_app = typer.Typer(
     invoke_without_command=True,
 )
 
-ConfigOpt = Annotated[Path | None, typer.Option("--config", help="TOML config file.")]
-DataDirOpt = Annotated[
-    Path | None, typer.Option("--data-dir", help="Where tokens and runtime files live.")
-]
-ServerOpt = Annotated[
-    str | None, typer.Option("--server", help="Admin API URL [env: BRIDGE_SERVER].")
-]
-TokenOpt = Annotated[
-    str | None, typer.Option("--token", help="Admin token [env: BRIDGE_ADMIN_TOKEN].")
-]
 TRANSPORTS = ("websocket", "mqtt")
 
 

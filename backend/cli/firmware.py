@@ -22,6 +22,7 @@ from backend.cli.local import (
     device_token,
     local_ota_url,
 )
+from backend.cli.options import DataDirOpt, ServerOpt, TokenOpt
 from backend.cli.output import console, fail, say, warn
 from backend.firmware.build import DEFAULT_MARCH, DEFAULT_OUT, BuiltFile, build, stale_build
 from backend.firmware.deploy import plan_deploy, run_deploy
@@ -193,14 +194,6 @@ def run_host(
 
 
 # ---- releases for the OTA endpoint (through the running bridge's admin API) -------------------
-
-ServerOpt = Annotated[
-    str | None, typer.Option("--server", help="Admin API URL [env: BRIDGE_SERVER].")
-]
-TokenOpt = Annotated[
-    str | None, typer.Option("--token", help="Admin token [env: BRIDGE_ADMIN_TOKEN].")
-]
-DataDirOpt = Annotated[Path | None, typer.Option("--data-dir", help="The bridge's data dir.")]
 
 
 @firmware_app.command("publish")

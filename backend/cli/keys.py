@@ -11,6 +11,7 @@ from rich.table import Table
 
 from backend.cli.client import AdminClient, AdminError
 from backend.cli.local import admin_token, api_url, cli_settings
+from backend.cli.options import ConfigOpt, DataDirOpt, ServerOpt, TokenOpt
 from backend.cli.output import console, fail, say
 from backend.keys import Scope
 
@@ -19,19 +20,6 @@ keys_app = typer.Typer(
     no_args_is_help=True,
 )
 
-ConfigOpt = Annotated[Path | None, typer.Option("--config", help="TOML config file.")]
-DataDirOpt = Annotated[
-    Path | None, typer.Option("--data-dir", help="Where tokens and runtime files live.")
-]
-ServerOpt = Annotated[
-    str | None, typer.Option("--server", help="Admin API URL (env BRIDGE_SERVER).")
-]
-TokenOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--token", help="Admin token, or a key with scope admin (env BRIDGE_ADMIN_TOKEN)."
-    ),
-]
 SCOPE_HELP = "A scope: " + ", ".join(scope.value for scope in Scope) + " (repeat for more)."
 
 

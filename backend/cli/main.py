@@ -23,6 +23,7 @@ from backend.cli.local import (
     device_token,
 )
 from backend.cli.mqtt import mqtt_app
+from backend.cli.options import ConfigOpt, DataDirOpt, ServerOpt, TokenOpt
 from backend.cli.output import console, fail
 from backend.errors import BridgeError
 
@@ -35,21 +36,11 @@ app = typer.Typer(
 app.add_typer(firmware_app, name="firmware")
 app.add_typer(mqtt_app, name="mqtt")
 
-ConfigOpt = Annotated[Path | None, typer.Option("--config", help="TOML config file.")]
-DataDirOpt = Annotated[
-    Path | None, typer.Option("--data-dir", help="Where tokens and runtime files live.")
-]
 WsPortOpt = Annotated[int | None, typer.Option("--ws-port", help="Device WebSocket port.")]
 HttpPortOpt = Annotated[int | None, typer.Option("--http-port", help="Admin API port.")]
 DeviceHttpPortOpt = Annotated[
     int | None,
     typer.Option("--device-http-port", help="Device HTTP port (OTA, activation, firmware)."),
-]
-ServerOpt = Annotated[
-    str | None, typer.Option("--server", help="Admin API URL [env: BRIDGE_SERVER].")
-]
-TokenOpt = Annotated[
-    str | None, typer.Option("--token", help="Admin token [env: BRIDGE_ADMIN_TOKEN].")
 ]
 
 

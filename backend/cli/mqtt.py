@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from backend.cli.local import cli_settings
+from backend.cli.options import ConfigOpt
 from backend.cli.output import console, fail
 from backend.errors import BridgeError
 from backend.transports.mqtt_credentials import (
@@ -20,7 +21,6 @@ from backend.transports.mqtt_topics import TopicScheme, build_client_id
 
 mqtt_app = typer.Typer(help="MQTT + UDP transport: device credentials, broker files.")
 
-ConfigOpt = Annotated[Path | None, typer.Option("--config", help="TOML config file.")]
 DataDirOpt = Annotated[
     Path | None, typer.Option("--data-dir", help="Where the bridge keeps mqtt.secret.")
 ]
