@@ -153,6 +153,10 @@ async def test_models_and_unknown_model(client):
         ({"model": MODEL, "messages": [{"role": "system", "content": "hi"}]}, "user message"),
         ({"model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "stream": "x"}, ""),
         ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, "role"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x" * 4001}]},
+            "at most 4,000 characters",
+        ),
     ],
 )
 async def test_malformed_completion_requests_are_422(http, fake_llm, body, fragment):

@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from backend.api.app import ApiError
 from backend.api.scopes import actor_of, needs
 from backend.chat import (
+    MAX_QUERY_CHARS,
     ChatEvent,
     ChatService,
     DeviceToolBox,
@@ -82,7 +83,7 @@ class StreamRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    message: str = Field(min_length=1, max_length=8000)
+    message: str = Field(min_length=1, max_length=MAX_QUERY_CHARS)
     conversation_id: str | None = Field(default=None, alias="conversationId", max_length=128)
     device_id: str | None = Field(default=None, alias="deviceId")
 

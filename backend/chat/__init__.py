@@ -36,11 +36,18 @@ from backend.chat.search import (
     WebSearch,
     format_results,
 )
-from backend.chat.service import ChatService, InputMessage, TurnRequest, collect
+from backend.chat.service import (
+    MAX_QUERY_CHARS,
+    ChatService,
+    InputMessage,
+    TurnRequest,
+    collect,
+)
 from backend.chat.tools import DeviceToolBox, NoTools, ToolBox, ToolOutcome, ToolSource
 
 __all__ = [
     "CHAT_MIGRATIONS",
+    "MAX_QUERY_CHARS",
     "ChatEvent",
     "ChatService",
     "Conversation",

@@ -252,15 +252,15 @@ class PhraseMatcher:
         accented = has_vietnamese_letters(text)
         subject = nfc_lower(text) if accented else fold(text)
         table = self._accented if accented else self._folded
-        taken: list[tuple[int, int]] = []
+        taken = bytearray(len(subject))  # 1 where a longer phrase already matched: linear time
         hits: list[Hit] = []
         for phrase, pattern in table:
             for match in pattern.finditer(subject):
-                span = match.span()
-                if any(span[0] < end and start < span[1] for start, end in taken):
+                start, end = match.span()
+                if taken.find(1, start, end) != -1:
                     continue
-                taken.append(span)
-                hits.append(Hit(phrase, *span))
+                taken[start:end] = b"\x01" * (end - start)
+                hits.append(Hit(phrase, start, end))
         hits.sort(key=lambda hit: hit.start)
         return hits
 

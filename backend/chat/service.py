@@ -70,6 +70,10 @@ from backend.errors import BridgeError
 
 log = structlog.get_logger("chat")
 
+# A question, typed or spoken, fits in this many characters. Longer ones are refused before
+# any work: the guardrail, the intent rules and the ranking all read the whole text.
+MAX_QUERY_CHARS = 4000
+
 _NO_PERMISSION = {
     "vi": "Tôi không có quyền điều khiển thiết bị này ({reason}).",
     "en": "I'm not allowed to control this device ({reason}).",
@@ -107,8 +111,11 @@ class TurnRequest(BaseModel):
 
     @model_validator(mode="after")
     def _has_query(self) -> "TurnRequest":
-        if not self.query.strip():
+        query = self.query
+        if not query.strip():
             raise ValueError("a turn needs `text` or a user message with text")
+        if len(query) > MAX_QUERY_CHARS:
+            raise ValueError(f"a question is at most {MAX_QUERY_CHARS:,} characters")
         return self
 
     @property
