@@ -8,6 +8,7 @@ import functools
 import logging
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
@@ -131,11 +132,29 @@ class LogBudget:
     def count(self, event: str, key: str | None = None) -> int:
         return self._counts.get((event, key), 0)
 
+    def rebind(self, log: Any) -> None:
+        """Write the next lines through `log` (a device's new link), keeping the counts."""
+        self._log = log
+
     def close(self) -> None:
         """Write the pending summaries (when the source goes away)."""
         now = self._clock()
         for slot in list(self._suppressed):
             self._flush(slot, now)
+
+    def close_as_one(self, event: str) -> None:
+        """Write every pending count in one `event` line ({event: count}) instead of one line
+        each: a source that comes back often costs one line per visit."""
+        if not self._suppressed:
+            return
+        now = self._clock()
+        counts: dict[str, int] = {}
+        for slot, suppressed in self._suppressed.items():
+            name = slot[0] if slot[1] is None else f"{slot[0]} ({slot[1]})"
+            counts[name] = counts.get(name, 0) + suppressed
+            self._last_summary[slot] = now
+        self._suppressed.clear()
+        self._log.warning(event, repeated=counts)
 
     def _emit(self, level: str, event: str, key: str | None, fields: dict[str, Any]) -> None:
         slot = (event, key)
@@ -174,6 +193,43 @@ class LogBudget:
             self._counts.pop(oldest)
             self._suppressed.pop(oldest, None)
             self._last_summary.pop(oldest, None)
+
+
+class DeviceBudgets:
+    """A `LogBudget` per device that outlives its links: a device that reconnects carries on
+    with its budget instead of starting a fresh burst, so reconnecting does not buy it more
+    lines. Budgets are made on first use; the `max_devices` most recently used are kept."""
+
+    __slots__ = ("_budgets", "_burst", "_interval_s", "_max_devices")
+
+    def __init__(
+        self, *, burst: int = 5, interval_s: float = 60.0, max_devices: int = 1024
+    ) -> None:
+        self._burst = burst
+        self._interval_s = interval_s
+        self._max_devices = max_devices
+        self._budgets: OrderedDict[str, LogBudget] = OrderedDict()
+
+    def get(self, device_id: str, log: Any) -> LogBudget:
+        """`device_id`'s budget, writing through `log` from now on."""
+        budget = self._budgets.pop(device_id, None)
+        if budget is None:
+            budget = LogBudget(log, burst=self._burst, interval_s=self._interval_s)
+            while len(self._budgets) >= self._max_devices:
+                self._budgets.popitem(last=False)
+        else:
+            budget.rebind(log)
+        self._budgets[device_id] = budget
+        return budget
+
+    def flush(self, device_id: str) -> None:
+        """Write `device_id`'s pending counts in one line (its link ended); its counts stay."""
+        budget = self._budgets.get(device_id)
+        if budget is not None:
+            budget.close_as_one("device log lines suppressed")
+
+    def __len__(self) -> int:
+        return len(self._budgets)
 
 
 class EventBudget:

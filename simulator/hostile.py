@@ -17,7 +17,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 HELLO = {
     "type": "hello",
@@ -371,12 +371,50 @@ ATTACKS: dict[str, Callable[[str, str, str, float], Awaitable[AttackReport]]] = 
 }
 
 
+RETRY_S = 0.5  # how soon a cut-off attacker tries again
+
+
+async def persistently(
+    attack: Callable[[str, str, str, float], Awaitable[AttackReport]],
+    url: str,
+    token: str,
+    device_id: str,
+    duration_s: float,
+) -> AttackReport:
+    """An attacker that does not give up: cut off, it reconnects (every `RETRY_S` while its
+    handshakes are refused) and attacks again until `duration_s` is spent. The report adds up
+    its links; `close_code` is the first cut-off's; `detail` counts links and refusals."""
+    started = time.monotonic()
+    total: AttackReport | None = None
+    links = refused = 0
+    while (left := duration_s - (time.monotonic() - started)) > 0.05:
+        try:
+            report = await attack(url, token, device_id, left)
+        except (InvalidStatus, ConnectionClosed, OSError):
+            refused += 1  # held off, or closed before the attack began
+            await asyncio.sleep(RETRY_S)
+            continue
+        links += 1
+        if total is None:
+            total = report
+        else:
+            total.sent += report.sent
+            total.close_code = total.close_code or report.close_code
+        if not report.cut_off:
+            break  # it held its link for the whole time
+    if total is None:
+        total = AttackReport(f"{getattr(attack, '__name__', 'attack')} (never connected)")
+    total.seconds = time.monotonic() - started
+    total.detail.update(links=links, refused_handshakes=refused)
+    return total
+
+
 async def run_attack(
     name: str, url: str, token: str, device_id: str, amount: float
 ) -> AttackReport:
     """One attack by name; `amount` is a duration in seconds, or a count for the storms."""
     if name in ATTACKS:
-        return await ATTACKS[name](url, token, device_id, amount)
+        return await persistently(ATTACKS[name], url, token, device_id, amount)
     if name == "idle_sockets":
         return await idle_sockets(url, int(amount), 3.0)
     if name == "same_id_storm":

@@ -1,5 +1,6 @@
 """Bad input from devices: each case has a defined outcome, one log line, no harm to others."""
 
+import asyncio
 import json
 
 import pytest
@@ -142,6 +143,41 @@ async def test_device_that_never_sends_hello_is_closed(bridge_factory):
     await device.ws.wait_closed()
     assert device.ws.close_code == 1008
     await eventually(lambda: len(strict.registry) == 0)
+
+
+async def test_a_device_cut_off_for_a_policy_violation_is_held_off_before_it_reconnects(
+    bridge_factory,
+):
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import InvalidStatus
+
+    # handshake_device: 5/s, burst 2 → a cut-off device waits (2 + 1) / 5 = 0.6 s.
+    limits = {"handshake_device": {"per_s": 5, "burst": 2}}
+    strict = await bridge_factory(hello_timeout_s=0.1, rate_limits=limits)
+    device = WireDevice(strict.ws_url, "device-secret-token-for-tests", "a4:cf:00:00:00:0c")
+    await device.connect(send_hello=False)
+    await device.ws.wait_closed()
+    assert device.ws.close_code == 1008
+    with pytest.raises(InvalidStatus) as refused:
+        async with connect(strict.ws_url, additional_headers=device.headers()):
+            pass
+    assert refused.value.response.status_code == 429
+    other = WireDevice(strict.ws_url, "device-secret-token-for-tests", "a4:cf:00:00:00:0d")
+    await other.connect()  # another device is not held off
+    await wait_state(strict, other.device_id, DeviceState.READY)
+
+    refusals = 1
+    async with asyncio.timeout(5):
+        while True:
+            try:
+                await device.connect()
+                break
+            except InvalidStatus:
+                refusals += 1  # still held off
+                await asyncio.sleep(0.05)
+    await wait_state(strict, device.device_id, DeviceState.READY)
+    assert refusals >= 2  # held off for a while, not just for one attempt
+    await asyncio.gather(device.close(), other.close())
 
 
 async def test_tolerant_of_other_clients_pretty_json_empty_session(bridge, wire_devices):

@@ -6,7 +6,9 @@ import asyncio
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
+from backend.chat import MAX_QUERY_CHARS
 from backend.server import Bridge
 from simulator.llm_server import FakeCall, Reply
 from tests.helpers import DEVICE_TOKEN, eventually, wait_state
@@ -152,6 +154,19 @@ async def test_the_stock_wake_word_is_not_a_question(bridge, wire_devices):
     await device.send(detect(device, QUESTION))
     await device.wait_for_count(lambda: tts_stops(device), 1)
     assert [m["text"] for m in device.messages if m["type"] == "stt"] == [QUESTION]
+
+
+async def test_an_overlong_question_is_ignored_with_one_warning(bridge, wire_devices):
+    device = await ready(bridge, wire_devices)
+    with capture_logs() as logs:
+        for _ in range(3):
+            await device.send(detect(device, "t" * (MAX_QUERY_CHARS + 1)))
+        await device.send(detect(device, QUESTION))
+        await device.wait_for_count(lambda: tts_stops(device), 1)
+    assert [m["text"] for m in device.messages if m["type"] == "stt"] == [QUESTION]
+    warnings = [e for e in logs if e["event"] == "device question too long; ignored"]
+    assert [e["chars"] for e in warnings] == [MAX_QUERY_CHARS + 1] * 3  # within its budget of 5
+    assert all(len(str(e)) < 1000 for e in logs)  # the text itself is clipped or left out
 
 
 async def test_tool_calls_go_to_the_speaking_device(bridge_factory, fake_llm, simulated_devices):

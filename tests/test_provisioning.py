@@ -425,6 +425,10 @@ async def test_ota_activation_and_handshake_rate_limits_trigger_and_recover(
         rate_limits={"ota_ip": slow, "activate_device": slow, "handshake_device": slow},
     )
     url = bridge.provisioning.ota_url
+    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    async with httpx.AsyncClient(base_url=bridge.api_url, headers=headers) as admin:
+        token = await approved_token(bridge, http, admin, mac=MAC, client_id=CLIENT_ID)
+    await asyncio.sleep(0.2)  # the OTA bucket (2 at 20/s) refills after approved_token used it
     statuses = [
         (await StockOta(http, url, mac=f"a4:cf:00:00:03:{i:02x}").check()).status_code
         for i in range(3)
@@ -439,11 +443,13 @@ async def test_ota_activation_and_handshake_rate_limits_trigger_and_recover(
 
     polls = [(await ota.activate()).status_code for _ in range(3)]
     assert polls[:2] == [202, 202] and polls[2] == 429
-    handshakes = [await handshake_status(bridge.ws_url, "x", MAC) for _ in range(3)]
-    assert handshakes == [401, 401, 429]  # refused before the token is even looked at
+    strangers = [await handshake_status(bridge.ws_url, "x", MAC) for _ in range(3)]
+    assert strangers == [401, 401, 401]  # a wrong token never spends the device's budget
+    handshakes = [await handshake_status(bridge.ws_url, token, MAC) for _ in range(3)]
+    assert handshakes == [101, 101, 429]
 
     async def handshake_allowed() -> bool:
-        return await handshake_status(bridge.ws_url, "x", MAC) == 401
+        return await handshake_status(bridge.ws_url, token, MAC) == 101
 
     await eventually_async(handshake_allowed)
     counts = bridge.provisioning.limits.refused()

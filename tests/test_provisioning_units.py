@@ -92,10 +92,29 @@ def test_a_token_bucket_refuses_past_its_burst_and_recovers() -> None:
     assert limiter.refused == 3
 
 
+def test_a_penalized_key_waits_a_whole_burst_each_time() -> None:
+    clock = Clock()
+    limiter = KeyedLimiter(1.0, 10, clock=clock)
+    limiter.penalize("device")  # a fresh key starts empty, a burst in debt
+    clock.now += 10.5
+    assert not limiter.allow("device")  # -10 + 10.5 = 0.5: not a whole token yet
+    clock.now += 0.5
+    assert limiter.allow("device") and not limiter.allow("device")
+    limiter.penalize("device")  # cut off again at once: another 11 s, never a fresh burst
+    clock.now += 10.9
+    assert not limiter.allow("device")
+    clock.now += 0.2
+    assert limiter.allow("device")
+    assert limiter.allow("untouched")
+
+
 def test_the_bucket_table_is_bounded() -> None:
     limiter = KeyedLimiter(1.0, 1, max_keys=100, clock=Clock())
     for index in range(10_000):
         limiter.allow(f"device-{index}")
+    assert len(limiter) == 100
+    for index in range(1_000):
+        limiter.penalize(f"cut-{index}")
     assert len(limiter) == 100
 
 

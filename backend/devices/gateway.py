@@ -4,6 +4,7 @@ from backend.config import Settings
 from backend.devices.conversation import ConversationHub
 from backend.devices.registry import DeviceRegistry
 from backend.devices.session import DeviceSession, timeout_policy
+from backend.logs import DeviceBudgets
 from backend.transports.base import DeviceLink, LinkHandler
 
 
@@ -15,8 +16,12 @@ class DeviceGateway:
         self._hub = hub
         self._settings = settings
         self._timeouts = timeout_policy(settings)
+        # Log budgets outlive links: a noisy device gets no fresh burst by reconnecting.
+        self._log_budgets = DeviceBudgets(burst=5)
 
     def open_link(self, link: DeviceLink) -> LinkHandler:
-        session = DeviceSession(link, self._registry, self._hub, self._settings, self._timeouts)
+        session = DeviceSession(
+            link, self._registry, self._hub, self._settings, self._timeouts, self._log_budgets
+        )
         session.start()
         return session

@@ -24,7 +24,7 @@ from backend.config import Settings
 from backend.devices.conversation import Conversation, ConversationHub, HandlerResult
 from backend.devices.limits import InboundLimit
 from backend.devices.registry import Device, DeviceRegistry, DeviceState
-from backend.logs import DeviceLog, LogBudget, clip
+from backend.logs import DeviceBudgets, DeviceLog, LogBudget, clip
 from backend.mcp_session import DeviceDisconnected, McpClient, McpError, TimeoutPolicy, Tool
 from backend.mcp_session.models import ToolLimits
 from backend.protocol import (
@@ -72,6 +72,7 @@ class DeviceSession:
         "_inbound",
         "_last_relist",
         "_log",
+        "_log_budgets",
         "_registry",
         "_relist_task",
         "_relist_wanted",
@@ -91,6 +92,7 @@ class DeviceSession:
         hub: ConversationHub,
         settings: Settings,
         timeouts: TimeoutPolicy | None = None,
+        log_budgets: DeviceBudgets | None = None,
     ) -> None:
         identity = link.identity
         self.link = link
@@ -114,6 +116,7 @@ class DeviceSession:
         self._handler_tasks = 0
         self._hello_timer: asyncio.TimerHandle | None = None
         self._drops: LogBudget | None = None
+        self._log_budgets = log_budgets  # shared by the device's links (None: one per link)
         self._relist_task: asyncio.Task[None] | None = None
         self._relist_wanted = False
         self._last_relist = 0.0
@@ -130,7 +133,9 @@ class DeviceSession:
         """Register with the registry (replacing an older link) and begin the conversation."""
         self._device = self._registry.connect(self.link.identity, self)
         identity = self.link.identity
-        self._log.info("device connected", transport=identity.transport, remote=identity.remote)
+        # At debug: "device ready" and "device disconnected" tell an operator what matters, so
+        # a link that never gets anywhere costs one info line, not two.
+        self._log.debug("device connected", transport=identity.transport, remote=identity.remote)
         if self.link.conversation_scoped:
             self._hello_timer = asyncio.get_running_loop().call_later(
                 self._settings.hello_timeout_s, self._on_hello_timeout
@@ -203,8 +208,17 @@ class DeviceSession:
         if self.hello is not None:
             self._hub.dispatch_ended(self.conversation, reason)
         if self._drops is not None:
-            self._drops.close()
-        self._log.info("device disconnected", reason=reason)
+            if self._log_budgets is None:
+                self._drops.close()
+            else:
+                self._log_budgets.flush(self.link.identity.device_id)
+        identity = self.link.identity
+        self._log.info(
+            "device disconnected",
+            reason=reason,
+            transport=identity.transport,
+            remote=identity.remote,
+        )
 
     def _cut_off_for(self, reason: str) -> None:
         """The device broke a bound (flooding, not reading our answers): close its link with
@@ -316,7 +330,10 @@ class DeviceSession:
             self._registry.failed(self.device, str(exc))
             return
         self._last_relist = time.monotonic()
-        self._log.info("device ready", tools=len(tools))
+        identity = self.link.identity
+        self._log.info(
+            "device ready", tools=len(tools), transport=identity.transport, remote=identity.remote
+        )
         self._registry.ready(self.device, result.server_info, tools)
 
     async def _list_tools(self) -> list[Tool]:
@@ -398,7 +415,13 @@ class DeviceSession:
 
     def _budget(self) -> LogBudget:
         if self._drops is None:
-            self._drops = LogBudget(self._log, burst=5)
+            budgets = self._log_budgets
+            device_id = self.link.identity.device_id
+            self._drops = (
+                LogBudget(self._log, burst=5)
+                if budgets is None
+                else budgets.get(device_id, self._log)
+            )
         return self._drops
 
 

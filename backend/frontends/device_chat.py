@@ -29,6 +29,7 @@ import time
 import structlog
 
 from backend.chat import (
+    MAX_QUERY_CHARS,
     ChatEvent,
     ChatService,
     DeviceToolBox,
@@ -43,7 +44,7 @@ from backend.devices import DeviceRegistry
 from backend.devices.conversation import Conversation as DeviceConversation
 from backend.devices.conversation import ConversationHub, Unsubscribe
 from backend.errors import BridgeError
-from backend.logs import LogBudget
+from backend.logs import DeviceBudgets, LogBudget
 from backend.protocol import Abort, Listen
 
 log = structlog.get_logger("device_chat")
@@ -96,7 +97,7 @@ class DeviceChat:
         self._turns: dict[str, asyncio.Task[None]] = {}
         self._unsubscribe: list[Unsubscribe] = []
         # Per device: a device that keeps detecting and aborting costs a few lines, then counts.
-        self._logs: dict[str, LogBudget] = {}
+        self._logs = DeviceBudgets(burst=5)  # outlives links: reconnecting buys no fresh burst
 
     def start(self) -> None:
         self._unsubscribe = [
@@ -127,6 +128,11 @@ class DeviceChat:
         if listen.state != "detect" or not text or is_wake_word(text):
             return  # a wake word is how the device says "I am listening", not a question
         device_id = conversation.device_id
+        if len(text) > MAX_QUERY_CHARS:  # no speech recogniser hears that much at once
+            self._log(device_id).warning(
+                "device question too long; ignored", device_id=device_id, chars=len(text)
+            )
+            return
         previous = self._turns.get(device_id)
         if previous is not None and not previous.done():
             self._log(device_id).info("device turn replaced by a new one", device_id=device_id)
@@ -148,15 +154,10 @@ class DeviceChat:
         task = self.running(conversation.device_id)
         if task is not None:
             task.cancel()
-        budget = self._logs.pop(conversation.device_id, None)
-        if budget is not None:
-            budget.close()
+        self._logs.flush(conversation.device_id)
 
     def _log(self, device_id: str) -> LogBudget:
-        budget = self._logs.get(device_id)
-        if budget is None:
-            budget = self._logs[device_id] = LogBudget(log, burst=5)
-        return budget
+        return self._logs.get(device_id, log)
 
     def _forget(self, device_id: str, task: asyncio.Task[None]) -> None:
         if self._turns.get(device_id) is task:

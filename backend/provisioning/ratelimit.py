@@ -48,6 +48,9 @@ class Limits:
             return None
         return f"too many {kind} requests for this device; slow down"
 
+    def penalize(self, kind: str, device_id: str) -> None:
+        self._device[kind].penalize(device_id)
+
     def refused(self) -> dict[str, int]:
         counts = {f"{kind}_ip": limiter.refused for kind, limiter in self._ip.items()}
         counts.update({f"{kind}_device": lim.refused for kind, lim in self._device.items()})
@@ -76,3 +79,6 @@ class HandshakeLimiter:
 
     def device_refusal(self, device_id: str) -> str | None:
         return self._limits.device_refusal("handshake", device_id)
+
+    def penalize(self, device_id: str) -> None:
+        self._limits.penalize("handshake", device_id)

@@ -65,6 +65,9 @@ class HandshakeLimits(Protocol):
 
     def device_refusal(self, device_id: str) -> str | None: ...
 
+    def penalize(self, device_id: str) -> None:
+        """`device_id` was cut off for breaking a bound: hold its next handshake off."""
+
 
 class NoDeviceAuth:
     """Device auth switched off (`device_auth = false`): anyone with a valid Device-Id."""
@@ -83,18 +86,20 @@ class Admission:
         self.limits = limits
 
     def admit(self, request: HandshakeRequest) -> DeviceIdentity:
-        """The device's identity, or HandshakeRefused (400 malformed fields, 401 credential,
-        429 too many handshakes from that address or for that device)."""
+        """The device's identity, or HandshakeRefused (429 too many handshakes from that
+        address, 400 malformed fields, 401 credential, 429 too many for that device)."""
         limits = self.limits
         if limits is not None and (refusal := limits.ip_refusal(request.remote)) is not None:
             raise HandshakeRefused(429, refusal)
         device_id = normalize_device_id(request.device_id)
-        if limits is not None and (refusal := limits.device_refusal(device_id)) is not None:
-            raise HandshakeRefused(429, refusal)
         version = _protocol_version(request.protocol_version)
         refusal = self.credentials.refusal(device_id, request.credential)
         if refusal is not None:
             raise HandshakeRefused(401, refusal)
+        # Counted per device only once the credential holds: a stranger cannot spend a device's
+        # budget (strangers are bounded per address above), and a revoked device hears 401.
+        if limits is not None and (refusal := limits.device_refusal(device_id)) is not None:
+            raise HandshakeRefused(429, refusal)
         client_id = (request.client_id or "").strip() or None
         if client_id is not None and len(client_id) > 128:
             raise HandshakeRefused(400, "Client-Id longer than 128 characters")
@@ -105,6 +110,13 @@ class Admission:
             transport=request.transport,
             remote=request.remote,
         )
+
+    def cut_off(self, device_id: str) -> None:
+        """A transport closed `device_id`'s link for a policy violation (1008): its next
+        handshakes wait (`handshake_device`'s burst / rate; 10 s by default), so a flooding
+        device costs a few connections a minute, not one per second."""
+        if self.limits is not None:
+            self.limits.penalize(device_id)
 
 
 def normalize_device_id(raw: str | None) -> str:

@@ -222,8 +222,11 @@ class MqttLink:
         """Forget the device until it shows up again; on a policy close (revoked, cut off for
         flooding) the broker is asked to drop its connection too, where it can."""
         self._transport.close_link(self, reason or f"closed by the bridge ({code})")
+        if code != POLICY_VIOLATION:
+            return
+        self._transport.admission.cut_off(self._identity.device_id)
         drop = self._transport.drop_client
-        if code == POLICY_VIOLATION and drop is not None:
+        if drop is not None:
             await drop(self.device_key)
 
     def _on_audio(self, frame: AudioFrame) -> None:

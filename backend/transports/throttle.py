@@ -54,6 +54,21 @@ class KeyedLimiter:
         self.refused += 1
         return False
 
+    def penalize(self, key: str) -> None:
+        """Empty `key`'s bucket and take a whole burst more: its next request is allowed only
+        after `burst / per_s` seconds (a device cut off for breaking a bound)."""
+        tokens = min(self._refilled(key), 0.0) - float(self.burst)
+        self._buckets[key] = _Bucket(tokens, self._clock())
+        while len(self._buckets) > self.max_keys:
+            self._buckets.popitem(last=False)
+
+    def _refilled(self, key: str) -> float:
+        bucket = self._buckets.pop(key, None)
+        if bucket is None:
+            return float(self.burst)
+        elapsed = self._clock() - bucket.at
+        return min(float(self.burst), bucket.tokens + elapsed * self.per_s)
+
     def __len__(self) -> int:
         return len(self._buckets)
 

@@ -21,6 +21,7 @@ import structlog
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
+from websockets.frames import CloseCode
 from websockets.http11 import Request, Response
 
 from backend.config import Settings
@@ -345,6 +346,8 @@ class WebSocketTransport:
             if drops is not None:
                 drops.close()
             self._links.discard(link)
+            if _we_closed_for_policy(connection):
+                self._admission.cut_off(link.identity.device_id)
             handler.on_closed(_close_reason(connection))
 
 
@@ -375,6 +378,19 @@ def _address(connection: ServerConnection) -> str | None:
 def _remote(connection: ServerConnection) -> str | None:
     address = connection.remote_address
     return f"{address[0]}:{address[1]}" if address else None
+
+
+_BROKE_A_BOUND = (CloseCode.POLICY_VIOLATION, CloseCode.MESSAGE_TOO_BIG)
+
+
+def _we_closed_for_policy(connection: ServerConnection) -> bool:
+    """The bridge, not the device, closed this link with 1008 or 1009 (it broke a bound)."""
+    sent = connection.protocol.close_sent
+    return (
+        sent is not None
+        and sent.code in _BROKE_A_BOUND
+        and not connection.protocol.close_rcvd_then_sent
+    )
 
 
 def _close_reason(connection: ServerConnection) -> str:
