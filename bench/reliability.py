@@ -76,7 +76,7 @@ def render(rows: list[Row], duration_s: float, quick: bool) -> str:
             and hit.call_errors == 0
         )
         missed += not met
-        cut = f"yes ({report.close_code})" if report.cut_off else "no"
+        cut = _cut_off(report, hit.events)
         lines.append(
             [
                 label,
@@ -130,6 +130,14 @@ def _sent(report: AttackReport) -> str:
     if links is None:
         return text
     return f"{text}, {links} link(s), {refused} refused handshake(s)"
+
+
+def _cut_off(report: AttackReport, events: dict[str, int]) -> str:
+    """The attacker's close code where it saw one; a never-reading attacker may not see our
+    close frame, so the bridge's own "device cut off" line counts too."""
+    if report.cut_off:
+        return f"yes ({report.close_code})"
+    return "yes (1008, unseen)" if events.get("device cut off") else "no"
 
 
 def _overall(missed: int, attacks: int) -> str:

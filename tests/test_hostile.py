@@ -38,8 +38,9 @@ async def test_memory_attacks_are_bounded_and_cut_off() -> None:
         for index, name in enumerate(("ping_flood", "small_ping_flood", "list_changed_storm")):
             attack = Attack(name, WINDOW_S, f"a4:cf:66:66:00:{index:02x}")
             result = await siege.measure(attack, WINDOW_S)
-            assert result.attack is not None and result.attack.cut_off, (name, result.attack)
-            assert result.attack.close_code == 1008, result.attack
+            # The bridge's view: an attacker that reads nothing may never see our close frame.
+            assert result.events.get("device cut off") == 1, (name, result.events)
+            assert result.events.get("device disconnected", 0) >= 1, (name, result.events)
             assert_bounded(result)
         storm = result.attack
         assert storm.detail["tools_list_requests"] < 10, storm.detail  # coalesced
