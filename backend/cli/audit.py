@@ -1,14 +1,12 @@
 """`esp32-bridge audit`: the audit log of device tool calls, newest first (scope admin)."""
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
-from backend.cli.client import AdminError
-from backend.cli.keys import admin_client
-from backend.cli.output import console, fail, say
+from backend.cli.options import ConfigOpt, DataDirOpt, ServerOpt, TokenOpt, admin_client
+from backend.cli.output import console, say
 
 
 def audit(
@@ -18,10 +16,10 @@ def audit(
         str | None, typer.Option("--actor", help="Only this caller, e.g. key:<id> or admin.")
     ] = None,
     limit: Annotated[int, typer.Option("--limit", min=1, max=1000, help="Entries.")] = 50,
-    server: Annotated[str | None, typer.Option("--server", help="Admin API URL.")] = None,
-    token: Annotated[str | None, typer.Option("--token", help="Admin token.")] = None,
-    data_dir: Annotated[Path | None, typer.Option("--data-dir", help="Data dir.")] = None,
-    config: Annotated[Path | None, typer.Option("--config", help="TOML config file.")] = None,
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+    data_dir: DataDirOpt = None,
+    config: ConfigOpt = None,
 ) -> None:
     """Who called which device tool, when, with which outcome (arguments as a SHA-256)."""
     params = {"limit": str(limit)}
@@ -29,10 +27,7 @@ def audit(
         if value is not None:
             params[name] = value
     with admin_client(server, token, data_dir, config) as admin:
-        try:
-            entries = admin.get("/api/audit", params)["entries"]
-        except AdminError as exc:
-            raise fail(str(exc)) from None
+        entries = admin.get("/api/audit", params)["entries"]
     if not entries:
         say("no tool calls recorded")
         return

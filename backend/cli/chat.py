@@ -11,8 +11,7 @@ import typer
 from rich.console import Console
 
 from backend.cli.client import AdminError
-from backend.cli.keys import admin_client
-from backend.cli.options import ConfigOpt, DataDirOpt, ServerOpt
+from backend.cli.options import ConfigOpt, DataDirOpt, ServerOpt, admin_client
 from backend.cli.output import console, err_console, fail
 
 QUIT = frozenset({"/quit", "/exit", "/q"})

@@ -23,9 +23,7 @@ from urllib.parse import quote
 import typer
 from rich.table import Table
 
-from backend.cli.client import AdminError
-from backend.cli.keys import admin_client
-from backend.cli.options import ConfigOpt, DataDirOpt, ServerOpt, TokenOpt
+from backend.cli.options import ConfigOpt, DataDirOpt, ServerOpt, TokenOpt, admin_client
 from backend.cli.output import console, fail, say
 
 devices_app = typer.Typer(
@@ -35,13 +33,6 @@ devices_app = typer.Typer(
 )
 
 TRANSPORTS = ("websocket", "mqtt")
-
-
-def _call(method: Any, *args: Any, **kwargs: Any) -> Any:
-    try:
-        return method(*args, **kwargs)
-    except AdminError as exc:
-        raise fail(str(exc)) from None
 
 
 @devices_app.callback()
@@ -60,7 +51,7 @@ def list_devices(
     if ctx.invoked_subcommand is not None:
         return
     with admin_client(server, token, data_dir, config) as admin:
-        rows = _call(admin.devices, online=online)
+        rows = admin.devices(online=online)
     table = Table("device_id", "state", "transport", "tools", "server", "connected_at", "last_seen")
     for device in rows:
         info = device.get("server_info") or {}
@@ -96,7 +87,7 @@ def pending(
 ) -> None:
     """Activation requests waiting for approval, with the code each device shows."""
     with admin_client(server, token, data_dir, config) as admin:
-        rows = _call(admin.get, "/api/provisioning/pending")["pending"]
+        rows = admin.get("/api/provisioning/pending")["pending"]
     if not rows:
         say("no pending activations")
         return
@@ -137,7 +128,7 @@ def approve(
     if transport is not None:
         body["transport"] = transport
     with admin_client(server, token, data_dir, config) as admin:
-        device = _call(admin.post, "/api/provisioning/approve", body)
+        device = admin.post("/api/provisioning/approve", body)
     say(
         f"approved {device['device_id']} (client {device['client_id']}); "
         "it gets its credentials at its next OTA check"
@@ -154,7 +145,7 @@ def revoke(
 ) -> None:
     """Revoke a device's credentials; a connected device is disconnected at once."""
     with admin_client(server, token, data_dir, config) as admin:
-        revoked = _call(admin.post, f"/api/provisioning/devices/{quote(device, safe='')}/revoke")
+        revoked = admin.post(f"/api/provisioning/devices/{quote(device, safe='')}/revoke")
     say(f"revoked {revoked['device_id']}")
 
 
@@ -173,7 +164,7 @@ def set_transport(
     value = None if transport == "default" else transport
     path = f"/api/provisioning/devices/{quote(device, safe='')}/transport"
     with admin_client(server, token, data_dir, config) as admin:
-        _call(admin.put, path, {"transport": value})
+        admin.put(path, {"transport": value})
     say(f"{device}: transport {transport}")
 
 
@@ -195,7 +186,7 @@ def enroll(
     if transport is not None:
         body["transport"] = transport
     with admin_client(server, token, data_dir, config) as admin:
-        created = _call(admin.post, "/api/provisioning/enrollment-codes", body)
+        created = admin.post("/api/provisioning/enrollment-codes", body)
     say(f"enrollment code {created['id']}: {uses} use(s), expires {created['expires_at']}")
     say("OTA URL for the devices (shown once):")
     say(created["ota_url"])
@@ -219,11 +210,11 @@ def serial_key(
     path = f"/api/provisioning/serial-keys/{quote(serial, safe='')}"
     with admin_client(server, token, data_dir, config) as admin:
         if remove:
-            _call(admin.delete, path)
+            admin.delete(path)
             say(f"removed the key of {serial}")
             return
         key = (key_file.read_text() if key_file is not None else sys.stdin.read()).strip()
-        _call(admin.put, path, {"key": key})
+        admin.put(path, {"key": key})
     say(f"registered the key of {serial}")
 
 
@@ -238,7 +229,7 @@ def mosquitto_passwd(
     """Write a Mosquitto password file with every approved device's broker login
     (username = device key, password = its token, stored as PBKDF2 hashes)."""
     with admin_client(server, token, data_dir, config) as admin:
-        text = _call(admin.text, "/api/provisioning/mosquitto-passwd")
+        text = admin.text("/api/provisioning/mosquitto-passwd")
     fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as handle:
         handle.write(text)

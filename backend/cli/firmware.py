@@ -22,7 +22,7 @@ from backend.cli.local import (
     device_token,
     local_ota_url,
 )
-from backend.cli.options import DataDirOpt, ServerOpt, TokenOpt
+from backend.cli.options import DataDirOpt, ServerOpt, TokenOpt, admin_client
 from backend.cli.output import console, fail, say, warn
 from backend.firmware.build import DEFAULT_MARCH, DEFAULT_OUT, BuiltFile, build, stale_build
 from backend.firmware.deploy import plan_deploy, run_deploy
@@ -206,18 +206,13 @@ def publish(
     data_dir: DataDirOpt = None,
 ) -> None:
     """Offer FILE as VERSION to every BOARD device that reports an older version."""
-    from backend.cli.client import AdminError
-    from backend.cli.keys import admin_client
 
     path = file.expanduser().resolve()
     if not path.is_file():
         raise fail(f"{file} is not a file", 2)
     body = {"board": board, "version": version, "path": str(path)}
     with admin_client(server, token, data_dir, None) as admin:
-        try:
-            release = admin.post("/api/firmware", body)
-        except AdminError as exc:
-            raise fail(str(exc)) from None
+        release = admin.post("/api/firmware", body)
     say(
         f"published {release['board']} {release['version']}: {release['size']} bytes, "
         f"sha256 {release['sha256']}"
@@ -231,14 +226,9 @@ def releases(
     data_dir: DataDirOpt = None,
 ) -> None:
     """Published firmware: board, version, size, SHA-256, downloads since the bridge started."""
-    from backend.cli.client import AdminError
-    from backend.cli.keys import admin_client
 
     with admin_client(server, token, data_dir, None) as admin:
-        try:
-            rows = admin.get("/api/firmware")["releases"]
-        except AdminError as exc:
-            raise fail(str(exc)) from None
+        rows = admin.get("/api/firmware")["releases"]
     if not rows:
         say("no firmware published")
         return
@@ -266,15 +256,9 @@ def unpublish(
     """Stop offering a release (and delete its file from the bridge's data dir)."""
     from urllib.parse import quote
 
-    from backend.cli.client import AdminError
-    from backend.cli.keys import admin_client
-
     path = f"/api/firmware/{quote(board, safe='')}/{quote(version, safe='')}"
     with admin_client(server, token, data_dir, None) as admin:
-        try:
-            admin.delete(path)
-        except AdminError as exc:
-            raise fail(str(exc)) from None
+        admin.delete(path)
     say(f"unpublished {board} {version}")
 
 

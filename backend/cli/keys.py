@@ -3,16 +3,13 @@
 The token is printed once, at creation; the bridge keeps only its SHA-256.
 """
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
-from backend.cli.client import AdminClient, AdminError
-from backend.cli.local import admin_token, api_url, cli_settings
-from backend.cli.options import ConfigOpt, DataDirOpt, ServerOpt, TokenOpt
-from backend.cli.output import console, fail, say
+from backend.cli.options import ConfigOpt, DataDirOpt, ServerOpt, TokenOpt, admin_client
+from backend.cli.output import console, say
 from backend.keys import Scope
 
 keys_app = typer.Typer(
@@ -21,17 +18,6 @@ keys_app = typer.Typer(
 )
 
 SCOPE_HELP = "A scope: " + ", ".join(scope.value for scope in Scope) + " (repeat for more)."
-
-
-def admin_client(
-    server: str | None, token: str | None, data_dir: Path | None, config: Path | None
-) -> AdminClient:
-    """A client for the local (or given) bridge, with the given token or the admin token."""
-    settings = cli_settings(config, data_dir=data_dir)
-    token = token or admin_token(settings)
-    if token is None:
-        raise fail("no admin token: pass --token, set BRIDGE_ADMIN_TOKEN, or run `serve` once")
-    return AdminClient(server or api_url(settings), token)
 
 
 @keys_app.command("create")
@@ -49,10 +35,7 @@ def create(
 ) -> None:
     """Create a key and print its token (shown this once only)."""
     with admin_client(server, token, data_dir, config) as admin:
-        try:
-            key = admin.create_key(name, [s.value for s in scope], device or None)
-        except AdminError as exc:
-            raise fail(str(exc)) from None
+        key = admin.create_key(name, [s.value for s in scope], device or None)
     devices = ", ".join(key["device_ids"]) if key["device_ids"] else "all devices"
     say(f"created key {key['id']} ({key['name']}): {', '.join(key['scopes'])}; {devices}")
     say("token (shown once, store it now):")
@@ -71,10 +54,7 @@ def list_keys(
 ) -> None:
     """List keys (never their tokens)."""
     with admin_client(server, token, data_dir, config) as admin:
-        try:
-            keys = admin.keys(include_revoked=revoked)
-        except AdminError as exc:
-            raise fail(str(exc)) from None
+        keys = admin.keys(include_revoked=revoked)
     if not keys:
         say("no keys")
         return
@@ -102,8 +82,5 @@ def revoke(
 ) -> None:
     """Revoke a key: it stops working at once."""
     with admin_client(server, token, data_dir, config) as admin:
-        try:
-            key = admin.revoke_key(key_id)
-        except AdminError as exc:
-            raise fail(str(exc)) from None
+        key = admin.revoke_key(key_id)
     say(f"revoked key {key['id']} ({key['name']})")

@@ -2,7 +2,6 @@
 
 import asyncio
 import json
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -10,20 +9,17 @@ from rich.table import Table
 
 from backend.cli.audit import audit as audit_command
 from backend.cli.chat import chat as chat_command
-from backend.cli.client import AdminClient, AdminError
 from backend.cli.devices import devices_app
 from backend.cli.firmware import firmware_app
 from backend.cli.keys import keys_app
 from backend.cli.local import (
-    admin_token,
-    api_url,
     cli_settings,
     device_auth_mode,
     device_endpoint,
     device_token,
 )
 from backend.cli.mqtt import mqtt_app
-from backend.cli.options import ConfigOpt, DataDirOpt, ServerOpt, TokenOpt
+from backend.cli.options import ConfigOpt, DataDirOpt, ServerOpt, TokenOpt, admin_client
 from backend.cli.output import console, fail
 from backend.errors import BridgeError
 
@@ -210,8 +206,8 @@ def forget_device(
     config: ConfigOpt = None,
 ) -> None:
     """Remove an offline device and its cached tools from the catalogue."""
-    with _admin(server, token, data_dir, config) as admin:
-        _admin_call(admin.forget, device)
+    with admin_client(server, token, data_dir, config) as admin:
+        admin.forget(device)
     console.print(f"forgot {device}", highlight=False)
 
 
@@ -225,8 +221,8 @@ def list_tools(
     config: ConfigOpt = None,
 ) -> None:
     """List one device's tools."""
-    with _admin(server, token, data_dir, config) as admin:
-        listing = _admin_call(admin.tools, device, include_user_only=user)
+    with admin_client(server, token, data_dir, config) as admin:
+        listing = admin.tools(device, include_user_only=user)
     if listing["cached"]:
         read_at = listing.get("read_at") or "an unknown time"
         console.print(
@@ -265,8 +261,8 @@ def call_tool(
 ) -> None:
     """Call one tool on one device and print its result."""
     args = _parse_arguments(arguments, arg or [])
-    with _admin(server, token, data_dir, config) as admin:
-        result = _admin_call(admin.call, device, tool, args, timeout, confirm=confirm)
+    with admin_client(server, token, data_dir, config) as admin:
+        result = admin.call(device, tool, args, timeout, confirm=confirm)
     for item in result["content"]:
         text = item.get("text") if item.get("type") == "text" else json.dumps(item)
         console.print(text, highlight=False, markup=False, soft_wrap=True)
@@ -281,24 +277,6 @@ app.command("audit")(audit_command)
 
 
 # ---- helpers ----------------------------------------------------------------------------------
-
-
-def _admin(
-    server: str | None, token: str | None, data_dir: Path | None, config: Path | None
-) -> AdminClient:
-    settings = cli_settings(config, data_dir=data_dir)
-    url = server or api_url(settings)
-    token = token or admin_token(settings)
-    if token is None:
-        raise fail("no admin token: pass --token, set BRIDGE_ADMIN_TOKEN, or run `serve` once")
-    return AdminClient(url, token)
-
-
-def _admin_call(method: Any, *args: Any, **kwargs: Any) -> Any:
-    try:
-        return method(*args, **kwargs)
-    except AdminError as exc:
-        raise fail(str(exc)) from None
 
 
 def _parse_arguments(raw: str | None, pairs: list[str]) -> dict[str, Any]:
