@@ -10,7 +10,6 @@ most every `flush_interval_s`; past `max_buffer` unwritten rows (a database that
 answering) new ones are counted as `dropped` rather than kept.
 """
 
-import asyncio
 import contextlib
 import hashlib
 import json
@@ -22,7 +21,7 @@ from typing import Any
 import structlog
 
 from backend.devices.registry import DeviceEvent, DeviceRegistry, EventKind, iso_time
-from backend.storage import Database, DatabaseError, Migration
+from backend.storage import Database, DatabaseError, Migration, WriteBehind
 
 log = structlog.get_logger("audit")
 
@@ -98,28 +97,22 @@ class AuditLog:
     ) -> None:
         self._db = database
         self._registry = registry
-        self._flush_interval_s = flush_interval_s
         self._max_buffer = max_buffer
         self._buffer: list[tuple[Any, ...]] = []
-        self._wake = asyncio.Event()
-        self._writer: asyncio.Task[None] | None = None
+        self._writer = WriteBehind(self.flush, name="audit-log", interval_s=flush_interval_s)
         self._unsubscribe: Any = None
         self.dropped = 0
         self.written = 0
 
     def start(self) -> None:
         self._unsubscribe = self._registry.subscribe(self._on_event)
-        self._writer = asyncio.create_task(self._write_forever(), name="audit-log")
+        self._writer.start()
 
     async def stop(self) -> None:
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
-        if self._writer is not None:
-            self._writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._writer
-            self._writer = None
+        await self._writer.stop()
         with contextlib.suppress(DatabaseError):
             await self.flush()
 
@@ -143,7 +136,7 @@ class AuditLog:
                 float(detail.get("duration_ms", 0.0)),
             )
         )
-        self._wake.set()
+        self._writer.wake()
 
     async def flush(self) -> None:
         rows, self._buffer = self._buffer, []
@@ -196,14 +189,6 @@ class AuditLog:
             )
             for row in rows
         ]
-
-    async def _write_forever(self) -> None:
-        while True:
-            await self._wake.wait()
-            await asyncio.sleep(self._flush_interval_s)
-            self._wake.clear()
-            with contextlib.suppress(DatabaseError):
-                await self.flush()
 
 
 def _insert(c: sqlite3.Connection, rows: list[tuple[Any, ...]]) -> None:

@@ -9,8 +9,6 @@ info, tool list, going offline), and a tool list only when its digest is new, so
 storm of a thousand devices costs at most a thousand row writes, batched.
 """
 
-import asyncio
-import contextlib
 import json
 import sqlite3
 import time
@@ -27,7 +25,7 @@ from backend.devices.registry import (
     ToolSet,
 )
 from backend.mcp_session.models import parse_tools
-from backend.storage import Database, DatabaseError, Migration
+from backend.storage import Database, DatabaseError, Migration, WriteBehind
 
 log = structlog.get_logger("devices.catalog")
 
@@ -97,14 +95,17 @@ class DeviceCatalog:
     ) -> None:
         self._database = database
         self._registry = registry
-        self._flush_interval_s = flush_interval_s
-        self._heartbeat_s = heartbeat_s
         self._persisted: dict[str, DeviceRecord] = {}
         self._stored_digests: set[str] = set()
         self._dirty: set[str] = set()
         self._forgotten: set[str] = set()
-        self._wake = asyncio.Event()
-        self._writer: asyncio.Task[None] | None = None
+        self._writer = WriteBehind(
+            self.flush,
+            name="device-catalog",
+            interval_s=flush_interval_s,
+            heartbeat_s=heartbeat_s,
+            on_heartbeat=self._mark_live_devices,
+        )
         self._unsubscribe: Any = None
         self.rows_written = 0  # device rows written since start (the tests count them)
         self.flushes = 0
@@ -124,18 +125,14 @@ class DeviceCatalog:
 
     def start(self) -> None:
         self._unsubscribe = self._registry.subscribe(self._on_event)
-        self._writer = asyncio.create_task(self._write_forever(), name="device-catalog")
+        self._writer.start()
 
     async def stop(self) -> None:
         """Stop following events, then write what is still pending."""
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
-        if self._writer is not None:
-            self._writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._writer
-            self._writer = None
+        await self._writer.stop()
         await self.flush()
 
     async def flush(self) -> None:
@@ -181,7 +178,7 @@ class DeviceCatalog:
             self._dirty.add(event.device_id)
         else:
             return
-        self._wake.set()
+        self._writer.wake()
 
     def _changed(self, device_id: str) -> bool:
         """Whether the registry knows something about the device that is not stored yet."""
@@ -199,21 +196,9 @@ class DeviceCatalog:
             or record.ota != stored.ota
         )
 
-    async def _write_forever(self) -> None:
-        next_heartbeat = time.monotonic() + self._heartbeat_s
-        while True:
-            timeout = max(0.0, next_heartbeat - time.monotonic())
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(timeout):
-                    await self._wake.wait()
-            if time.monotonic() >= next_heartbeat:
-                # Live devices' last_seen, so a crash loses at most one heartbeat of it.
-                self._dirty.update(device.device_id for device in self._registry)
-                next_heartbeat = time.monotonic() + self._heartbeat_s
-            await asyncio.sleep(self._flush_interval_s)  # gather a burst into one transaction
-            self._wake.clear()
-            with contextlib.suppress(DatabaseError):
-                await self.flush()
+    def _mark_live_devices(self) -> None:
+        """Live devices' last_seen, so a crash loses at most one heartbeat of it."""
+        self._dirty.update(device.device_id for device in self._registry)
 
 
 def _read_all(

@@ -42,7 +42,7 @@ from backend.provisioning.errors import (
     UnknownSerialKey,
 )
 from backend.provisioning.tokens import bare_token, derive_token, hmac_sha256_hex, token_hash
-from backend.storage import Database, DatabaseError, Migration
+from backend.storage import Database, DatabaseError, Migration, WriteBehind
 from backend.transports.mqtt_topics import TopicError, device_key
 
 log = structlog.get_logger("provisioning")
@@ -230,7 +230,6 @@ class ProvisioningStore:
         self.max_pending = max_pending
         self.pending_ttl_s = pending_ttl_s
         self.require_hmac = require_hmac
-        self._flush_interval_s = flush_interval_s
         self._clock = clock
         self._devices: dict[str, Provisioned] = {}
         self._tokens: dict[str, bytes] = {}  # active device id -> SHA-256 of its token
@@ -243,8 +242,9 @@ class ProvisioningStore:
         self._enrollment_by_hash: dict[str, str] = {}
         self._dirty: set[str] = set()
         self._dropped: set[str] = set()
-        self._wake = asyncio.Event()
-        self._writer: asyncio.Task[None] | None = None
+        self._writer = WriteBehind(
+            self._expire_and_flush, name="provisioning-writer", interval_s=flush_interval_s
+        )
         self._lock = asyncio.Lock()
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -282,14 +282,10 @@ class ProvisioningStore:
         )
 
     def start(self) -> None:
-        self._writer = asyncio.create_task(self._write_forever(), name="provisioning-writer")
+        self._writer.start()
 
     async def stop(self) -> None:
-        if self._writer is not None:
-            self._writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._writer
-            self._writer = None
+        await self._writer.stop()
         with contextlib.suppress(DatabaseError):
             await self.flush()
 
@@ -717,7 +713,7 @@ class ProvisioningStore:
             self._pending_count.pop(request.device_id, None)
         self._dirty.discard(code)
         self._dropped.add(code)
-        self._wake.set()
+        self._writer.wake()
 
     def _expire(self) -> None:
         cutoff = self._clock() - self.pending_ttl_s
@@ -726,7 +722,7 @@ class ProvisioningStore:
 
     def _mark(self, code: str) -> None:
         self._dirty.add(code)
-        self._wake.set()
+        self._writer.wake()
 
     async def flush(self) -> None:
         """Write pending activations that changed (one transaction)."""
@@ -743,14 +739,9 @@ class ProvisioningStore:
             self._dropped |= dropped
             raise
 
-    async def _write_forever(self) -> None:
-        while True:
-            await self._wake.wait()
-            await asyncio.sleep(self._flush_interval_s)  # a burst becomes one transaction
-            self._wake.clear()
-            self._expire()
-            with contextlib.suppress(DatabaseError):
-                await self.flush()
+    async def _expire_and_flush(self) -> None:
+        self._expire()
+        await self.flush()
 
     async def _write_device(self, device: Provisioned) -> None:
         await self._db.run(lambda c: _upsert_device(c, device))
