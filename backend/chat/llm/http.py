@@ -1,12 +1,13 @@
-"""What the HTTP providers share: one httpx client, error mapping, line streaming."""
+"""What the HTTP providers share: one httpx client, the request body, error mapping, line
+streaming."""
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import httpx
 
-from backend.chat.llm.base import LlmError, LlmUnavailable, Usage
+from backend.chat.llm.base import FunctionSpec, LlmError, LlmUnavailable, Message, Usage
 from backend.chat.text import clip
 
 
@@ -32,6 +33,33 @@ class HttpProvider:
 
     async def aclose(self) -> None:
         await self._client.aclose()
+
+    def body(
+        self,
+        messages: Sequence[Message],
+        model: str | None,
+        tools: Sequence[FunctionSpec],
+        max_tokens: int | None,
+        stream: bool,
+    ) -> dict[str, Any]:
+        """The request both wire formats share (Ollama takes OpenAI's tool declarations);
+        `wire_message` and `add_options` are what differs."""
+        body: dict[str, Any] = {
+            "model": model or self.models.chat,
+            "messages": [self.wire_message(message) for message in messages],
+            "stream": stream,
+        }
+        if tools:
+            body["tools"] = [wire_tool(spec) for spec in tools]
+        self.add_options(body, bool(tools), max_tokens)
+        return body
+
+    @staticmethod
+    def wire_message(message: Message) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def add_options(self, body: dict[str, Any], tools: bool, max_tokens: int | None) -> None:
+        raise NotImplementedError
 
     async def post_json(self, url: str, body: dict[str, Any]) -> Any:
         try:
@@ -70,3 +98,14 @@ class HttpProvider:
             raise LlmUnavailable(f"{self.name} answered HTTP {status}: {clip(text, 160)}")
         if status >= 400:
             raise LlmError(f"{self.name} refused the request (HTTP {status}): {clip(text, 160)}")
+
+
+def wire_tool(spec: FunctionSpec) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {
+            "name": spec.llm_name,
+            "description": spec.description,
+            "parameters": spec.parameters,
+        },
+    }

@@ -22,7 +22,6 @@ from backend.chat.llm.base import (
     tool_call_from_value,
 )
 from backend.chat.llm.http import HttpProvider
-from backend.chat.llm.openai import wire_tool
 
 
 class _Function(BaseModel):
@@ -58,24 +57,24 @@ class OllamaProvider(HttpProvider):
     def url(self) -> str:
         return f"{self.base_url}/api/chat"
 
-    def body(
-        self,
-        messages: Sequence[Message],
-        model: str | None,
-        tools: Sequence[FunctionSpec],
-        max_tokens: int | None,
-        stream: bool,
-    ) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "model": model or self.models.chat,
-            "messages": [wire_message(message) for message in messages],
-            "stream": stream,
-        }
-        if tools:
-            body["tools"] = [wire_tool(spec) for spec in tools]
+    def add_options(self, body: dict[str, Any], tools: bool, max_tokens: int | None) -> None:
         if max_tokens is not None:
             body["options"] = {"num_predict": max_tokens}
-        return body
+
+    @staticmethod
+    def wire_message(message: Message) -> dict[str, Any]:
+        if message.role == "tool":
+            wire = {"role": "tool", "content": message.content}
+            if message.name:
+                wire["tool_name"] = message.name
+            return wire
+        result: dict[str, Any] = {"role": message.role, "content": message.content}
+        if message.tool_calls:
+            result["tool_calls"] = [
+                {"function": {"name": call.name, "arguments": call.arguments or {}}}
+                for call in message.tool_calls
+            ]
+        return result
 
     async def complete(
         self,
@@ -133,18 +132,3 @@ def _calls(message: _ReplyMessage, first: int) -> tuple[ToolCall, ...]:
         )
         for i, call in enumerate(message.tool_calls or ())
     )
-
-
-def wire_message(message: Message) -> dict[str, Any]:
-    if message.role == "tool":
-        wire = {"role": "tool", "content": message.content}
-        if message.name:
-            wire["tool_name"] = message.name
-        return wire
-    result: dict[str, Any] = {"role": message.role, "content": message.content}
-    if message.tool_calls:
-        result["tool_calls"] = [
-            {"function": {"name": call.name, "arguments": call.arguments or {}}}
-            for call in message.tool_calls
-        ]
-    return result

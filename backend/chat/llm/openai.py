@@ -62,25 +62,32 @@ class OpenAiProvider(HttpProvider):
         base = self.base_url
         return f"{base}/chat/completions" if base.endswith("/v1") else f"{base}/v1/chat/completions"
 
-    def body(
-        self,
-        messages: Sequence[Message],
-        model: str | None,
-        tools: Sequence[FunctionSpec],
-        max_tokens: int | None,
-        stream: bool,
-    ) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "model": model or self.models.chat,
-            "messages": [wire_message(message) for message in messages],
-            "stream": stream,
-        }
+    def add_options(self, body: dict[str, Any], tools: bool, max_tokens: int | None) -> None:
         if tools:
-            body["tools"] = [wire_tool(spec) for spec in tools]
             body["tool_choice"] = "auto"
         if max_tokens is not None:
             body["max_tokens"] = max_tokens
-        return body
+
+    @staticmethod
+    def wire_message(message: Message) -> dict[str, Any]:
+        if message.role == "tool":
+            return {
+                "role": "tool",
+                "tool_call_id": message.tool_call_id,
+                "content": message.content,
+            }
+        wire: dict[str, Any] = {"role": message.role, "content": message.content}
+        if message.tool_calls:
+            wire["content"] = message.content or None
+            wire["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.raw_arguments},
+                }
+                for call in message.tool_calls
+            ]
+        return wire
 
     async def complete(
         self,
@@ -153,31 +160,3 @@ def _parse(data: Any) -> _Reply:
         return _Reply.model_validate(data)
     except ValidationError as exc:
         raise LlmError(f"openai: unexpected reply shape ({exc.error_count()} errors)") from None
-
-
-def wire_tool(spec: FunctionSpec) -> dict[str, Any]:
-    return {
-        "type": "function",
-        "function": {
-            "name": spec.llm_name,
-            "description": spec.description,
-            "parameters": spec.parameters,
-        },
-    }
-
-
-def wire_message(message: Message) -> dict[str, Any]:
-    if message.role == "tool":
-        return {"role": "tool", "tool_call_id": message.tool_call_id, "content": message.content}
-    wire: dict[str, Any] = {"role": message.role, "content": message.content}
-    if message.tool_calls:
-        wire["content"] = message.content or None
-        wire["tool_calls"] = [
-            {
-                "id": call.id,
-                "type": "function",
-                "function": {"name": call.name, "arguments": call.raw_arguments},
-            }
-            for call in message.tool_calls
-        ]
-    return wire
