@@ -151,6 +151,21 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls))
 
+    @classmethod
+    def on_loopback(cls, data_dir: Path, **values: Any) -> "Settings":
+        """Every listener on 127.0.0.1 with an ephemeral port and devices on one shared token
+        (the development mode): the bridge that tests, benchmarks and measurements start."""
+        loopback: dict[str, Any] = {
+            "data_dir": data_dir,
+            "ws_host": "127.0.0.1",
+            "ws_port": 0,
+            "http_port": 0,
+            "device_http_host": "127.0.0.1",
+            "device_http_port": 0,
+            "device_auth": "shared",
+        }
+        return cls(**{**loopback, **values})
+
     def timeout_for(self, tool_name: str) -> float:
         return self.tool_timeouts.get(tool_name, self.call_timeout_s)
 

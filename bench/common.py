@@ -124,19 +124,8 @@ def bench_settings(data_dir: Path, **overrides: Any) -> "Settings":
     (`device_auth = "shared"`) except where a benchmark measures provisioning itself."""
     from backend.config import Settings
 
-    values: dict[str, Any] = {
-        "data_dir": data_dir,
-        "ws_host": "127.0.0.1",
-        "ws_port": 0,
-        "http_port": 0,
-        "device_http_host": "127.0.0.1",
-        "device_http_port": 0,
-        "admin_token": ADMIN_TOKEN,
-        "device_token": DEVICE_TOKEN,
-        "device_auth": "shared",
-    }
-    values.update(overrides)
-    return Settings(**values)
+    values: dict[str, Any] = {"admin_token": ADMIN_TOKEN, "device_token": DEVICE_TOKEN}
+    return Settings.on_loopback(data_dir, **{**values, **overrides})
 
 
 def server_options() -> dict[str, Any]:

@@ -172,20 +172,13 @@ async def run_scenario(
 
 def _bridge_settings(data_dir: Path) -> Settings:
     """A bridge on ephemeral loopback ports with fixed tokens."""
-    values: dict[str, Any] = {
-        "data_dir": data_dir,
-        "ws_host": "127.0.0.1",
-        "ws_port": 0,
-        "http_port": 0,
-        "device_http_host": "127.0.0.1",
-        "device_http_port": 0,
-        "admin_token": ADMIN_TOKEN,
-        "device_token": DEVICE_TOKEN,
-        "device_auth": "shared",
-        "init_timeout_s": 10.0,
-        "call_timeout_s": 10.0,
-    }
-    return Settings(**values)
+    return Settings.on_loopback(
+        data_dir,
+        admin_token=ADMIN_TOKEN,
+        device_token=DEVICE_TOKEN,
+        init_timeout_s=10.0,
+        call_timeout_s=10.0,
+    )
 
 
 def _device_config(url: str) -> dict[str, Any]:

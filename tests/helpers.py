@@ -28,23 +28,15 @@ def make_settings(data_dir: Path, **overrides: Any) -> Settings:
     the shared test token (the development mode `device_auth = "shared"`): the suite tests the
     core with it; the provisioning tests set `device_auth="device"`, the default."""
     values: dict[str, Any] = {
-        "data_dir": data_dir,
-        "ws_host": "127.0.0.1",
-        "ws_port": 0,
-        "http_port": 0,
-        "device_http_host": "127.0.0.1",
-        "device_http_port": 0,
         "admin_token": ADMIN_TOKEN,
         "device_token": DEVICE_TOKEN,
-        "device_auth": "shared",
         "hello_timeout_s": 5.0,
         "init_timeout_s": 5.0,
         "call_timeout_s": 5.0,
         "llm_provider": "none",
         "search_enabled": False,
     }
-    values.update(overrides)
-    return Settings(**values)
+    return Settings.on_loopback(data_dir, **{**values, **overrides})
 
 
 async def wait_state(

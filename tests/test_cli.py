@@ -16,15 +16,7 @@ from tests.stock_device import WireDevice
 @pytest.fixture
 async def self_configured_bridge(tmp_path: Path):
     """A bridge that created its own tokens in its data dir, as `serve` does."""
-    settings = Settings(
-        data_dir=tmp_path / "data",
-        ws_host="127.0.0.1",
-        ws_port=0,
-        http_port=0,
-        device_http_host="127.0.0.1",
-        device_http_port=0,
-        device_auth="shared",
-    )
+    settings = Settings.on_loopback(tmp_path / "data")
     async with Bridge(settings) as bridge:
         device = WireDevice(bridge.ws_url, bridge.tokens.device)
         await device.connect()

@@ -16,14 +16,8 @@ from tests.stock_device import WireDevice, stock_tools
 
 @pytest.fixture
 async def served(tmp_path: Path) -> AsyncIterator[tuple[Bridge, WireDevice, str]]:
-    settings = Settings(
-        data_dir=tmp_path / "data",
-        ws_host="127.0.0.1",
-        ws_port=0,
-        http_port=0,
-        device_http_host="127.0.0.1",
-        device_http_port=0,
-        device_auth="shared",
+    settings = Settings.on_loopback(
+        tmp_path / "data",
         llm_provider="none",
         search_enabled=False,
     )

@@ -361,15 +361,7 @@ async def _read_until(stream: asyncio.StreamReader, seen: list[str], marker: str
 @pytest.mark.micropython
 async def test_run_host_joins_the_local_bridge_and_stops_on_ctrl_c(tmp_path: Path) -> None:
     # A bridge that created its own tokens and runtime file in its data dir, as `serve` does.
-    settings = Settings(
-        data_dir=tmp_path / "data",
-        ws_host="127.0.0.1",
-        ws_port=0,
-        http_port=0,
-        device_http_host="127.0.0.1",
-        device_http_port=0,
-        device_auth="shared",
-    )
+    settings = Settings.on_loopback(tmp_path / "data")
     data_dir = str(settings.data_dir)
     async with Bridge(settings) as bridge:
         process = await asyncio.create_subprocess_exec(
