@@ -3,7 +3,9 @@
 With `ota_url` in the config (instead of `url` and `token`) the device asks the bridge's OTA
 endpoint at every boot where to connect and with which token, activating itself first if the
 bridge does not know it yet, and installs a newer firmware bundle when one is offered
-(lib/ota.py); it then reboots (the ESP32) or exits with status 3 (a host, to be restarted).
+(lib/ota.py); it then reboots (the ESP32) or exits with status 3 (a host, to be restarted). The
+answer also chooses the transport: a `websocket` section, or an `mqtt` one with the broker login
+(the operator's choice per device; MQTT needs micropython-lib's umqtt.simple in /lib).
 
 On the ESP32 it runs after boot.py with config.json beside it. On the MicroPython unix port:
 `micropython firmware/main.py path/to/config.json`; there is no `network` module, so the fake
@@ -75,9 +77,9 @@ def check_config(config):
     transport = config.get("transport", "ws")
     if transport not in ("ws", "mqtt"):
         raise ConfigError('"transport" ' + repr(transport) + ' is not supported: "ws" or "mqtt"')
-    if transport == "mqtt":
-        check_mqtt_config(config.get("mqtt"))
     ota_url = config.get("ota_url")
+    if transport == "mqtt" and (ota_url is None or config.get("mqtt") is not None):
+        check_mqtt_config(config.get("mqtt"), ota_url is None)
     if ota_url is not None:
         try:
             ota.parse_http_url(ota_url)
@@ -103,16 +105,18 @@ def check_config(config):
         raise ConfigError('"pins" must be an object like {"led": 2}')
 
 
-def check_mqtt_config(mqtt):
-    """The "mqtt" object of a `"transport": "mqtt"` config (docs/mqtt.md)."""
+def check_mqtt_config(mqtt, needs_url=True):
+    """The "mqtt" object of a `"transport": "mqtt"` config (docs/mqtt.md); with an `ota_url` the
+    broker URL and login come from the OTA answer, so the object only tunes them."""
     from transport_mqtt import parse_url as parse_mqtt_url
 
     if not isinstance(mqtt, dict):
         raise ConfigError('"mqtt" must be an object like {"url": "mqtt://192.168.1.10:1883", ...}')
-    try:
-        parse_mqtt_url(mqtt.get("url"))
-    except ValueError as error:
-        raise ConfigError('"mqtt.url": ' + str(error))
+    if needs_url or mqtt.get("url") is not None:
+        try:
+            parse_mqtt_url(mqtt.get("url"))
+        except ValueError as error:
+            raise ConfigError('"mqtt.url": ' + str(error))
     for key in ("username", "password", "client_id", "topic_prefix", "publish_topic"):
         if mqtt.get(key) is not None and not isinstance(mqtt[key], str):
             raise ConfigError('"mqtt.' + key + '" must be a string')
@@ -233,11 +237,14 @@ async def main(config, path):
     client_id = config.get("client_id") or stored_client_id(directory)
     hal, device_id = await make_hal(config, client_id)
     url, token = config.get("url"), config.get("token") or ""
-    if config.get("ota_url") and config.get("transport", "ws") == "ws":
-        url, token = await from_ota(config["ota_url"], hal, device_id, client_id)
+    mqtt = config.get("mqtt") if config.get("transport") == "mqtt" else None
+    if config.get("ota_url"):
+        answer = await from_ota(config["ota_url"], hal, device_id, client_id)
+        mqtt = ota.mqtt_settings(answer, config.get("mqtt")) if "mqtt" in answer else None
+        if mqtt is None:
+            url, token = ota.websocket_endpoint(answer)
     server = McpServer(hal.board_name, hal.firmware_version)
     tools_stock.register(server, hal)
-    mqtt = config.get("mqtt") if config.get("transport") == "mqtt" else None
     app_config = {
         "url": mqtt["url"] if mqtt else url,
         "token": token,
@@ -260,7 +267,10 @@ async def main(config, path):
 def mqtt_app(mqtt, app_config, hal, server, device_id, client_id):
     """The app over MQTT + UDP (needs micropython-lib's umqtt.simple in /lib)."""
     from app_mqtt import MqttApp
-    from transport_mqtt import MqttTransport
+    from transport_mqtt import MqttTransport, umqtt_installed
+
+    if not umqtt_installed():
+        bad_config("MQTT needs umqtt.simple in /lib: `mpremote mip install umqtt.simple`")
 
     def connect(url, headers):
         return MqttTransport(mqtt, device_id, client_id, log=print)
@@ -269,7 +279,7 @@ def mqtt_app(mqtt, app_config, hal, server, device_id, client_id):
 
 
 async def from_ota(ota_url, hal, device_id, client_id):
-    """(url, token) from the OTA answer; a newer firmware bundle is installed first."""
+    """The OTA answer with this device's login; a newer firmware bundle is installed first."""
     answer = await ota.provision(ota_url, hal, device_id, client_id, log=print)
     update = ota.offered_update(answer, hal.firmware_version)
     if update is not None:
@@ -282,7 +292,7 @@ async def from_ota(ota_url, hal, device_id, client_id):
             hal.reboot()
             print("ota: updated; restarting")
             sys.exit(EXIT_UPDATED)  # the ESP32 has reset already; a host run ends here
-    return ota.websocket_endpoint(answer)
+    return answer
 
 
 def start():

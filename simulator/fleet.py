@@ -129,8 +129,7 @@ class SimulatedDevice:
         )
         self.ota_answer = answer
         if self._mqtt_login is not None:  # over MQTT the broker login comes from the answer
-            url, username, password = ota.mqtt_login(answer)
-            self._mqtt_login.update(url=url, username=username, password=password)
+            self._mqtt_login.update(ota.mqtt_settings(answer, self._mqtt_login))
             return answer
         url, token = ota.websocket_endpoint(answer)
         self.app.url = url

@@ -536,6 +536,10 @@ async def test_micropython_main_against_the_bridge(bridge: FakeBridge, tmp_path:
         ('{"url": "ws://h/", "transport": "udp"}', "\"transport\" 'udp' is not supported"),
         ('{"transport": "mqtt"}', '"mqtt" must be an object'),
         ('{"transport": "mqtt", "mqtt": {"url": "ws://h/"}}', '"mqtt.url": MQTT URL must start'),
+        (
+            '{"ota_url": "http://h/o/", "transport": "mqtt", "mqtt": {"url": "ws://h/"}}',
+            '"mqtt.url": MQTT URL must start',
+        ),
         ('{"url": "wss://h/"}', "TLS not supported on this build"),
         ('{"token": "x"}', '"ota_url" (e.g. "http://192.168.1.10:8002/xiaozhi/ota/") or "url"'),
         ('{"ota_url": "https://h/xiaozhi/ota/"}', '"ota_url": OTA URL must start with http://'),

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from backend.firmware import micropython_lib
 from backend.firmware.build import build
 from backend.firmware.bundle import make_bundle, read_manifest
 from backend.server import Bridge
@@ -55,11 +56,12 @@ def ota_config(directory: Path, ota_url: str) -> Path:
     return path
 
 
-def firmware_process(firmware: Path, config: Path) -> WatchedProcess:
+def firmware_process(firmware: Path, config: Path, *libs: Path) -> WatchedProcess:
     from backend.firmware import micropython_argv, micropython_env
 
     return WatchedProcess(
-        micropython_argv(firmware / "main.py", str(config)), micropython_env(firmware / "lib")
+        micropython_argv(firmware / "main.py", str(config)),
+        micropython_env(firmware / "lib", *libs),
     )
 
 
@@ -109,6 +111,49 @@ async def test_firmware_boots_with_only_an_ota_url_is_approved_and_connects(
             assert called.status_code == 200 and called.json()["content"][0]["text"] == "true"
         assert any(line == "ota: activated" for line in process.lines)
         assert any(line == "[hal] volume = 33" for line in process.lines)
+    finally:
+        await process.stop()
+        print("firmware output:\n" + process.output)
+
+
+@pytest.mark.micropython
+@needs_micropython
+async def test_the_ota_answer_sends_the_firmware_to_mqtt_with_its_own_broker_login(
+    bridge_factory: Callable[..., Any], tmp_path: Path
+) -> None:
+    """The operator chose MQTT for the device: the same config (only an OTA URL) brings it to the
+    broker with the login and topics of the answer, and its tools are called over MQTT."""
+    bridge: Bridge = await bridge_factory(
+        device_auth="device",
+        device_transport="mqtt",
+        mqtt_url="embedded",
+        mqtt_host="127.0.0.1",
+        mqtt_port=0,
+        udp_host="127.0.0.1",
+        udp_port=0,
+    )
+    config = ota_config(tmp_path, bridge.provisioning.ota_url)
+    process = firmware_process(REPO / "firmware", config, micropython_lib.ensure())
+    await process.start()
+    try:
+        line = await wait_until(
+            lambda: next((m for line in process.lines if (m := CODE_LINE.match(line))), None),
+            "the activation code on the console",
+        )
+        async with admin(bridge) as api:
+            approved = await api.post("/api/provisioning/approve", json={"target": line.group(1)})
+            assert approved.status_code == 200, approved.text
+            device_id = approved.json()["device_id"]
+            device = await bridge.registry.wait_for_state(device_id, timeout_s=WAIT_S)
+            assert device.transport == "mqtt"
+            called = await api.post(
+                f"/api/devices/{device_id}/tools/call",
+                json={"name": "self.audio_speaker.set_volume", "arguments": {"volume": 44}},
+            )
+            assert called.status_code == 200 and called.json()["content"][0]["text"] == "true"
+        assert bridge.mqtt is not None
+        assert any(line.endswith("-> " + bridge.mqtt.device_url) for line in process.lines)
+        assert any(line == "[hal] volume = 44" for line in process.lines)
     finally:
         await process.stop()
         print("firmware output:\n" + process.output)

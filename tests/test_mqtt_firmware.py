@@ -174,3 +174,17 @@ def test_deploy_installs_umqtt_with_mip_for_an_mqtt_config(tmp_path: Path) -> No
     assert command[6] == "+" and command[7:9] == ["cp", "-r"]
     plain = _deploy_command("mpremote", "/dev/ttyUSB0", out, config, ":", False, True)
     assert "mip" not in plain
+
+
+def test_an_ota_config_may_be_sent_to_mqtt_so_deploy_installs_umqtt() -> None:
+    from backend.firmware.device_config import check_device_config, may_use_mqtt
+    from backend.firmware.errors import DeviceConfigError
+
+    ota_only = {"ota_url": "http://10.0.0.2:8002/xiaozhi/ota/", "ssid": "lab"}
+    check_device_config("c.json", ota_only)
+    check_device_config("c.json", {**ota_only, "transport": "mqtt"})  # the login comes by OTA
+    assert may_use_mqtt(ota_only) and may_use_mqtt({"transport": "mqtt"})
+    assert not may_use_mqtt({"url": "ws://10.0.0.2:8000/x/", "token": "t"})
+    bad_url = {**ota_only, "transport": "mqtt", "mqtt": {"url": "ws://h/"}}
+    with pytest.raises(DeviceConfigError, match=r'"mqtt\.url": MQTT URL must start'):
+        check_device_config("c.json", bad_url)

@@ -14,6 +14,7 @@ from backend.firmware.device_config import (
     check_device_config,
     check_for_board,
     default_device_config,
+    may_use_mqtt,
     read_device_config,
 )
 from backend.firmware.errors import UsageError
@@ -69,7 +70,7 @@ def plan_deploy(
     check_port(port)
     mpremote = require_tool("mpremote")
     warnings = tuple(board_warnings(config_path, device_config))
-    mip = MQTT_PACKAGES if device_config.get("transport") == "mqtt" else ()
+    mip = MQTT_PACKAGES if may_use_mqtt(device_config) else ()
     return DeployPlan(port, config_path, out, dest, resume, reset, mpremote, warnings, mip)
 
 

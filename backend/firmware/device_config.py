@@ -45,6 +45,11 @@ def check_device_config(where: str, config: dict[str, Any]) -> None:
         raise DeviceConfigError(f"{where}: {exc}") from None
 
 
+def may_use_mqtt(device_config: dict[str, Any]) -> bool:
+    """MQTT by its config, or possibly by the bridge's OTA answer (the operator's choice)."""
+    return device_config.get("transport") == "mqtt" or bool(device_config.get("ota_url"))
+
+
 def check_for_board(path: Path, config: dict[str, Any]) -> None:
     """What a board needs beyond the firmware's check: Wi-Fi unless the HAL is fake."""
     # main.py checks this only after boot, then idles: better to refuse before copying.

@@ -12,7 +12,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn
 
-from backend.firmware.device_config import check_device_config, read_device_config
+from backend.firmware.device_config import (
+    check_device_config,
+    may_use_mqtt,
+    read_device_config,
+)
 from backend.firmware.errors import FirmwareExited
 from backend.firmware.tools import micropython_env, stop_process
 
@@ -59,7 +63,7 @@ def run_on_host(micropython: str, firmware: Path, device_config: dict[str, Any])
         config_file.write_text(json.dumps(device_config))
         command = [micropython, str(firmware / "main.py"), str(config_file)]
         libs = [firmware / "lib"]
-        if device_config.get("transport") == "mqtt":  # umqtt.simple, in an ignored folder
+        if may_use_mqtt(device_config):  # umqtt.simple, in an ignored folder
             from backend.firmware import micropython_lib
 
             libs.append(micropython_lib.ensure())

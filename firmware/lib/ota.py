@@ -1,10 +1,11 @@
 """OTA check, activation and bundle updates: protocol reference §5, the device side.
 
 At boot the firmware POSTs its system info to its OTA URL, as stock firmware does, and learns
-from the answer where its bridge is and its own token (`websocket` {url, token}). A device the
-bridge does not know yet gets an `activation` {code, message, challenge}: it shows the code and
-polls `<ota_url>/activate` (202 pending, 200 approved) until the operator approves it, then
-checks again. A `firmware` offer of a newer version is a bundle of the firmware's files
+from the answer where its bridge is and how to log in: `websocket` {url, token}, or `mqtt` with
+its broker login and topics, which chooses the MQTT transport. A device the bridge does not know
+yet gets an `activation` {code, message, challenge}: it shows the code and polls
+`<ota_url>/activate` (202 pending, 200 approved) until the operator approves it, then checks
+again. A `firmware` offer of a newer version is a bundle of the firmware's files
 (backend/firmware/bundle.py): `apply_bundle` streams it into `<name>.new` files, checks every
 file's size and SHA-256 and the whole bundle's, and only then renames them over the old ones
 and writes `version` (which the firmware reports from then on, so an upgrade cannot loop).
@@ -113,19 +114,41 @@ def websocket_endpoint(answer):
     return section["url"], token if isinstance(token, str) else ""
 
 
-def mqtt_login(answer):
-    """(mqtt://endpoint URL, username, password) of the answer's `mqtt` section; OtaError
-    when it has none."""
+def mqtt_settings(answer, local=None):
+    """The MqttTransport config of the answer's `mqtt` section (§2.1): its login, client id and
+    topics, over the device's own `mqtt` config (tuning such as `stock` and `keepalive`, which
+    wins over the answer's). The stock port rule: no port or 8883 means TLS. OtaError when the
+    answer has no usable section."""
     section = answer.get("mqtt") if isinstance(answer, dict) else None
     if not isinstance(section, dict):
         raise OtaError("the OTA answer has no mqtt section")
-    login = []
     for name in ("endpoint", "username", "password"):
         value = section.get(name)
         if not isinstance(value, str) or not value:
             raise OtaError("the OTA answer's mqtt section has no " + name)
-        login.append(value)
-    return "mqtt://" + login[0], login[1], login[2]
+    settings = dict(local) if isinstance(local, dict) else {}
+    settings["url"] = _broker_url(section["endpoint"])
+    settings["username"], settings["password"] = section["username"], section["password"]
+    for name in ("client_id", "publish_topic", "subscribe_topic"):
+        if isinstance(section.get(name), str) and section[name]:
+            settings[name] = section[name]
+    publish = settings.get("publish_topic")
+    if publish and publish.endswith("/up") and not settings.get("status_topic"):
+        settings["status_topic"] = publish[:-3] + "/status"  # the scheme's sibling topic
+    keepalive = section.get("keepalive")
+    if settings.get("keepalive") is None and isinstance(keepalive, int) and keepalive > 0:
+        settings["keepalive"] = keepalive
+    return settings
+
+
+def _broker_url(endpoint):
+    host, port = endpoint, "8883"
+    colon = endpoint.rfind(":")
+    if colon >= 0:
+        host, port = endpoint[:colon], endpoint[colon + 1 :]
+    if not host or not port.isdigit():
+        raise OtaError("the OTA answer's mqtt endpoint is not host[:port]: " + endpoint)
+    return ("mqtts://" if port == "8883" else "mqtt://") + host + ":" + port
 
 
 # ---- HTTP ---------------------------------------------------------------------------------------

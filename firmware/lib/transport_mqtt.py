@@ -98,6 +98,15 @@ def _umqtt():
     return _UMQTT[0]
 
 
+def umqtt_installed() -> bool:
+    """Whether micropython-lib's umqtt.simple can be imported (a board needs it in /lib)."""
+    try:
+        _umqtt()
+    except ImportError:
+        return False
+    return True
+
+
 def parse_url(url):
     """(host, port, tls) of mqtt://host[:port] (1883) or mqtts://host[:port] (8883)."""
     if not isinstance(url, str) or "://" not in url:

@@ -46,13 +46,52 @@ class AnswerTest(TestCase):
         self.assertEqual(ota.websocket_endpoint(answer), ("ws://b:8000/xiaozhi/v1/", "dtk_x"))
         self.assertRaises(ota.OtaError, ota.websocket_endpoint, {"activation": {"code": "1"}})
 
-    def test_mqtt_login(self):
-        section = {"endpoint": "b:1883", "username": "02_00_00_00_00_01", "password": "dtk_x"}
+    def test_mqtt_settings_take_the_login_and_topics_from_the_answer(self):
+        section = {
+            "endpoint": "b:1883",
+            "client_id": "GID_xiaozhi@@@02_00_00_00_00_01@@@uuid-1",
+            "username": "02_00_00_00_00_01",
+            "password": "dtk_x",
+            "keepalive": 240,
+            "publish_topic": "fleet/02_00_00_00_00_01/up",
+            "subscribe_topic": "fleet/02_00_00_00_00_01/down",
+            "unknown": "kept out",
+        }
+        local = {"url": "mqtt://old:1", "password": "stale", "keepalive": 30, "stock": False}
+        settings = ota.mqtt_settings({"mqtt": section}, local)
         self.assertEqual(
-            ota.mqtt_login({"mqtt": section}), ("mqtt://b:1883", "02_00_00_00_00_01", "dtk_x")
+            settings,
+            {
+                "url": "mqtt://b:1883",
+                "client_id": section["client_id"],
+                "username": "02_00_00_00_00_01",
+                "password": "dtk_x",
+                "keepalive": 30,
+                "stock": False,
+                "publish_topic": "fleet/02_00_00_00_00_01/up",
+                "subscribe_topic": "fleet/02_00_00_00_00_01/down",
+                "status_topic": "fleet/02_00_00_00_00_01/status",
+            },
         )
-        self.assertRaises(ota.OtaError, ota.mqtt_login, {"websocket": {"url": "ws://b/"}})
-        self.assertRaises(ota.OtaError, ota.mqtt_login, {"mqtt": dict(section, password="")})
+        self.assertEqual(local["url"], "mqtt://old:1")  # the device's own config is not changed
+        self.assertEqual(ota.mqtt_settings({"mqtt": section})["keepalive"], 240)
+
+    def test_mqtt_settings_follow_the_stock_port_rule(self):
+        login = {"username": "k", "password": "dtk_x"}
+        for endpoint, url in (
+            ("b", "mqtts://b:8883"),
+            ("b:8883", "mqtts://b:8883"),
+            ("b:1884", "mqtt://b:1884"),
+        ):
+            answer = {"mqtt": dict(login, endpoint=endpoint)}
+            self.assertEqual(ota.mqtt_settings(answer)["url"], url)
+
+    def test_mqtt_settings_refuse_an_unusable_section(self):
+        section = {"endpoint": "b:1883", "username": "k", "password": "dtk_x"}
+        self.assertRaises(ota.OtaError, ota.mqtt_settings, {"websocket": {"url": "ws://b/"}})
+        self.assertRaises(ota.OtaError, ota.mqtt_settings, {"mqtt": dict(section, password="")})
+        self.assertRaises(ota.OtaError, ota.mqtt_settings, {"mqtt": dict(section, endpoint=":1")})
+        self.assertRaises(ota.OtaError, ota.mqtt_settings, {"mqtt": dict(section, endpoint="b:x")})
 
     def test_request_headers_are_the_stock_ones(self):
         hal = HalFake(board_name="my-board", firmware_version="0.1.0")
