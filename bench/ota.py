@@ -43,6 +43,7 @@ from bench.common import (
 from bench.http_client import KeepAliveHttp
 from bench.peers import known_client, known_device
 from bench.report import environment
+from simulator.stock_ota import stock_headers, system_info
 
 NAME = "ota"
 KNOWN = 200
@@ -52,33 +53,16 @@ RESPONSIVE_P99_MS = 1000.0  # approved devices still answered within a second du
 BYTES_PER_PENDING = 16 * 1024
 
 
-def system_info(mac: str, client_id: str) -> bytes:
-    body = {
-        "version": 2,
-        "language": "en-US",
-        "flash_size": 16777216,
-        "minimum_free_heap_size": "158595",
-        "mac_address": mac,
-        "uuid": client_id,
-        "chip_model_name": "esp32s3",
-        "chip_info": {"model": 9, "cores": 2, "revision": 2, "features": 18},
-        "application": {"name": "xiaozhi", "version": "2.4.2", "elf_sha256": "ab" * 32},
-        "partition_table": [{"label": "nvs", "type": 1, "subtype": 2, "address": 36864}],
-        "ota": {"label": "ota_0"},
-        "board": {"type": "bread-compact-wifi", "ssid": "home", "rssi": -52, "ip": "10.0.0.9"},
-    }
-    return json.dumps(body, separators=(",", ":")).encode()
-
-
 def ota_request(host: str, port: int, path: str, mac: str, client_id: str) -> bytes:
-    body = system_info(mac, client_id)
-    head = (
-        f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\nactivation-version: 1\r\n"
-        f"device-id: {mac}\r\nclient-id: {client_id}\r\n"
-        "user-agent: bread-compact-wifi/2.4.2\r\naccept-language: en-US\r\n"
-        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
-    )
-    return head.encode() + body
+    """One stock OTA check (§5.1 headers and body) as raw HTTP/1.1 bytes."""
+    body = json.dumps(system_info(mac, client_id), separators=(",", ":")).encode()
+    headers = {
+        "Host": f"{host}:{port}",
+        **stock_headers(mac, client_id),
+        "Content-Length": str(len(body)),
+    }
+    lines = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+    return f"POST {path} HTTP/1.1\r\n{lines}\r\n".encode() + body
 
 
 @dataclass

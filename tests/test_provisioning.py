@@ -7,6 +7,7 @@ import hashlib
 import hmac
 import re
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import Any
 
 import httpx
@@ -15,6 +16,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from backend.server import Bridge
+from simulator import stock_ota
 from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, run_cli, wait_state
 from tests.stock_device import CLIENT_ID, WireDevice
 
@@ -22,58 +24,9 @@ MAC = "a4:cf:12:34:56:78"
 OTHER_CLIENT = "0f8e2c61-1b7a-4c3e-9a55-7d2e0c9b1a44"
 
 
-def system_info(mac: str = MAC, client_id: str = CLIENT_ID, version: str = "2.4.2") -> dict:
-    """The §5.1 body of a stock device (free heap as a string, fields the bridge never uses)."""
-    return {
-        "version": 2,
-        "language": "en-US",
-        "flash_size": 16777216,
-        "minimum_free_heap_size": "158595",
-        "mac_address": mac,
-        "uuid": client_id,
-        "chip_model_name": "esp32s3",
-        "chip_info": {"model": 9, "cores": 2, "revision": 2, "features": 18},
-        "application": {
-            "name": "xiaozhi",
-            "version": version,
-            "compile_time": "Aug  8 2026T08:00:00Z",
-            "idf_version": "v6.0.1",
-            "elf_sha256": "ab" * 32,
-        },
-        "partition_table": [{"label": "nvs", "type": 1, "subtype": 2, "address": 36864}],
-        "ota": {"label": "ota_0"},
-        "display": {"monochrome": False, "width": 240, "height": 240},
-        "board": {
-            "type": "bread-compact-wifi",
-            "name": "bread-compact-wifi",
-            "ssid": "home",
-            "rssi": -52,
-            "channel": 6,
-            "ip": "192.168.1.23",
-            "mac": mac,
-        },
-        "future_field": {"kept": True},
-    }
-
-
-def stock_headers(
-    mac: str = MAC,
-    client_id: str | None = CLIENT_ID,
-    version: str = "2.4.2",
-    serial: str | None = None,
-) -> dict[str, str]:
-    headers = {
-        "Activation-Version": "2" if serial else "1",
-        "Device-Id": mac,
-        "User-Agent": f"bread-compact-wifi/{version}",
-        "Accept-Language": "en-US",
-        "Content-Type": "application/json",
-    }
-    if client_id is not None:
-        headers["Client-Id"] = client_id
-    if serial is not None:
-        headers["Serial-Number"] = serial
-    return headers
+# A stock device's §5.1 request, by default of the device MAC/CLIENT_ID.
+system_info = partial(stock_ota.system_info, mac=MAC, client_id=CLIENT_ID)
+stock_headers = partial(stock_ota.stock_headers, mac=MAC, client_id=CLIENT_ID)
 
 
 class StockOta:
