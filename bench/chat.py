@@ -8,7 +8,7 @@
    with one tool call on an in-process device running the real firmware tool code.
 2. Turns per second one process sustains with the same fakes, with 1 and with 100 concurrent
    conversations.
-3. Offline mode (no model at all) on the fixed request set `tests/data/chat_offline_set.json`
+3. Offline mode (no model at all) on the fixed request set `backend/chat/data/offline_eval.json`
    (Vietnamese and English device commands, dental questions, off-topic requests): the share of
    device commands routed to the right tool with the right arguments, the share of off-topic
    requests refused, the share of dental questions answered. The test suite asserts the same
@@ -283,7 +283,7 @@ pipeline plus the provider add {ms(http.p50 - raw.p50)} ms.
 {single:.0f} turns/s with 1 conversation, {many:.0f} turns/s with 100 concurrent conversations.
 
 **Offline mode** (no model, no web; rules and the knowledge base) on the fixed set
-`tests/data/chat_offline_set.json` ({len(report.outcomes)} requests, Vietnamese and English):
+`backend/chat/data/offline_eval.json` ({len(report.outcomes)} requests, Vietnamese and English):
 
 {
         table(

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from backend.chat.prompts import GUARDRAIL_MARKER, SUMMARY_MARKER
+from backend.chat.prompts import GUARDRAIL_OPENINGS, SUMMARY_OPENINGS
 
 
 @dataclass
@@ -125,9 +125,9 @@ class FakeLlm:
 def _kind(body: dict[str, Any]) -> str:
     for message in body.get("messages", []):
         content = message.get("content") or ""
-        if isinstance(content, str) and content.startswith(GUARDRAIL_MARKER):
+        if isinstance(content, str) and content.startswith(GUARDRAIL_OPENINGS):
             return "guardrail"
-        if isinstance(content, str) and content.startswith(SUMMARY_MARKER):
+        if isinstance(content, str) and content.startswith(SUMMARY_OPENINGS):
             return "summary"
     return "chat"
 

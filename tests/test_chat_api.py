@@ -262,3 +262,19 @@ async def test_conversations_list_get_delete(llm_bridge, http):
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "unknown_conversation"
     assert (await http.delete("/v1/conversations/c2")).status_code == 404
     assert (await http.get("/v1/conversations")).json()["total"] == 2
+
+
+async def test_a_refused_device_turn_leaves_no_conversation_and_the_next_one_stays(
+    llm_bridge, http, fake_llm, simulated_devices
+):
+    sim = await simulated_devices(llm_bridge)
+    fake_llm.script("guardrail", Reply("NO"))
+    refused = await stream(http, {"message": "Who won the match?", "device_id": sim.device_id})
+    assert refused[-1]["metadata"]["guardrail"]["verdict"] == "refused"
+    assert (await http.get("/v1/conversations")).json()["total"] == 0  # nothing written
+
+    first = await stream(http, {"message": QUESTION, "device_id": sim.device_id})
+    second = await stream(http, {"message": QUESTION, "device_id": sim.device_id})
+    assert first[-1]["conversation_id"] == second[-1]["conversation_id"]  # the device's own
+    [row] = (await http.get("/v1/conversations")).json()["data"]
+    assert row["id"] == first[-1]["conversation_id"] and row["device_id"] == sim.device_id

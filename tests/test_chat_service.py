@@ -168,6 +168,33 @@ async def test_off_topic_is_refused_in_the_users_language_and_not_stored(
     assert text in fake.of_kind("guardrail")[0].messages[0]["content"]
 
 
+@pytest.mark.parametrize(
+    "text",
+    ["Best paint brush for walls?", "What is plaque in the arteries?", "Chewing gum brands"],
+)
+async def test_words_with_a_meaning_outside_dentistry_are_left_to_the_guardrail_model(
+    text: str, fake: FakeLlm, openai: LlmProvider, memory: SqliteMemoryStore
+) -> None:
+    fake.script("guardrail", Reply("NO"))
+    refused = await collect(ChatService(memory, openai).run_turn(TurnRequest(text=text)))
+    guardrail = done(refused).metadata.guardrail
+    assert (guardrail.verdict, guardrail.by) == ("refused", "llm")
+    assert text in fake.of_kind("guardrail")[0].messages[0]["content"]
+    # With no model to ask, the same words pass: an answer beats a wrong refusal.
+    offline = await collect(ChatService(memory, None).run_turn(TurnRequest(text=text)))
+    guardrail = done(offline).metadata.guardrail
+    assert (guardrail.verdict, guardrail.by) == ("passed", "rules")
+
+
+async def test_a_clear_dental_question_needs_no_guardrail_model(
+    fake: FakeLlm, openai: LlmProvider, memory: SqliteMemoryStore
+) -> None:
+    fake.script("chat", Reply("Two minutes."))
+    text = "How long should I brush my teeth?"
+    events = await collect(ChatService(memory, openai).run_turn(TurnRequest(text=text)))
+    assert done(events).metadata.guardrail.by == "rules" and not fake.of_kind("guardrail")
+
+
 async def test_device_request_passes_only_with_a_toolbox(
     fake: FakeLlm, openai: LlmProvider, memory: SqliteMemoryStore
 ) -> None:

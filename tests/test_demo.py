@@ -33,12 +33,12 @@ async def test_demo_calls_tools_then_serves_cli_until_sigint(tmp_path):
         status = json.loads(status_json[: status_json.index("\n}\n") + 2])
         assert json.loads(status["content"][0]["text"])["audio_speaker"]["volume"] == 42
 
-        # The scripted chat turns: a device command through the chat API, a dental question.
-        chat = text[text.index("you> Set the volume to 30") :]
+        # The scripted chat turn: a device command and a dental question in one sentence.
+        chat = text[text.index("you> Set the volume to 30 and tell me how long I should brush") :]
         assert "no model service at http://127.0.0.1:9: offline mode" in text
         assert '  [tool] self.audio_speaker.set_volume {"volume":30}' in chat
         assert "device: volume = 30" in chat and "Volume set to 30." in chat
-        answer = chat[chat.index("you> How long should I brush my teeth?") :]
+        answer = chat[chat.index("Volume set to 30.") :]
         assert "2 minutes" in answer and "\nSources:\n1. " in answer
 
         # From another terminal: the CLI finds the demo through the data directory.

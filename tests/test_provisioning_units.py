@@ -162,8 +162,19 @@ def test_confirmation_rules_last_match_wins_per_tool_and_device() -> None:
         ("No thanks", "no"),
         ("không", "no"),
         ("Hủy", "no"),
+        ("Yes please!", "yes"),
+        ("vâng ạ", "yes"),
+        ("No, cancel that", "no"),
+        ("không cần đâu", "other"),
+        ("yes no", "other"),
         ("Why would you reboot?", "other"),
         ("", "other"),
+        # Questions and new requests that only start like an answer.
+        ("Có nên dùng nước súc miệng không?", "other"),
+        ("Đồng hồ mấy giờ rồi", "other"),
+        ("ok but first tell me about floss", "other"),
+        ("no, set the volume to 20 instead", "other"),
+        ("Không biết răng khôn có cần nhổ không?", "other"),
     ],
 )
 def test_answers_to_a_confirmation_question(text: str, kind: str) -> None:

@@ -195,4 +195,11 @@ async def test_no_or_another_conversation_never_runs_the_risky_tool(
     fake_llm.script("chat", Reply("Brush twice a day."))
     await collect(chat.run_turn(turn(bridge, "How often should I brush?", conversation="a")))
     await collect(chat.run_turn(turn(bridge, "yes", conversation="a")))
+    # A question that only starts like a yes ("có" = yes; "có nên" = should I) is not one.
+    fake_llm.script("chat", Reply(calls=[erase]), Reply("Có, sau khi đánh răng."))
+    await collect(chat.run_turn(turn(bridge, "Xóa bộ nhớ đi", conversation="c")))
+    question = "Có nên dùng nước súc miệng không?"
+    answered = await collect(chat.run_turn(turn(bridge, question, conversation="c")))
+    assert not any(isinstance(e, ToolStarted) for e in answered)
+    assert spoken(answered).startswith("Có, sau khi đánh răng.")
     assert called(device) == []

@@ -184,7 +184,7 @@ class ChatFront:
         if conversation_id is not None:
             request.conversation_id = check_conversation_id(conversation_id)
         elif device_id is not None:
-            request.conversation_id = (await self.chat.memory.conversation_for_device(device_id)).id
+            request.conversation_id = await self.chat.memory.device_conversation_id(device_id)
         else:
             request.conversation_id = uuid.uuid4().hex
         return request

@@ -5,10 +5,11 @@ registry refuses it unconfirmed), the turn does not call it; it asks the user an
 call here, for the conversation (and the device, for a front end that names only the device).
 The next turn of that conversation:
 
-- starts with yes/ok/sure/có/vâng/đồng ý... → the remembered call runs, confirmed, and the turn
-  says how it went (nothing else happens in that turn);
-- starts with no/cancel/không/hủy... → it is dropped and the turn says so;
-- anything else → it is dropped and the turn goes on as usual.
+- is yes/ok/sure/có/vâng/đồng ý... (the whole reply, fillers aside) → the remembered call
+  runs, confirmed, and the turn says how it went (nothing else happens in that turn);
+- is no/cancel/không/hủy... → it is dropped and the turn says so;
+- anything else (a question that starts with "có", "ok but...") → it is dropped and the turn
+  goes on as usual.
 
 A question expires after `ttl_s` (5 minutes) and at most `limit` are kept (oldest go first).
 """
@@ -22,11 +23,23 @@ from typing import Any, Literal
 
 from backend.chat.text import Language
 
+# A reply is an answer only when every word of it is a yes (or a no) word or a filler: "Có nên
+# dùng nước súc miệng không?" starts with "có" but asks a question, and "ok but first tell me
+# about floss" is not a go-ahead. Vietnamese is matched with and without accents.
 _YES = {
-    "yes", "y", "yeah", "yep", "ok", "okay", "sure", "confirm", "confirmed", "go",
-    "có", "co", "vâng", "vang", "ừ", "được", "duoc", "đồng", "dong", "xác", "xac",
+    "yes", "y", "yeah", "yep", "ok", "okay", "sure", "confirm", "confirmed",
+    "có", "co", "vâng", "vang", "ừ", "được", "duoc", "đồng", "dong", "ý", "xác", "xac", "nhận",
+    "nhan",
 }  # fmt: skip
-_NO = {"no", "n", "nope", "cancel", "stop", "don't", "dont", "không", "khong", "hủy", "huy", "thôi"}
+_NO = {
+    "no", "n", "nope", "cancel", "stop", "don't", "dont", "không", "khong", "hủy", "huy", "bỏ",
+    "bo", "thôi", "thoi", "đừng", "dung",
+}  # fmt: skip
+_FILLER = {
+    "please", "thanks", "thank", "you", "go", "ahead", "do", "it", "that", "this", "now",
+    "ạ", "a", "nhé", "nhe", "nha", "đi", "di", "luôn", "luon", "làm", "lam", "cần",
+}  # fmt: skip
+_MAX_ANSWER_WORDS = 6
 _WORD = re.compile(r"[\w']+", re.UNICODE)
 
 QUESTION = {
@@ -37,7 +50,11 @@ QUESTION = {
 }
 CANCELLED = {"en": "OK, I did not run {tool}.", "vi": "Được, tôi đã không chạy {tool}."}
 DONE = {"en": "Done: {tool} → {result}", "vi": "Đã xong: {tool} → {result}"}
-FAILED = {"en": "{tool} failed: {result}", "vi": "{tool} thất bại: {result}"}
+# The device's own error goes to the front end in the mcp_tool error event, never into speech.
+FAILED = {
+    "en": "Sorry, {tool} did not work: the device reported an error.",
+    "vi": "Xin lỗi, {tool} không thực hiện được: thiết bị báo lỗi.",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,13 +68,17 @@ class PendingConfirmation:
 
 
 def answer_kind(text: str) -> Literal["yes", "no", "other"]:
-    """Whether a reply starts with a yes, a no, or neither."""
+    """Whether a reply is a yes, a no, or anything else (a question, a new request)."""
     words = _WORD.findall(text.lower())
-    if not words:
+    if not words or len(words) > _MAX_ANSWER_WORDS:
         return "other"
-    if words[0] in _YES:
+    yes = sum(word in _YES for word in words)
+    no = sum(word in _NO for word in words)
+    if yes + no + sum(word in _FILLER for word in words) != len(words):
+        return "other"
+    if yes and not no:
         return "yes"
-    if words[0] in _NO:
+    if no and not yes:
         return "no"
     return "other"
 

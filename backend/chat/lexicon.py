@@ -97,6 +97,19 @@ DENTAL_PHRASES = [
 ]
 
 
+# Dental words with common meanings outside dentistry ("paint brush", "cavity wall", "plaque in
+# the arteries", "chewing gum", "breast implants"). A request whose only dental words are these
+# is for the guardrail model to judge; with no model to ask (offline) it passes.
+AMBIGUOUS_DENTAL = frozenset(
+    {
+        *("gum", "gums", "cavity", "cavities", "plaque", "enamel", "tartar", "braces", "brace"),
+        *("implant", "implants", "whitening", "oral", "abscess", "jaw", "mouth", "tongue"),
+        *("retainer", "brush", "brushing", "brushed", "molar", "molars", "lưỡi", "trám"),
+        *("fluor", "áp xe", "bàn chải", "ap xe", "ban chai"),
+    }
+)
+
+
 # ---- device controls --------------------------------------------------------------------------
 
 # concept -> phrases (both languages). "screen" is a weak concept shared by several tools.

@@ -101,6 +101,11 @@ class MemoryStore(Protocol):
         """The device's current conversation (its most recently used), created if none."""
         ...
 
+    async def device_conversation_id(self, device_id: str) -> str:
+        """The id of the device's current conversation, or a new id that the device's first
+        stored turn creates (a refused turn leaves nothing behind)."""
+        ...
+
     async def get(self, conversation_id: str, *, with_messages: bool = False) -> Conversation:
         """Raises ConversationNotFound."""
         ...
@@ -151,6 +156,15 @@ def check_conversation_id(conversation_id: str) -> str:
     return text
 
 
+def _current_of_device(c: sqlite3.Connection, device_id: str) -> str | None:
+    row = c.execute(
+        "SELECT id FROM chat_conversations WHERE device_id = ?"
+        " ORDER BY updated_at DESC, rowid DESC LIMIT 1",
+        (device_id,),
+    ).fetchone()
+    return str(row["id"]) if row else None
+
+
 class SqliteMemoryStore:
     """`MemoryStore` on the bridge database; open the database with CHAT_MIGRATIONS."""
 
@@ -183,12 +197,13 @@ class SqliteMemoryStore:
 
     async def conversation_for_device(self, device_id: str) -> Conversation:
         def work(c: sqlite3.Connection) -> Conversation:
-            row = c.execute(
-                "SELECT id FROM chat_conversations WHERE device_id = ?"
-                " ORDER BY updated_at DESC, rowid DESC LIMIT 1",
-                (device_id,),
-            ).fetchone()
-            return self._get_or_create(c, row["id"] if row else None, device_id)
+            return self._get_or_create(c, _current_of_device(c, device_id), device_id)
+
+        return await self.db.run(work)
+
+    async def device_conversation_id(self, device_id: str) -> str:
+        def work(c: sqlite3.Connection) -> str:
+            return _current_of_device(c, device_id) or uuid.uuid4().hex
 
         return await self.db.run(work)
 

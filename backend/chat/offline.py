@@ -16,10 +16,11 @@ clauses; device clauses become tool calls and the rest is answered as a question
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from backend.chat.lexicon import (
     ACTION_WORDS,
+    AMBIGUOUS_DENTAL,
     CLAUSE_SPLIT,
     CONCEPTS,
     DENTAL_PHRASES,
@@ -69,8 +70,16 @@ def concepts_in(text: str) -> set[str]:
     return found
 
 
+def dental_words(text: str) -> Literal["clear", "ambiguous"] | None:
+    """Whether the text has dental words, and whether any of them is unambiguous."""
+    hits = _dental.find(text)
+    if not hits:
+        return None
+    return "ambiguous" if all(hit.phrase in AMBIGUOUS_DENTAL for hit in hits) else "clear"
+
+
 def is_dental(text: str) -> bool:
-    return bool(_dental.find(text))
+    return dental_words(text) is not None
 
 
 def split_clauses(text: str) -> list[str]:

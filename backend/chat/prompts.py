@@ -62,22 +62,22 @@ def user_prompt(
     )
 
 
-# The fake LLM in the tests recognises summary and guardrail requests by these first words.
-SUMMARY_MARKER = "SUMMARIZE-TURN"
-GUARDRAIL_MARKER = "GUARDRAIL-CHECK"
-
 _SUMMARIZE = {
     "vi": (
-        SUMMARY_MARKER + " Tóm tắt câu trả lời sau trong một hoặc hai câu ngắn bằng tiếng Việt, "
+        "Tóm tắt câu trả lời sau trong một hoặc hai câu ngắn bằng tiếng Việt, "
         "giữ lại các thông tin và con số quan trọng.\n\nCâu hỏi: {question}\n\n"
         "Câu trả lời: {answer}\n\nTóm tắt:"
     ),
     "en": (
-        SUMMARY_MARKER + " Summarize the following answer in one or two short sentences in "
+        "Summarize the following answer in one or two short sentences in "
         "English, keeping the key facts and numbers.\n\nQuestion: {question}\n\n"
         "Answer: {answer}\n\nSummary:"
     ),
 }
+
+
+# How each prompt begins, whatever is filled in (the fake LLM of the tests tells requests apart).
+SUMMARY_OPENINGS = tuple(template.split("{", 1)[0] for template in _SUMMARIZE.values())
 
 
 def summarize_prompt(language: Language, question: str, answer: str) -> str:
@@ -86,12 +86,12 @@ def summarize_prompt(language: Language, question: str, answer: str) -> str:
 
 _GUARDRAIL = {
     "vi": (
-        GUARDRAIL_MARKER + " Bạn là hệ thống kiểm duyệt của trợ lý nha khoa. Yêu cầu dưới đây có "
+        "Bạn là hệ thống kiểm duyệt của trợ lý nha khoa. Yêu cầu dưới đây có "
         "liên quan đến NHA KHOA (răng, nướu, miệng, vệ sinh răng miệng, điều trị nha khoa){device}"
         " không?\n\nYêu cầu: {question}\n\nTrả lời CHỈ một từ: YES hoặc NO."
     ),
     "en": (
-        GUARDRAIL_MARKER + " You are the moderation system of a dental assistant. Is the request "
+        "You are the moderation system of a dental assistant. Is the request "
         "below about DENTISTRY (teeth, gums, mouth, oral hygiene, dental treatment){device}?\n\n"
         "Request: {question}\n\nAnswer with ONLY one word: YES or NO."
     ),
@@ -100,6 +100,9 @@ _GUARDRAIL_DEVICE = {
     "vi": ", hoặc là yêu cầu điều khiển thiết bị bằng một trong các chức năng: {functions}",
     "en": ", or a request to control the device with one of these functions: {functions}",
 }
+
+
+GUARDRAIL_OPENINGS = tuple(template.split("{", 1)[0] for template in _GUARDRAIL.values())
 
 
 def guardrail_prompt(language: Language, question: str, functions: list[str]) -> str:

@@ -49,10 +49,10 @@ from backend.chat.memory import Conversation, MemoryStore, StoredMessage
 from backend.chat.offline import (
     OFFLINE_NOTE,
     IntentDetector,
+    dental_words,
     device_reply,
     extractive_answer,
     extractive_summary,
-    is_dental,
     rejected_reply,
     with_description_choices,
 )
@@ -63,7 +63,7 @@ from backend.chat.search import (
     WebSearch,
     format_results,
 )
-from backend.chat.text import Language
+from backend.chat.text import Language, clip
 from backend.chat.tools import NoTools, ToolBox, ToolOutcome
 from backend.config import Settings
 from backend.errors import BridgeError
@@ -73,6 +73,7 @@ log = structlog.get_logger("chat")
 # A question, typed or spoken, fits in this many characters. Longer ones are refused before
 # any work: the guardrail, the intent rules and the ranking all read the whole text.
 MAX_QUERY_CHARS = 4000
+_SPOKEN_RESULT_CHARS = 200  # a confirmed call's result, as said back to the user
 
 _NO_PERMISSION = {
     "vi": "Tôi không có quyền điều khiển thiết bị này ({reason}).",
@@ -300,10 +301,12 @@ class ChatService:
         self, turn: _Turn, functions: Sequence[FunctionSpec]
     ) -> tuple[Guardrail, bool]:
         """(verdict, whether the question is about dentistry)."""
-        if is_dental(turn.query):
+        dental = dental_words(turn.query)
+        if dental == "clear":
             return Guardrail(verdict="passed", reason="dental question", by="rules"), True
         if functions and self.detector.is_device_request(turn.query, functions):
-            return Guardrail(verdict="passed", reason="device request", by="rules"), False
+            # The device request passed; an ambiguous dental word beside it is taken as meant.
+            return Guardrail(verdict="passed", reason="device request", by="rules"), bool(dental)
         if self.llm is not None and turn.offline_reason is None:
             names = [f"{spec.llm_name}: {spec.description}" for spec in functions]
             prompt = prompts.guardrail_prompt(turn.language, turn.query, names)
@@ -323,6 +326,8 @@ class ChatService:
                     Guardrail(verdict="refused", reason="unclear guardrail reply", by="llm"),
                     False,
                 )
+        if dental == "ambiguous":  # no model to judge "brush", "gum"...: answer rather than refuse
+            return Guardrail(verdict="passed", reason="dental word (unchecked)", by="rules"), True
         return Guardrail(verdict="refused", reason="no dental or device words", by="rules"), False
 
     async def _load_memory(self, turn: _Turn) -> list[StoredMessage]:
@@ -540,7 +545,8 @@ class ChatService:
                     is_error=outcome.is_error,
                 )
             template = FAILED if outcome.failed or outcome.is_error else DONE
-            text = template[turn.language].format(tool=asked.tool, result=outcome.text)
+            result = clip(outcome.text, _SPOKEN_RESULT_CHARS)
+            text = template[turn.language].format(tool=asked.tool, result=result)
         else:
             text = CANCELLED[turn.language].format(tool=asked.tool)
         turn.answer.append(text)

@@ -146,10 +146,14 @@ class DeviceToolBox:
         except (BridgeError, McpError) as exc:
             return ToolOutcome(f"error: {exc}", is_error=True, failed=True)
         except Exception as exc:
-            # The core's device-layer errors (invalid arguments, device busy, not ready) do not
-            # derive from BridgeError yet; their messages are one line for an operator too.
+            # Not a documented error: a bug in a tool source. The turn goes on (the model hears
+            # that the call failed) and the log keeps the traceback.
             log.warning(
-                "tool call failed", device_id=self.device_id, tool=name, error=type(exc).__name__
+                "tool call failed",
+                device_id=self.device_id,
+                tool=name,
+                error=type(exc).__name__,
+                exc_info=True,
             )
             return ToolOutcome(f"error: {exc}", is_error=True, failed=True)
         text = result.text or ("(no output)" if not result.is_error else "error")

@@ -68,7 +68,8 @@ def auth_warnings(settings: Settings) -> list[str]:
     return warnings
 
 
-DEMO_TURNS = ("Set the volume to 30", "How long should I brush my teeth?")
+# The issue's own example: one turn that both changes the device and answers with sources.
+DEMO_TURNS = ("Set the volume to 30 and tell me how long I should brush my teeth",)
 
 
 async def run_demo(settings: Settings, console: Console) -> None:

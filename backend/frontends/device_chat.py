@@ -1,7 +1,7 @@
 """Typed input from a device becomes a chat turn, answered on the device's screen.
 
 A `listen` with `state: "detect"` and `text` (what the stock firmware sends for a wake word or
-typed text) starts a turn in that device's own conversation (`conversation_for_device`, which
+typed text) starts a turn in that device's own conversation (`device_conversation_id`, which
 survives reconnects and restarts), with that device's tools (`DeviceToolBox`, full permission:
 the device asked). The answer goes back through the conversation API, in this order:
 
@@ -237,7 +237,7 @@ class DeviceChat:
         """The device's conversation, settled first so every log line of the turn has it
         (None when memory is unavailable: the turn then runs without it)."""
         try:
-            return (await self.chat.memory.conversation_for_device(device_id)).id
+            return await self.chat.memory.device_conversation_id(device_id)
         except BridgeError as exc:
             log.warning("device conversation unavailable", device_id=device_id, error=str(exc))
             return None
