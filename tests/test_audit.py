@@ -13,7 +13,15 @@ from backend.chat import DeviceToolBox
 from backend.devices import DeviceRegistry
 from backend.devices.registry import DeviceEvent, EventKind
 from backend.server import Bridge
-from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, create_key, make_settings, run_cli, wait_state
+from tests.helpers import (
+    ADMIN_TOKEN,
+    DEVICE_TOKEN,
+    create_key,
+    eventually,
+    make_settings,
+    run_cli,
+    wait_state,
+)
 from tests.stock_device import WireDevice, stock_tools
 
 VOLUME = "self.audio_speaker.set_volume"
@@ -105,3 +113,32 @@ async def test_audit_pages_and_filters(bridge: Bridge, api: httpx.AsyncClient) -
     assert len(rest["entries"]) == 2 and rest["next_before"] is None
     assert (await api.get("/api/audit", params={"actor": "key:none"})).json()["entries"] == []
     await device.close()
+
+
+async def test_calls_refused_before_they_reach_a_device_are_audited(
+    bridge: Bridge, api: httpx.AsyncClient
+) -> None:
+    device = WireDevice(bridge.ws_url, DEVICE_TOKEN)
+    await device.connect()
+    await wait_state(bridge, device.device_id)
+    reader = await create_key(bridge, "devices:read")  # may list, may not call
+    body = {"name": VOLUME, "arguments": {"volume": 5}}
+    url = f"/api/devices/{device.device_id}/tools/call"
+    assert (
+        await api.post("/api/devices/ff:ff:ff:ff:ff:ff/tools/call", json=body)
+    ).status_code == 404
+    as_reader = {"Authorization": f"Bearer {reader}"}
+    assert (await api.post(url, json=body, headers=as_reader)).status_code == 403
+    await device.close()
+    await eventually(lambda: bridge.registry.get(device.device_id) is None)
+    assert (await api.post(url, json=body)).status_code == 503
+
+    entries = (await api.get("/api/audit", params={"limit": 10})).json()["entries"]
+    rows = [(e["device_id"], e["tool"], e["outcome"], e["error"]) for e in entries]
+    assert rows == [  # newest first; the 403 was refused before its body was read
+        (device.device_id, VOLUME, "refused", "DeviceOffline"),
+        (device.device_id, "", "refused", "MissingScope"),
+        ("ff:ff:ff:ff:ff:ff", VOLUME, "refused", "UnknownDevice"),
+    ]
+    assert entries[1]["actor"] == f"key:{reader.split('_')[1]}"
+    assert entries[0]["arguments_sha256"] == digest({"volume": 5})

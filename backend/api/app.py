@@ -159,19 +159,35 @@ def create_app(
         """`POST /api/devices/{device_id}/tools/call`, the hot path of the admin API."""
         device_id = request.path_params["device_id"]
         principal = principal_of(request)
-        principal.require_call(device_id)  # before the body is read
+        actor = actor_of(principal)
+        try:
+            principal.require_call(device_id)  # before the body is read
+        except BridgeError as exc:  # audited without the call, which nobody read
+            registry.refuse_call(device_id, "", None, actor=actor, error=type(exc).__name__)
+            raise
         try:
             call = _CALL_REQUEST.validate_json(await request.body())
-        except ValidationError as exc:
+        except ValidationError as exc:  # names no call: not audited, answered 422
             raise ApiError(422, "invalid_request", _first_error(exc)) from None
-        device = registry.require(device_id)
+        try:
+            device = registry.require(device_id)
+        except BridgeError as exc:
+            registry.refuse_call(
+                device_id,
+                call.name,
+                call.arguments,
+                actor=actor,
+                error=type(exc).__name__,
+                confirmed=call.confirm,
+            )
+            raise
         started = time.perf_counter()
         result = await device.call_tool(
             call.name,
             call.arguments,
             timeout_s=call.timeout_s,
             confirmed=call.confirm,
-            actor=actor_of(principal),
+            actor=actor,
         )
         answer = {
             "content": result.content,

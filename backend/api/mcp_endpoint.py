@@ -286,6 +286,13 @@ class McpEndpoint:
         device_id = entry.device.device_id
         reason = principal.call_denied_reason(device_id)
         if reason is not None:
+            self.registry.refuse_call(
+                device_id,
+                entry.tool,
+                arguments,
+                actor=f"mcp:key:{principal.key_id}",
+                error="MissingScope",
+            )
             raise forbidden(
                 f"not allowed to call tools of {device_id!r}: {reason}",
                 KeyScope.DEVICES_CALL,

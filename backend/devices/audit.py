@@ -1,7 +1,8 @@
 """The audit log: one row per device tool call, refused ones included.
 
-Every `Device.call_tool` ends in one `tool_called` registry event; this listener turns it into a
-row: when, who (`actor`: `key:<id>` for an API key, `admin` for the admin token, `chat:...` or
+Every `Device.call_tool` ends in one `tool_called` registry event, and so does a call refused
+before it reached a device (`DeviceRegistry.refuse_call`); this listener turns each into a row:
+when, who (`actor`: `key:<id>` for an API key, `admin` for the admin token, `chat:...` or
 `device:<id>` for a chat turn or a device's own conversation), which device and tool, the
 SHA-256 of the arguments (canonical JSON; the arguments themselves are not kept: they may hold
 personal data), the outcome (`ok`, `tool_error`, `error`, `refused`), the error class, whether

@@ -76,6 +76,9 @@ class EventKind(StrEnum):
     TOOL_CALLED = "tool_called"  # not a state change: one tools/call finished or was refused
 
 
+_MAX_AUDITED_ID = 256  # a refused call may name any device id or tool: kept bounded
+
+
 @dataclass(frozen=True, slots=True)
 class DeviceEvent:
     kind: EventKind
@@ -623,6 +626,31 @@ class DeviceRegistry:
                 self._listeners.remove(listener)
 
         return unsubscribe
+
+    def refuse_call(
+        self,
+        device_id: str,
+        tool: str,
+        arguments: dict[str, Any] | None,
+        *,
+        actor: str | None,
+        error: str,
+        confirmed: bool = False,
+    ) -> None:
+        """Announce a call refused before it reached a device (an unknown or offline device, a
+        key without permission; `error` names the error class) as one `tool_called` event, so
+        the audit log keeps it too."""
+        self.emit(
+            EventKind.TOOL_CALLED,
+            device_id[:_MAX_AUDITED_ID],
+            tool=tool[:_MAX_AUDITED_ID],
+            outcome="refused",
+            duration_ms=0.0,
+            actor=actor,
+            arguments=arguments or {},
+            confirmed=confirmed,
+            error=error,
+        )
 
     def emit(self, kind: EventKind, device_id: str, **detail: Any) -> None:
         event = DeviceEvent(kind, device_id, detail)
