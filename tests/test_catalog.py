@@ -2,6 +2,8 @@
 disconnect and after a restart; writes are coalesced; a bad database file is one clear error."""
 
 import asyncio
+import contextlib
+import os
 import sqlite3
 import subprocess
 from pathlib import Path
@@ -11,6 +13,7 @@ import pytest
 
 from backend.auth import Tokens
 from backend.devices import DeviceState
+from backend.devices.catalog import DeviceCatalog
 from backend.server import Bridge
 from backend.storage import DatabaseError
 from backend.storage.database import DATABASE_FILE
@@ -202,6 +205,37 @@ async def test_a_read_only_database_is_one_clear_error_at_start(tmp_path):
         await asyncio.to_thread(_chattr, "-i", data_dir)
 
 
+async def test_a_read_only_database_file_in_a_writable_folder_is_one_clear_error_at_start(
+    tmp_path,
+):
+    # Every migration applied, nothing to write at start: the bridge must still notice.
+    data_dir = tmp_path / "data"
+    async with new_bridge(data_dir):
+        pass
+    database = data_dir / DATABASE_FILE
+    immutable = await asyncio.to_thread(_chattr, "+i", database)  # binds root too
+    if not immutable:
+        if os.geteuid() == 0:  # root writes through file modes
+            pytest.skip("running as root without chattr +i: cannot make the file read-only")
+        database.chmod(0o444)
+    try:
+        with pytest.raises(DatabaseError, match=r"read-only|readonly|writable") as refused:
+            await new_bridge(data_dir).start()
+        assert "\n" not in str(refused.value) and DATABASE_FILE in str(refused.value)
+
+        code, out, err = await run_cli(
+            "serve", "--data-dir", str(data_dir), "--ws-port", "0", "--http-port", "0"
+        )
+        assert code == 1
+        assert err.startswith("error:") and err.count("\n") == 1 and "read-only" in err
+        assert "Traceback" not in out + err
+    finally:
+        if immutable:
+            await asyncio.to_thread(_chattr, "-i", database)
+        else:
+            database.chmod(0o644)
+
+
 def _chattr(flag: str, path: Path) -> bool:
     return subprocess.run(["chattr", flag, str(path)], capture_output=True).returncode == 0
 
@@ -214,3 +248,46 @@ async def test_a_database_from_a_newer_bridge_is_refused(tmp_path):
         db.execute("INSERT INTO schema_migrations (component, version) VALUES ('devices', 99)")
     with pytest.raises(DatabaseError, match="newer than this bridge knows"):
         await new_bridge(data_dir).start()
+
+
+async def test_the_heartbeat_stores_last_seen_of_a_device_that_stays_online(tmp_path):
+    data_dir = tmp_path / "data"
+    bridge = new_bridge(data_dir)
+    bridge.catalog = DeviceCatalog(
+        bridge.database, bridge.registry, flush_interval_s=0.01, heartbeat_s=0.1
+    )
+    async with bridge:
+        device = WireDevice(bridge.ws_url, DEVICE_TOKEN, tools=stock_tools())
+        await connect_ready(bridge, device)
+        connected_at = bridge.registry.require_record(device.device_id).last_seen
+        catalog = bridge.catalog
+        rows, flushes = catalog.rows_written, catalog.flushes
+
+        # What a crash now would leave on disk: read the file, not the bridge's connection.
+        path = data_dir / DATABASE_FILE
+        async with asyncio.timeout(10):
+            while True:
+                seen = await asyncio.to_thread(_last_seen, path, device.device_id)
+                if seen is not None and seen > connected_at:
+                    break
+                await asyncio.sleep(0.02)
+        live = bridge.registry.get(device.device_id)
+        assert live is not None and live.session_id == device.session_id  # never disconnected
+        # A heartbeat is at most one row write per device, folded into the flush's batch.
+        assert catalog.rows_written - rows <= catalog.flushes - flushes
+
+        # A later row write for another reason keeps the heartbeat's last_seen (no going back).
+        bridge.registry.reported(device.device_id, None, {"board_type": "bread-compact-wifi"})
+        await catalog.flush()
+        stored = await bridge.database.fetchone(
+            "SELECT last_seen, ota FROM devices WHERE device_id = ?", (device.device_id,)
+        )
+        assert stored is not None and stored["ota"] and stored["last_seen"] >= seen
+        await device.close()
+
+
+def _last_seen(path: Path, device_id: str) -> float | None:
+    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+        row = db.execute("SELECT last_seen FROM devices WHERE device_id = ?", (device_id,))
+        found = row.fetchone()
+    return None if found is None else float(found[0])

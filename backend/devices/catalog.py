@@ -6,7 +6,11 @@ restart. Writes never happen on the device path: an event only marks a device di
 writer task flushes all dirty devices in one transaction at most every `flush_interval_s`. A
 device row is written only when something worth keeping changed (new device, identity, server
 info, tool list, going offline), and a tool list only when its digest is new, so a reconnect
-storm of a thousand devices costs at most a thousand row writes, batched.
+storm of a thousand devices costs at most a thousand row writes, batched. Every `heartbeat_s` the
+devices online at that moment have their `last_seen` refreshed in the next batched flush (one
+write per device, folded into its row write when it has one anyway), so after a crash a device
+that was online is shown as last seen at most one heartbeat before the crash, not when it
+connected. Stored `last_seen` never moves backwards.
 """
 
 import json
@@ -73,9 +77,12 @@ ON CONFLICT (device_id) DO UPDATE SET
     client_id = excluded.client_id, transport = excluded.transport, board = excluded.board,
     firmware = excluded.firmware, server_info = excluded.server_info,
     tools_digest = excluded.tools_digest, tool_count = excluded.tool_count,
-    tools_read_at = excluded.tools_read_at, last_seen = excluded.last_seen,
+    tools_read_at = excluded.tools_read_at,
+    last_seen = MAX(devices.last_seen, excluded.last_seen),
     ota = excluded.ota, ota_at = excluded.ota_at
 """
+# A heartbeat's `last_seen` for a live device whose row needs no other change.
+_TOUCH = "UPDATE devices SET last_seen = ? WHERE device_id = ? AND last_seen < ?"
 _DROP_ORPHAN_TOOL_LISTS = """
 DELETE FROM tool_lists WHERE digest NOT IN
     (SELECT tools_digest FROM devices WHERE tools_digest IS NOT NULL)
@@ -99,6 +106,8 @@ class DeviceCatalog:
         self._stored_digests: set[str] = set()
         self._dirty: set[str] = set()
         self._forgotten: set[str] = set()
+        # Live devices' last_seen from the latest heartbeat, not written yet (device id -> time).
+        self._seen: dict[str, float] = {}
         self._writer = WriteBehind(
             self.flush,
             name="device-catalog",
@@ -139,29 +148,37 @@ class DeviceCatalog:
         """Write every pending change now (one transaction)."""
         dirty, self._dirty = self._dirty, set()
         forgotten, self._forgotten = self._forgotten, set()
+        seen, self._seen = self._seen, {}
         records = [r for r in map(self._registry.record, sorted(dirty)) if r is not None]
         new_tool_sets = {
             record.tools.digest: record.tools
             for record in records
             if record.tools.digest and record.tools.digest not in self._stored_digests
         }
-        if not records and not forgotten:
+        # A device written anyway carries its heartbeat in its row: one write per device.
+        rows = [_row(record, seen.get(record.device_id, record.last_seen)) for record in records]
+        written = {record.device_id for record in records}
+        touched = [(at, i, at) for i, at in sorted(seen.items()) if i not in written]
+        if not rows and not touched and not forgotten:
             return
         try:
             stored = await self._database.run(
-                lambda c: _write(c, records, new_tool_sets, forgotten)
+                lambda c: _write(c, rows, touched, new_tool_sets, forgotten)
             )
         except DatabaseError as exc:
             log.error("device catalogue write failed; will retry", error=str(exc))
             self._dirty |= dirty
             self._forgotten |= forgotten
+            for device_id, at in seen.items():
+                if device_id not in self._forgotten:
+                    self._seen[device_id] = max(at, self._seen.get(device_id, at))
             raise
         for record in records:
             self._persisted[record.device_id] = record
         for device_id in forgotten:
             self._persisted.pop(device_id, None)
         self._stored_digests = stored
-        self.rows_written += len(records)
+        self.rows_written += len(rows) + len(touched)
         self.flushes += 1
 
     # ---- events (on the device path: memory only) ---------------------------------------------
@@ -172,6 +189,7 @@ class DeviceCatalog:
             return  # every tool call: nothing to store, return at once
         if kind is EventKind.FORGOTTEN:
             self._dirty.discard(event.device_id)
+            self._seen.pop(event.device_id, None)
             self._forgotten.add(event.device_id)
         elif kind is EventKind.DISCONNECTED or self._changed(event.device_id):
             self._forgotten.discard(event.device_id)
@@ -197,8 +215,14 @@ class DeviceCatalog:
         )
 
     def _mark_live_devices(self) -> None:
-        """Live devices' last_seen, so a crash loses at most one heartbeat of it."""
-        self._dirty.update(device.device_id for device in self._registry)
+        """On each heartbeat: every device online now was seen now. The next flush writes that
+        `last_seen` (one batched transaction), so a crash loses at most one heartbeat of it.
+
+        Memory only, on the event loop; the registry's own records keep their connect time (the
+        API shows a live device as live, not by `last_seen`)."""
+        now = time.time()
+        for device in self._registry:
+            self._seen[device.device_id] = now
 
 
 def _read_all(
@@ -231,11 +255,13 @@ def _record(row: sqlite3.Row, tool_sets: dict[str, ToolSet]) -> DeviceRecord:
 
 def _write(
     connection: sqlite3.Connection,
-    records: Iterable[DeviceRecord],
+    rows: Iterable[tuple[Any, ...]],
+    touched: Iterable[tuple[float, str, float]],
     tool_sets: dict[str, ToolSet],
     forgotten: set[str],
 ) -> set[str]:
-    """Write one batch; returns the digests of the tool lists stored afterwards."""
+    """Write one batch: whole rows, heartbeat-only `last_seen` updates, deletions; returns the
+    digests of the tool lists stored afterwards."""
     now = time.time()
     connection.executemany(
         "INSERT OR IGNORE INTO tool_lists (digest, tools, created_at) VALUES (?, ?, ?)",
@@ -244,7 +270,8 @@ def _write(
             for digest, tools in tool_sets.items()
         ],
     )
-    connection.executemany(_UPSERT, [_row(record) for record in records])
+    connection.executemany(_UPSERT, rows)
+    connection.executemany(_TOUCH, touched)
     if forgotten:
         connection.executemany(
             "DELETE FROM devices WHERE device_id = ?", [(device_id,) for device_id in forgotten]
@@ -253,7 +280,8 @@ def _write(
     return {row[0] for row in connection.execute("SELECT digest FROM tool_lists")}
 
 
-def _row(record: DeviceRecord) -> tuple[Any, ...]:
+def _row(record: DeviceRecord, last_seen: float) -> tuple[Any, ...]:
+    """The _UPSERT parameters for `record`, with `last_seen` (its own or a later heartbeat)."""
     server_info = (
         json.dumps(dict(record.server_info), ensure_ascii=False, separators=(",", ":"))
         if record.server_info is not None
@@ -270,7 +298,7 @@ def _row(record: DeviceRecord) -> tuple[Any, ...]:
         len(record.tools),
         record.tools_read_at,
         record.first_seen,
-        record.last_seen,
+        max(record.last_seen, last_seen),
         json.dumps(dict(record.ota), ensure_ascii=False, separators=(",", ":"))
         if record.ota is not None
         else None,

@@ -135,6 +135,7 @@ class Database:
         connection.row_factory = sqlite3.Row
         try:
             _configure(connection)
+            _prove_writable(connection)
             self._migrate(connection)
         except sqlite3.Error as exc:
             connection.close()
@@ -184,6 +185,18 @@ def _configure(connection: sqlite3.Connection) -> None:
     connection.execute("PRAGMA synchronous=NORMAL")
     connection.execute("PRAGMA foreign_keys=ON")
     connection.execute("PRAGMA busy_timeout=5000")
+
+
+def _prove_writable(connection: sqlite3.Connection) -> None:
+    """Commit one cheap real write, so a read-only file fails the start, not the first write.
+
+    Opening a read-only file, switching it to WAL and even `BEGIN IMMEDIATE` all succeed; with
+    every migration applied nothing else writes at start. Rewriting `user_version` to its own
+    value commits a write (one WAL frame) and fails with SQLITE_READONLY on a file mode 0444
+    (not root) or `chattr +i` (root too).
+    """
+    version = int(connection.execute("PRAGMA user_version").fetchone()[0])
+    connection.execute(f"PRAGMA user_version = {version}")  # PRAGMA takes no parameters
 
 
 def _statements(script: str) -> list[str]:
