@@ -17,6 +17,7 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from backend.firmware.errors import FirmwareError
 from backend.firmware.source import firmware_dir
 
 DEFAULT_INDEX = "https://pypi.org/simple"
@@ -48,7 +49,7 @@ UMQTT_SIMPLE = MpyPackage(
 FIRMWARE_PACKAGES = (UMQTT_SIMPLE,)
 
 
-class FetchError(RuntimeError):
+class FetchError(FirmwareError):
     """A package could not be fetched or did not match its pinned hash."""
 
 

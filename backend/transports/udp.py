@@ -60,7 +60,7 @@ class DropReason(StrEnum):
     SEND_ERROR = "send_error"  # the socket refused a downlink datagram
 
 
-class PacketError(ValueError):
+class PacketError(BridgeError, ValueError):
     """A datagram that is not a well-formed packet; `reason` says which rule it broke."""
 
     def __init__(self, reason: DropReason, detail: str) -> None:
