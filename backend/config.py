@@ -81,6 +81,7 @@ class Settings(BaseSettings):
     max_inbound_bytes_per_s: float = Field(2_000_000.0, gt=0)
     write_timeout_s: float = Field(10.0, gt=0)
     max_pending_handshakes: int = Field(1024, ge=1)
+    max_http_body_bytes: int = Field(65536, ge=1024)  # admin API bodies; larger: 413
     hello_timeout_s: float = Field(10.0, gt=0)
     init_timeout_s: float = Field(10.0, gt=0)
     call_timeout_s: float = Field(10.0, gt=0)

@@ -109,6 +109,7 @@ class Bridge:
         self.app = create_app(
             self.registry,
             self.tokens.admin,
+            max_body_bytes=settings.max_http_body_bytes,
             resolve_key=self.frontends.keys.resolve,
             routers=[
                 *self.frontends.routers(),

@@ -106,3 +106,27 @@ async def test_api_connections_have_tcp_nodelay():
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def _chunks(total: int, size: int = 16384):
+    """A body sent chunked (no Content-Length), so the cap is met while it streams."""
+    sent = 0
+    while sent < total:
+        yield b"x" * min(size, total - sent)
+        sent += size
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/api/keys", "/api/devices/02:00:00:00:00:01/tools/call", "/api/provisioning/approve"],
+)
+async def test_bodies_over_the_cap_are_413_declared_or_streamed(bridge, api, path):
+    too_big = 65536 + 1
+    declared = await api.post(path, content=b"x" * too_big)
+    assert declared.status_code == 413
+    streamed = await api.post(path, content=_chunks(too_big))
+    assert streamed.status_code == 413, streamed.text
+    assert streamed.json()["error"]["code"] == "body_too_large"
+    # Without the token nothing is read: 401 before the body.
+    stranger = await api.post(path, content=_chunks(too_big), headers={"Authorization": "x"})
+    assert stranger.status_code == 401

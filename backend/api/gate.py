@@ -85,6 +85,11 @@ class AdminGate:
 
         async def watched_send(message: Message) -> None:
             nonlocal started
+            if capped.exceeded:  # the app answered a body it could not read (FastAPI: 400)
+                if not started:
+                    started = True
+                    await _refuse(send, 413, "body_too_large", self._too_large())
+                return
             started = True
             await send(message)
 
@@ -101,18 +106,20 @@ class AdminGate:
 class _CappedReceive:
     """`receive` that raises BodyTooLarge once the body read so far passes the cap."""
 
-    __slots__ = ("_limit", "_receive", "_seen")
+    __slots__ = ("_limit", "_receive", "_seen", "exceeded")
 
     def __init__(self, receive: Receive, limit: int) -> None:
         self._receive = receive
         self._limit = limit
         self._seen = 0
+        self.exceeded = False
 
     async def __call__(self) -> Message:
         message = await self._receive()
         if message["type"] == "http.request":
             self._seen += len(message.get("body", b""))
             if self._seen > self._limit:
+                self.exceeded = True
                 raise BodyTooLarge
         return message
 
