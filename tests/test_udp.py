@@ -235,18 +235,20 @@ async def test_bad_datagrams_are_dropped_and_counted(
     dev.send(device_packet(key, new_nonce(0x0BADC0DE), b"x", 2))  # nobody's cookie
     dev.send(b"\x01\x00\x00")  # short
     dev.send(b"\x05" + good[1:])  # wrong type byte
+    dev.send(device_packet(key, nonce, b"forged", 0xFFFFFFFF))  # would block every later one
     dev.send(device_packet(key, nonce, b"frame-9", 9))  # valid again: a gap is fine
     await eventually(lambda: len(frames) == 2, what="both valid frames")
 
     assert [frame.payload for frame in frames] == [b"frame-1", b"frame-9"]
     counters = channel.counters
+    assert counters["drop_sequence_jump"] == 1
     assert counters["drop_replay"] == 2
     assert counters["drop_bad_length"] == 2
     assert counters["drop_oversized"] == 1
     assert counters["drop_unknown_cookie"] == 2
     assert counters["drop_short"] == 1
     assert counters["drop_bad_type"] == 1
-    assert counters["rx_datagrams"] == 11 and counters["rx_audio"] == 2
+    assert counters["rx_datagrams"] == 12 and counters["rx_audio"] == 2
 
 
 async def test_a_forged_packet_with_a_live_cookie_but_wrong_key_decrypts_to_noise(
@@ -356,7 +358,8 @@ async def test_garbage_never_stops_the_endpoint(
             lambda: channel.counters.get("rx_datagrams") == expected,  # noqa: B023
             what="the round",
         )
-    dev.send(device_packet(key, nonce, b"still alive", 0xFFFFFFFF))
+    # Junk with the live cookie may have moved the sequence (the header is not authenticated).
+    dev.send(device_packet(key, nonce, b"still alive", session.last_uplink_seq + 1))
     await eventually(lambda: any(f.payload == b"still alive" for f in frames))
     assert channel.counters.get("rx_audio", 0) == len(frames)
 

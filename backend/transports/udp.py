@@ -39,6 +39,7 @@ HEADER = struct.Struct(">BBHIII")  # type, flags, payload_len, ssrc, timestamp, 
 HEADER_SIZE = HEADER.size  # 16
 KEY_SIZE = 16
 DEFAULT_MAX_PAYLOAD = 1500  # a 60 ms Opus packet is far smaller; one Ethernet MTU is plenty
+MAX_SEQUENCE_JUMP = 1 << 16  # ~65 minutes of 60 ms frames lost in a row: not a live device
 _U32 = 0xFFFFFFFF
 _U128 = (1 << 128) - 1
 
@@ -55,6 +56,7 @@ class DropReason(StrEnum):
     BAD_LENGTH = "bad_length"  # datagram length != 16 + payload_len (truncated or padded)
     UNKNOWN_COOKIE = "unknown_cookie"  # no live session has this ssrc
     REPLAY = "replay"  # sequence not above the last accepted one
+    SEQUENCE_JUMP = "sequence_jump"  # more than MAX_SEQUENCE_JUMP above the last accepted one
     HANDLER_ERROR = "handler_error"  # the session's audio sink raised
     NO_PEER = "no_peer"  # downlink before any valid uplink taught us the address
     SEND_ERROR = "send_error"  # the socket refused a downlink datagram
@@ -223,13 +225,24 @@ class UdpSession:
         """The `udp` object of the server hello (key and nonce as 32 hex digits)."""
         return {"server": server, "port": port, "key": self.key.hex(), "nonce": self.nonce.hex()}
 
-    def accept(self, datagram: bytes, header: PacketHeader, source: Address) -> AudioFrame | None:
-        """Sequence rule, address learning and decryption for a structurally valid datagram."""
+    def accept(
+        self, datagram: bytes, header: PacketHeader, source: Address
+    ) -> AudioFrame | DropReason:
+        """Sequence rule, address learning and decryption for a structurally valid datagram;
+        the reason when the sequence rule drops it."""
         if header.sequence <= self.last_uplink_seq:
             self.drops.hit(
                 DropReason.REPLAY, detail=f"sequence {header.sequence} <= {self.last_uplink_seq}"
             )
-            return None
+            return DropReason.REPLAY
+        if header.sequence - self.last_uplink_seq > MAX_SEQUENCE_JUMP:
+            # The header is not authenticated (§2.3): without this bound one forged datagram
+            # with sequence 0xFFFFFFFF would make every later uplink of the device a "replay".
+            self.drops.hit(
+                DropReason.SEQUENCE_JUMP,
+                detail=f"sequence {header.sequence} after {self.last_uplink_seq}",
+            )
+            return DropReason.SEQUENCE_JUMP
         self.last_uplink_seq = header.sequence
         self.peer = source
         self.accepted += 1
@@ -353,8 +366,8 @@ class UdpAudioChannel:
             self._drop(DropReason.UNKNOWN_COOKIE, f"cookie {header.ssrc:08x} from {source[0]}")
             return
         frame = session.accept(data, header, source)
-        if frame is None:
-            self.count(f"drop_{DropReason.REPLAY}")
+        if isinstance(frame, DropReason):
+            self.count(f"drop_{frame}")
             return
         self.count("rx_audio")
         try:
