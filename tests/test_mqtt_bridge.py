@@ -383,6 +383,7 @@ async def test_mqtt_credentials_are_accepted_by_the_embedded_broker(
         "mqtt", "credentials", "A4:CF:12:34:56:78", "--json", *where, env=env
     )
     assert code == 0, err
+    assert 'device_auth is "device" (the default)' in err  # this password is for shared mode
     record = json.loads(out)
     assert record["username"] == "a4_cf_12_34_56_78"
     assert record["publish_topic"] == "xiaozhi/a4_cf_12_34_56_78/up"

@@ -74,6 +74,13 @@ def credentials(
         raise fail(str(exc), 2) from None
     for path in created:
         typer.echo(f"created secret file {path} (mode 0600)", err=True)
+    if settings.device_auth == "device":
+        typer.echo(
+            'note: device_auth is "device" (the default): the embedded broker accepts only '
+            "each device's own token, from its OTA answer; this derived password works only "
+            'with device_auth = "shared" or on a broker you give this password file',
+            err=True,
+        )
     if as_json:
         typer.echo(json.dumps(record))
         return
