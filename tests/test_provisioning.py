@@ -6,22 +6,41 @@ import asyncio
 import hashlib
 import hmac
 import re
-from collections.abc import AsyncIterator, Callable
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from websockets.asyncio.client import connect
-from websockets.exceptions import InvalidStatus
+from websockets.exceptions import InvalidMessage, InvalidStatus
 
+from backend.cli.runs import auth_warnings
 from backend.server import Bridge
 from simulator import stock_ota
-from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, run_cli, wait_state
+from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, eventually, make_settings, run_cli, wait_state
 from tests.stock_device import CLIENT_ID, WireDevice
 
 MAC = "a4:cf:12:34:56:78"
 OTHER_CLIENT = "0f8e2c61-1b7a-4c3e-9a55-7d2e0c9b1a44"
+# Another address of this machine, for limits per IP (Linux routes all of 127.0.0.0/8 to lo).
+OTHER_ADDRESS = "127.0.0.2"
+
+
+def _can_bind(address: str) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind((address, 0))
+        except OSError:
+            return False
+    return True
+
+
+HAVE_OTHER_ADDRESS = _can_bind(OTHER_ADDRESS)
 
 
 # A stock device's §5.1 request, by default of the device MAC/CLIENT_ID.
@@ -43,7 +62,9 @@ class StockOta:
         body = system_info(**{k: v for k, v in device.items() if k in body_keys and v})
         return await self.http.post(self.url, json=body, headers=stock_headers(**device))
 
-    async def activate(self, body: dict | None = None, **overrides: Any) -> httpx.Response:
+    async def activate(
+        self, body: dict[str, Any] | None = None, **overrides: Any
+    ) -> httpx.Response:
         url = self.url + ("activate" if self.url.endswith("/") else "/activate")
         headers = stock_headers(**{**self.device, **overrides})
         return await self.http.post(url, json=body or {}, headers=headers)
@@ -68,16 +89,41 @@ async def admin(device_bridge: Bridge) -> AsyncIterator[httpx.AsyncClient]:
         yield client
 
 
-async def handshake_status(url: str, token: str | None, device_id: str = MAC) -> int:
-    """101 when the WebSocket upgrade is accepted, else the refusal's HTTP status."""
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """What a device hears: the status, a refusal's message and its Retry-After header."""
+
+    status: int
+    error: str | None = None
+    retry_after: str | None = None
+
+
+def http_reply(response: httpx.Response) -> Reply:
+    error = response.json()["error"] if response.status_code >= 400 else None
+    return Reply(response.status_code, error, response.headers.get("Retry-After"))
+
+
+async def handshake_reply(
+    url: str, token: str | None, device_id: str = MAC, *, source: str | None = None
+) -> Reply:
+    """101 when the WebSocket upgrade is accepted, else the refusal's HTTP answer; `source` is
+    the local address to connect from."""
     headers = {"Device-Id": device_id, "Client-Id": CLIENT_ID, "Protocol-Version": "1"}
     if token is not None:
         headers["Authorization"] = f"Bearer {token}"
+    bind: dict[str, Any] = {} if source is None else {"local_addr": (source, 0)}
     try:
-        async with connect(url, additional_headers=headers, compression=None):
-            return 101
+        async with connect(url, additional_headers=headers, compression=None, **bind):
+            return Reply(101)
     except InvalidStatus as refused:
-        return refused.response.status_code
+        answer = refused.response
+        body = answer.body.decode().strip() if answer.body else None
+        return Reply(answer.status_code, body, answer.headers.get("Retry-After"))
+
+
+async def handshake_status(url: str, token: str | None, device_id: str = MAC) -> int:
+    """101 when the WebSocket upgrade is accepted, else the refusal's HTTP status."""
+    return (await handshake_reply(url, token, device_id)).status
 
 
 async def approved_token(
@@ -105,6 +151,8 @@ async def test_stock_device_activates_is_approved_and_connects_with_its_own_toke
     assert set(answer) == {"server_time", "firmware", "activation"}  # no credentials
     assert isinstance(answer["server_time"]["timestamp"], int)
     assert answer["server_time"]["timestamp"] > 1_700_000_000_000  # milliseconds
+    offset = answer["server_time"]["timezone_offset"]  # minutes (§5.2); the bridge's own zone
+    assert type(offset) is int and offset == time.localtime().tm_gmtoff // 60
     assert answer["firmware"] == {"version": "2.4.2", "url": ""}  # nothing published
     code = answer["activation"]["code"]
     assert re.fullmatch(r"\d{6}", code) and code in answer["activation"]["message"]
@@ -206,16 +254,26 @@ async def test_revocation_closes_the_live_link_and_refuses_the_next_handshake(
     token = await approved_token(bridge, http, admin, mac=MAC, client_id=CLIENT_ID)
     device = WireDevice(bridge.ws_url, token, MAC)
     await device.connect()
-    await wait_state(bridge, MAC)
-    assert device.ws is not None
+    try:
+        await wait_state(bridge, MAC)
+        link = device.ws
+        assert link is not None
+        loop = asyncio.get_running_loop()
 
-    code, out, err = await run_cli(
-        "devices", "revoke", MAC, "--server", bridge.api_url, "--token", ADMIN_TOKEN
-    )
-    assert code == 0 and f"revoked {MAC}" in out, err
-    async with asyncio.timeout(1.0):  # the brief: closed within a second
-        await device.ws.wait_closed()
-    assert device.ws.close_code == 1008
+        async def closed_at() -> float:
+            await link.wait_closed()
+            return loop.time()
+
+        closing = asyncio.create_task(closed_at())
+        sent_at = loop.time()  # the brief: closed within a second of the revocation request
+        revoked = await admin.post(f"/api/provisioning/devices/{MAC}/revoke")
+        async with asyncio.timeout_at(sent_at + 1.0):
+            closed = await closing
+        assert closed - sent_at <= 1.0  # also when the answer came late and the link was closed
+        assert revoked.status_code == 200 and revoked.json()["status"] == "revoked"
+        assert link.close_code == 1008 and link.close_reason == "device credentials revoked"
+    finally:
+        await device.close()
     assert bridge.registry.get(MAC) is None
     assert await handshake_status(bridge.ws_url, token, MAC) == 401
     # Its next OTA check starts an activation again instead of handing the old token back.
@@ -225,7 +283,7 @@ async def test_revocation_closes_the_live_link_and_refuses_the_next_handshake(
     assert [(d["device_id"], d["status"]) for d in listed] == [(MAC, "revoked")]
 
 
-async def test_approval_through_the_cli_by_code_and_by_device_id(
+async def test_approval_and_revocation_through_the_cli(
     device_bridge: Bridge, http: httpx.AsyncClient
 ) -> None:
     bridge = device_bridge
@@ -245,9 +303,25 @@ async def test_approval_through_the_cli_by_code_and_by_device_id(
     status, _out, err = await run_cli("devices", "approve", "999999", *server)
     assert status == 1 and "no pending activation" in err
     assert "websocket" in (await first.check()).json()
-    assert "websocket" in (await second.check()).json()
+    token = (await second.check()).json()["websocket"]["token"]
     status, out, _err = await run_cli("devices", "pending", *server)
     assert "no pending activations" in out
+
+    device = WireDevice(bridge.ws_url, token, "a4:cf:00:00:00:02")
+    await device.connect()
+    try:
+        await wait_state(bridge, "a4:cf:00:00:00:02")
+        assert device.ws is not None
+        status, out, err = await run_cli("devices", "revoke", "a4:cf:00:00:00:02", *server)
+        assert status == 0 and "revoked a4:cf:00:00:00:02" in out, err
+        async with asyncio.timeout(5):
+            await device.ws.wait_closed()
+        assert device.ws.close_code == 1008
+    finally:
+        await device.close()
+    assert await handshake_status(bridge.ws_url, token, "a4:cf:00:00:00:02") == 401
+    assert "activation" in (await second.check()).json()
+    assert "websocket" in (await first.check()).json()  # the other device is untouched
 
 
 async def test_two_pending_requests_for_one_mac_are_approved_by_code_only(
@@ -351,6 +425,43 @@ async def test_a_mac_prefix_policy_approves_new_devices_only(
     assert "activation" in spoof.json()
 
 
+async def test_the_ota_answer_tells_the_configured_timezone_offset_in_minutes(
+    bridge_factory: Callable[..., Any], http: httpx.AsyncClient
+) -> None:
+    bridge: Bridge = await bridge_factory(
+        device_auth="device", ota_timezone_offset_min=-210, activation_auto_approve_macs=["02:00"]
+    )
+    url = bridge.provisioning.ota_url
+    stranger = (await StockOta(http, url, mac=MAC).check()).json()
+    approved = (await StockOta(http, url, mac="02:00:00:00:00:07").check()).json()
+    assert "activation" in stranger and "websocket" in approved
+    for answer in (stranger, approved):
+        offset = answer["server_time"]["timezone_offset"]
+        assert type(offset) is int and offset == -210  # UTC-3:30 in minutes, not hours
+
+
+# ---- what `serve` says about weak device auth ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mode", "warned"),
+    [
+        ("shared", 'device_auth = "shared" (development mode)'),
+        ("off", 'device_auth = "off"'),
+        (False, 'device_auth = "off"'),  # the old boolean spelling
+        ("device", None),
+    ],
+)
+def test_serve_warns_about_shared_and_off_device_auth_only(
+    tmp_path: Path, mode: str | bool, warned: str | None
+) -> None:
+    warnings = auth_warnings(make_settings(tmp_path, device_auth=mode))
+    if warned is None:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and warnings[0].startswith(warned)
+
+
 # ---- abuse limits --------------------------------------------------------------------------------
 
 
@@ -416,6 +527,190 @@ async def eventually_async(check: Callable[[], Any], timeout_s: float = 5.0) -> 
             await asyncio.sleep(0.02)
 
 
+# The other three buckets, one request kind each: `ask(other)` makes the request again, with
+# `other` from another address (per-IP buckets) or for another device (per-device buckets).
+Ask = Callable[[bool], Awaitable[Reply]]
+
+
+async def ask_handshake(bridge: Bridge, http: httpx.AsyncClient, _elsewhere: Any) -> Ask:
+    """An approved device's WebSocket handshake with its own token."""
+    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    async with httpx.AsyncClient(base_url=bridge.api_url, headers=headers) as admin:
+        token = await approved_token(bridge, http, admin, mac=MAC, client_id=CLIENT_ID)
+
+    async def ask(other: bool) -> Reply:
+        source = OTHER_ADDRESS if other else None
+        return await handshake_reply(bridge.ws_url, token, MAC, source=source)
+
+    return ask
+
+
+async def ask_ota(bridge: Bridge, http: httpx.AsyncClient, _elsewhere: Any) -> Ask:
+    """A stranger's OTA check (an activation code)."""
+    url = bridge.provisioning.ota_url
+    device = StockOta(http, url, mac="a4:cf:00:00:05:01")
+    another = StockOta(http, url, mac="a4:cf:00:00:05:02", client_id=OTHER_CLIENT)
+
+    async def ask(other: bool) -> Reply:
+        return http_reply(await (another if other else device).check())
+
+    return ask
+
+
+async def ask_activate(bridge: Bridge, http: httpx.AsyncClient, elsewhere: Any) -> Ask:
+    """A pending device's activation poll (202)."""
+    url = bridge.provisioning.ota_url
+    here = StockOta(http, url, mac="a4:cf:00:00:05:03")
+    there = StockOta(elsewhere, url, mac="a4:cf:00:00:05:03")
+    assert "activation" in (await here.check()).json()
+
+    async def ask(other: bool) -> Reply:
+        return http_reply(await (there if other else here).activate())
+
+    return ask
+
+
+@pytest.mark.parametrize(
+    ("limit", "asking", "allowed", "refused"),
+    [
+        pytest.param(
+            "handshake_ip",
+            ask_handshake,
+            101,
+            Reply(429, "too many handshake requests from this address; slow down"),
+            id="handshake-per-ip",
+        ),
+        pytest.param(
+            "ota_device",
+            ask_ota,
+            200,
+            Reply(429, "too many ota requests for this device; slow down", "10"),
+            id="ota-per-device",
+        ),
+        pytest.param(
+            "activate_ip",
+            ask_activate,
+            202,
+            Reply(429, "too many activate requests from this address; slow down", "10"),
+            id="activate-per-ip",
+        ),
+    ],
+)
+async def test_every_other_abuse_bucket_triggers_and_recovers(
+    bridge_factory: Callable[..., Any],
+    http: httpx.AsyncClient,
+    limit: str,
+    asking: Callable[..., Awaitable[Ask]],
+    allowed: int,
+    refused: Reply,
+) -> None:
+    # A burst of 2, then one request every half second: spent at once, refilled quickly.
+    bridge: Bridge = await bridge_factory(
+        device_auth="device",
+        rate_limit_exempt=[],
+        rate_limits={limit: {"per_s": 2.0, "burst": 2}},
+    )
+    transport = httpx.AsyncHTTPTransport(local_address=OTHER_ADDRESS)
+    async with httpx.AsyncClient(timeout=10, transport=transport) as elsewhere:
+        ask = await asking(bridge, http, elsewhere)
+        assert [await ask(False) for _ in range(3)] == [Reply(allowed), Reply(allowed), refused]
+        if limit.endswith("_device") or HAVE_OTHER_ADDRESS:
+            assert await ask(True) == Reply(allowed)  # a bucket of its own
+        counts = bridge.provisioning.limits.refused()
+        assert {name: count for name, count in counts.items() if count} == {limit: 1}
+
+        # Refilled, the same request is allowed again. Asked slowly: refused handshakes count
+        # towards the penalty box of the address (20 within 10 s).
+        async with asyncio.timeout(5):
+            while (reply := await ask(False)) != Reply(allowed):
+                assert reply == refused
+                await asyncio.sleep(0.1)
+    health = await http.get(bridge.api_url + "/healthz")
+    assert health.status_code == 200
+
+
+async def answer_before_close(reader: asyncio.StreamReader) -> bytes:
+    """Everything the server sent before it closed the connection (reset: nothing)."""
+    try:
+        async with asyncio.timeout(5):
+            return await reader.read()
+    except ConnectionResetError:
+        return b""
+
+
+async def test_handshakes_in_progress_are_capped_and_a_device_gets_in_once_they_go(
+    bridge_factory: Callable[..., Any], http: httpx.AsyncClient
+) -> None:
+    bridge: Bridge = await bridge_factory(device_auth="device", max_pending_handshakes=2)
+    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    async with httpx.AsyncClient(base_url=bridge.api_url, headers=headers) as admin:
+        token = await approved_token(bridge, http, admin, mac=MAC, client_id=CLIENT_ID)
+        other = "a4:cf:00:00:00:02"
+        other_token = await approved_token(bridge, http, admin, mac=other, client_id=OTHER_CLIENT)
+    connected = WireDevice(bridge.ws_url, token, MAC)
+    await connected.connect()
+    late = WireDevice(bridge.ws_url, other_token, other)
+    guard = bridge.websocket.handshakes
+    try:
+        await wait_state(bridge, MAC)
+        # Two connections that never finish their handshake: a silent one and a slow one.
+        held = [await asyncio.open_connection("127.0.0.1", bridge.websocket.port) for _ in "ab"]
+        held[1][1].write(b"GET /xiaozhi/v1/ HTTP/1.1\r\nHost: bridge\r\n")
+        await eventually(lambda: len(guard.pending) == 2)
+        try:
+            # Past the cap a connection is dropped at accept, without a byte of answer...
+            reader, writer = await asyncio.open_connection("127.0.0.1", bridge.websocket.port)
+            assert await answer_before_close(reader) == b""
+            writer.close()
+            # ...a legitimate device's too: no HTTP answer (not even a 4xx) while they wait.
+            with pytest.raises((InvalidMessage, OSError)):
+                await late.connect()
+            assert guard.refused == 2
+        finally:
+            for _reader, held_writer in held:
+                held_writer.close()
+        await eventually(lambda: not guard.pending)
+        await late.connect()
+        await wait_state(bridge, other)
+        # The device that was connected all along kept its link.
+        assert bridge.registry.get(MAC) is not None and connected.ws is not None
+        assert connected.ws.close_code is None
+        health = await http.get(bridge.api_url + "/healthz")
+        assert health.status_code == 200 and health.json()["devices"] == 2
+    finally:
+        await late.close()
+        await connected.close()
+
+
+async def test_connections_to_the_ota_listener_are_capped_and_it_recovers(
+    bridge_factory: Callable[..., Any], http: httpx.AsyncClient
+) -> None:
+    bridge: Bridge = await bridge_factory(device_auth="device", device_http_max_connections=3)
+    ota = StockOta(http, bridge.provisioning.ota_url, mac=MAC, client_id=CLIENT_ID)
+    port = bridge.provisioning.http_port
+    # One idle connection: below the cap, a device is served.
+    held = [await asyncio.open_connection("127.0.0.1", port)]
+    try:
+        assert (await ota.check()).status_code == 200
+        # As many idle connections as the cap (they never send a request): the next is 503.
+        # (uvicorn counts the asking connection too: with cap - 1 held it already is 503.)
+        held += [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+        refused = await ota.check()
+        assert refused.status_code == 503 and refused.text == "Service Unavailable"
+        assert refused.headers["connection"] == "close"
+    finally:
+        for _reader, writer in held:
+            writer.close()
+
+    async def served() -> bool:
+        return (await ota.check()).status_code == 200
+
+    await eventually_async(served)  # the held connections are gone: served again
+    assert "activation" in (await ota.check()).json()
+    health = await http.get(bridge.api_url + "/healthz")
+    assert health.status_code == 200
+
+
 async def test_bad_requests_are_refused_before_anything_is_stored(
     device_bridge: Bridge, http: httpx.AsyncClient
 ) -> None:
@@ -438,7 +733,6 @@ async def test_credentials_and_pending_codes_survive_a_restart(
     bridge_factory: Callable[..., Any], tmp_path: Any, http: httpx.AsyncClient
 ) -> None:
     from backend.auth import Tokens
-    from tests.helpers import make_settings
 
     settings = make_settings(tmp_path / "kept", device_auth="device")
     async with Bridge(settings, Tokens(ADMIN_TOKEN)) as bridge:
