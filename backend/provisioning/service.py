@@ -32,6 +32,7 @@ from typing import Any
 
 import structlog
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from backend.auth import DEVICE_TOKEN_FILE, load_or_create_secret, read_token
 from backend.config import Settings
@@ -57,6 +58,7 @@ log = structlog.get_logger("provisioning")
 
 MIGRATIONS: tuple[Migration, ...] = (*PROVISIONING_MIGRATIONS, *FIRMWARE_MIGRATIONS)
 REVOKED = "device credentials revoked"
+REQUEST_HEAD_S = 10.0  # a device-side HTTP connection must start each request within this
 _HOSTNAME = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]{1,253})$")
 _WILDCARDS = ("", "0.0.0.0", "::")
 
@@ -139,6 +141,7 @@ class Provisioning:
             lifespan="off",
             limit_concurrency=settings.device_http_max_connections,
             timeout_keep_alive=5,
+            http=_RequestDeadline,
         )
         self._server = _Listener(config)
         self._server_task = asyncio.create_task(self._server.serve(sockets=[self._socket]))
@@ -419,6 +422,40 @@ class Provisioning:
                 return name
         configured = self.settings.ws_host
         return _url_host("127.0.0.1" if configured in _WILDCARDS else configured)
+
+
+class _RequestDeadline(H11Protocol):
+    """uvicorn's h11 protocol with a deadline for each request's head.
+
+    uvicorn times a connection out only between requests (`timeout_keep_alive`, armed after a
+    response): a socket that never sends a byte, or a head that never ends, would hold one of
+    the listener's `device_http_max_connections` slots for good, and a few hundred of them would
+    shut every device out of OTA. Here a connection that has not started a new request within
+    `REQUEST_HEAD_S` of opening (or of its last response) is closed.
+    """
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)  # type: ignore[arg-type]
+        self._arm_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._deadline.cancel()
+        super().connection_lost(exc)
+
+    def _arm_deadline(self) -> None:
+        previous = getattr(self, "_deadline", None)
+        if previous is not None:
+            previous.cancel()
+        waiting_after = self.cycle  # the request answered last (None: none yet)
+        self._deadline = self.loop.call_later(REQUEST_HEAD_S, self._expire, waiting_after)
+
+    def _expire(self, waiting_after: object) -> None:
+        if self.cycle is waiting_after and not self.transport.is_closing():
+            self.transport.close()
 
 
 class _Listener(uvicorn.Server):
