@@ -1,8 +1,9 @@
 """Log budgets: a noisy device costs a few lines, and reconnecting buys it no fresh burst."""
 
+import logging
 from typing import Any
 
-from backend.logs import DeviceBudgets, LogBudget
+from backend.logs import DeviceBudgets, LibraryNoiseFilter, LogBudget
 
 
 class Lines:
@@ -73,3 +74,22 @@ def test_the_device_table_is_bounded() -> None:
     for index in range(5000):
         budgets.get(f"device-{index}", Lines())
     assert len(budgets) == 50
+
+
+def _record(name: str, message: str) -> logging.LogRecord:
+    return logging.LogRecord(name, logging.ERROR, __file__, 1, message, (), None)
+
+
+def test_library_noise_is_a_burst_per_kind_and_distinct_messages_share_one_budget() -> None:
+    noise = LibraryNoiseFilter(burst=3, interval_s=3600)
+    kept = [
+        noise.filter(_record("asyncio", "Task exception was never retrieved")) for _ in range(50)
+    ]
+    assert kept.count(True) == 3
+    # Messages that all differ (a repr inside) cannot grow the table or the log without end.
+    distinct = [
+        noise.filter(_record("websockets.server", f"connection {i} failed")) for i in range(5000)
+    ]
+    assert len(noise._seen) == LibraryNoiseFilter.MAX_KINDS + 1  # and one "other" kind
+    assert distinct.count(True) == LibraryNoiseFilter.MAX_KINDS - 1 + 3
+    assert noise.filter(_record("myapp", "not a library")) is True  # ours are never filtered
