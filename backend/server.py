@@ -99,7 +99,12 @@ class Bridge:
         # MQTT + UDP (docs/mqtt.md) when `mqtt_url` is set; `secrets_created` lists new files.
         self.secrets_created: list[Path] = []
         self.mqtt = (
-            MqttService(settings, self.secrets_created, self.provisioning.store)
+            MqttService(
+                settings,
+                self.secrets_created,
+                self.provisioning.store,
+                self.provisioning.handshake_limits,
+            )
             if mqtt_enabled(settings)
             else None
         )

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import struct
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -42,20 +43,27 @@ class AttackReport:
         return self.close_code is not None
 
 
-def headers(token: str, device_id: str) -> dict[str, str]:
+def headers(token: str, device_id: str, version: int = 1) -> dict[str, str]:
     return {
         "Authorization": f"Bearer {token}",
         "Device-Id": device_id,
         "Client-Id": "00000000-0000-4000-8000-000000000bad",
-        "Protocol-Version": "1",
+        "Protocol-Version": str(version),
     }
 
 
 async def open_device(
-    url: str, token: str, device_id: str, *, answer_mcp: bool = True, tools: int = 1
+    url: str,
+    token: str,
+    device_id: str,
+    *,
+    answer_mcp: bool = True,
+    tools: int = 1,
+    version: int = 1,
 ) -> tuple[ClientConnection, asyncio.Task[None] | None]:
-    """A link that said hello; with `answer_mcp`, a task answers initialize and tools/list."""
-    ws = await connect(url, additional_headers=headers(token, device_id), compression=None)
+    """A link that said hello (binary framing `version`); with `answer_mcp`, a task answers
+    initialize and tools/list."""
+    ws = await connect(url, additional_headers=headers(token, device_id, version), compression=None)
     await ws.send(json.dumps(HELLO))
     await ws.recv()  # the server hello
     if not answer_mcp:
@@ -256,15 +264,33 @@ async def nesting_bomb(url: str, token: str, device_id: str, duration_s: float) 
 
 
 async def binary_flood(url: str, token: str, device_id: str, duration_s: float) -> AttackReport:
-    """60 KB binary frames at loopback speed."""
-    ws, helper = await open_device(url, token, device_id)
+    """60 KB binary frames at loopback speed (protocol version 1: each one is audio)."""
+    return await _binary_flood(url, token, device_id, duration_s, 1, b"\xf8" * BIG)
+
+
+async def binary_flood_v2(url: str, token: str, device_id: str, duration_s: float) -> AttackReport:
+    """60 KB binary frames that never decode (version 2 header, wrong payload size)."""
+    header = struct.pack(">HHIII", 2, 0, 0, 0, 0xFFFFFFFF)
+    return await _binary_flood(url, token, device_id, duration_s, 2, header + b"\xf8" * BIG)
+
+
+async def binary_flood_v3(url: str, token: str, device_id: str, duration_s: float) -> AttackReport:
+    """60 KB binary frames that never decode (version 3 header, wrong payload size)."""
+    header = struct.pack(">BBH", 0, 0, 0xFFFF)
+    return await _binary_flood(url, token, device_id, duration_s, 3, header + b"\xf8" * BIG)
+
+
+async def _binary_flood(
+    url: str, token: str, device_id: str, duration_s: float, version: int, frame: bytes
+) -> AttackReport:
+    ws, helper = await open_device(url, token, device_id, version=version)
     await asyncio.sleep(0.2)
-    frame = b"\xf8" * BIG
 
     async def step(_n: int) -> None:
         await ws.send(frame)
 
-    return await _run("binary flood: 60 KB frames", ws, duration_s, step, helper)
+    name = f"binary flood: {len(frame) // 1000} KB frames, version {version}"
+    return await _run(name, ws, duration_s, step, helper)
 
 
 async def oversize_frame(url: str, token: str, device_id: str, duration_s: float) -> AttackReport:
@@ -367,6 +393,8 @@ ATTACKS: dict[str, Callable[[str, str, str, float], Awaitable[AttackReport]]] = 
     "log_bomb": log_bomb,
     "nesting_bomb": nesting_bomb,
     "binary_flood": binary_flood,
+    "binary_flood_v2": binary_flood_v2,
+    "binary_flood_v3": binary_flood_v3,
     "oversize_frame": oversize_frame,
 }
 

@@ -64,6 +64,8 @@ class SiegeResult:
     healthz_ms: list[float] = field(default_factory=list)
     call_errors: int = 0
     events: dict[str, int] = field(default_factory=dict)
+    # Lines that carry an exception or a traceback, in any field (see `escaped_errors`).
+    errors: list[str] = field(default_factory=list)
 
     @property
     def rss_growth_mb(self) -> float:
@@ -194,6 +196,7 @@ class Siege:
         result.log_lines = len(lines)
         result.log_bytes = sum(len(line) + 1 for line in lines)
         result.events = _events(lines)
+        result.errors = escaped_errors(lines)
         return result
 
     async def _attack(self, attack: Attack) -> AttackReport:
@@ -251,6 +254,22 @@ def _events(lines: list[str]) -> dict[str, int]:
             event = line[:60]
         counts[str(event)] = counts.get(str(event), 0) + 1
     return counts
+
+
+def escaped_errors(lines: list[str]) -> list[str]:
+    """The bridge's lines that show an exception got as far as the log: a JSON line with an
+    `exception` (where structlog puts a rendered traceback) or `exc_info` field, or any line
+    with a traceback in any field or in plain text (each line clipped to 500 characters)."""
+    found: list[str] = []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            entry = None
+        has_field = isinstance(entry, dict) and ("exception" in entry or "exc_info" in entry)
+        if has_field or "Traceback" in line:
+            found.append(line[:500])
+    return found
 
 
 def device_ids(count: int) -> list[str]:

@@ -34,6 +34,7 @@ class RecordingHandler:
     texts: list[str] = field(default_factory=list)
     audio: list[AudioFrame] = field(default_factory=list)
     closed: list[str] = field(default_factory=list)
+    discarded: list[int] = field(default_factory=list)
     gate: asyncio.Event | None = None  # when set, on_text waits for it (a slow session)
 
     async def on_text(self, text: str) -> None:
@@ -43,6 +44,9 @@ class RecordingHandler:
 
     def on_audio(self, frame: AudioFrame) -> None:
         self.audio.append(frame)
+
+    def on_discarded(self, size: int) -> None:
+        self.discarded.append(size)
 
     def on_closed(self, reason: str) -> None:
         self.closed.append(reason)

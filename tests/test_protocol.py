@@ -92,6 +92,14 @@ def test_bad_frames_raise_parse_error_with_reason(text, reason):
         parse_device_message(text)
 
 
+def test_a_huge_unknown_type_is_clipped_in_the_reason():
+    # The reason is logged as is: 60 KB of device data must not become 60 KB of log.
+    with pytest.raises(ParseError, match="unknown message type") as caught:
+        parse_device_message(json.dumps({"type": "t" * 60_000}))
+    reason = str(caught.value)
+    assert len(reason) < 200 and "(60000 chars)" in reason
+
+
 def test_server_hello_always_has_transport_session_and_audio_params():
     hello = json.loads(ServerHello(session_id="00ff").to_json())
     assert hello == {

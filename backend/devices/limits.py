@@ -9,7 +9,9 @@ class InboundLimit:
     loopback speed empties them within a second.
 
     Answers are not unsolicited traffic: every request the bridge sends grants the device one
-    more message (of up to `reply_bytes`), so a burst of tool calls is never mistaken for a flood.
+    more text message (of up to `reply_bytes`), so a burst of tool calls is never mistaken for a
+    flood. Every frame is charged, whatever it holds: text (`allow`), and audio or a frame that
+    could not even be decoded (`charge`, which no credit covers).
     """
 
     __slots__ = (
@@ -47,10 +49,16 @@ class InboundLimit:
         self._credit += 1
 
     def allow(self, size: int) -> bool:
-        """Take one message of `size` bytes; False once either bucket is empty."""
+        """Take one text message of `size` bytes, which may be an answer to one of the bridge's
+        requests (then it is free); False once either bucket is empty."""
         if self._credit and size <= self._reply_bytes:
             self._credit -= 1
             return True
+        return self.charge(size)
+
+    def charge(self, size: int) -> bool:
+        """Take one frame of `size` bytes that cannot be an answer (audio, or a frame the
+        transport could not decode or deliver); False once either bucket is empty."""
         now = time.monotonic()
         elapsed = now - self._last
         self._last = now

@@ -170,7 +170,7 @@ class DeviceSession:
                 return
             message = device_message(data)
         except ParseError as exc:
-            self._dropped("dropped device message", reason=str(exc), size=len(text))
+            self._dropped("dropped device message", reason=clip(str(exc)), size=len(text))
             return
         if isinstance(message, DeviceHello):
             await self._on_hello(message)
@@ -186,13 +186,25 @@ class DeviceSession:
             await self._on_device_goodbye()
 
     def on_audio(self, frame: AudioFrame) -> None:
-        if not self._inbound.allow(len(frame.payload)):
+        if not self._inbound.charge(len(frame.payload)):
             self._cut_off_for("inbound rate limit exceeded")
             return
         if self.hello is None:
             self._dropped("audio before hello dropped", size=len(frame.payload))
             return
         self._hub.dispatch_audio(self.conversation, frame)
+
+    def on_discarded(self, size: int) -> None:
+        """A frame of `size` bytes that the transport could not hand over (audio that does not
+        decode, text that is not UTF-8, a full queue): it was logged and dropped there, and it
+        costs the device like any other frame, so junk cannot flood past the inbound limit.
+
+        Not (yet) part of `LinkHandler` in `transports.base`: transports look it up on the
+        handler they are given (see `transports.websocket`, `transports.mqtt`)."""
+        if self._cut_off or self._closed:
+            return
+        if not self._inbound.charge(size):
+            self._cut_off_for("inbound rate limit exceeded")
 
     def on_closed(self, reason: str) -> None:
         if self._closed:
@@ -326,7 +338,7 @@ class DeviceSession:
         except DeviceDisconnected:
             return
         except McpError as exc:
-            self._log.warning("MCP handshake failed; device stays connected", error=str(exc))
+            self._log.warning("MCP handshake failed; device stays connected", error=clip(str(exc)))
             self._registry.failed(self.device, str(exc))
             return
         self._last_relist = time.monotonic()
@@ -361,7 +373,7 @@ class DeviceSession:
                 try:
                     tools = await self._list_tools()
                 except McpError as exc:
-                    self._log.warning("re-listing tools failed", error=str(exc))
+                    self._log.warning("re-listing tools failed", error=clip(str(exc)))
                     continue
                 self._log.info("tool list read again", tools=len(tools))
                 self._registry.tools_changed(self.device, tools)

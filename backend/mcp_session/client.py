@@ -57,6 +57,8 @@ MAX_CURSOR_LENGTH = 1024
 MAX_DEVICE_ID_LENGTH = 128
 # Replies to the device's own requests (ping) waiting to be sent; more means it is not reading.
 MAX_DEVICE_REQUESTS = 16
+# A device's error message is kept to this many characters (logs, API answers, device state).
+MAX_ERROR_CHARS = 200
 DEFAULT_CLIENT_INFO: dict[str, str] = {"name": "esp32-mcp-bridge", "version": __version__}
 DEFAULT_TIMEOUTS = TimeoutPolicy()
 METHOD_NOT_FOUND = -32601
@@ -137,9 +139,15 @@ class McpClient:
         result = await self._roundtrip("initialize", params, timeout, cancellable=False)
         server = InitializeResult.from_wire(result)
         if server.protocol_version not in KNOWN_PROTOCOL_VERSIONS:
-            self._log.warning("unknown MCP version from device", version=server.protocol_version)
+            self._log.warning(
+                "unknown MCP version from device", version=clip(server.protocol_version)
+            )
         await self.notify("notifications/initialized")
-        self._log.debug("MCP initialized", server=server.server_name, mcp=server.protocol_version)
+        self._log.debug(
+            "MCP initialized",
+            server=clip(server.server_name) if server.server_name is not None else None,
+            mcp=clip(server.protocol_version),
+        )
         return server
 
     async def list_tools(
@@ -490,9 +498,10 @@ def _device_error(error: Any) -> DeviceError:
         if not isinstance(message, str) or not message:
             suffix = f" (code {code})" if code is not None else ""
             message = f"device error without a message{suffix}"
-        return DeviceError(message, code, error.get("data"))
+        # It travels on: into log lines, the device's `error`, API answers. Clipped once, here.
+        return DeviceError(clip(message, MAX_ERROR_CHARS), code, error.get("data"))
     if isinstance(error, str) and error:
-        return DeviceError(f"malformed error from device: {clip(error, 200)}")
+        return DeviceError(f"malformed error from device: {clip(error, MAX_ERROR_CHARS)}")
     return DeviceError(f"malformed error from device ({json_kind(error)})")
 
 

@@ -76,6 +76,12 @@ class LinkHandler(Protocol):
         """One decoded uplink audio packet (hot path: must not block)."""
         ...
 
+    def on_discarded(self, size: int) -> None:
+        """A frame of `size` bytes the transport dropped (undecodable audio, a message it could
+        not deliver): it still costs the device its inbound limit, so junk cannot flood past
+        the bound valid traffic is held to. May close the link."""
+        ...
+
     def on_closed(self, reason: str) -> None:
         """The link is gone (closed by either side, dropped, or replaced); called exactly once."""
         ...

@@ -15,7 +15,12 @@ subscribe themselves). It subscribes to every device's uplink and presence topic
   (the broker's ACL confines each device to its own topics) and a message whose content claims
   another device id is dropped;
 - messages are handed to the session in order per device, through a bounded queue and one task
-  per device, so a slow device never holds up the others; a full queue drops (counted, logged).
+  per device, so a slow device never holds up the others; a full queue drops (counted, logged);
+- every message of a device with a link costs it against its inbound limit, delivered or not:
+  one dropped here (not UTF-8, claiming another device, past a full queue, a repeated or bad
+  status) is charged through the session's `on_discarded`;
+- no message larger than `max_message_bytes` is published to a device (`MessageTooLarge`, as on
+  WebSocket).
 
 Audio rides on UDP (`udp.UdpAudioChannel`), opened by the session's hello (`hello_fields`) and
 dropped by `conversation_ended`. The transport reconnects to the broker with exponential backoff
@@ -36,7 +41,7 @@ from urllib.parse import unquote, urlsplit
 import aiomqtt
 import structlog
 
-from backend.errors import BridgeError
+from backend.errors import BridgeError, MessageTooLarge
 from backend.logs import EventBudget
 from backend.protocol.audio import AudioFrame
 from backend.transports.admission import Admission, HandshakeRefused, HandshakeRequest
@@ -148,6 +153,8 @@ class MqttSettings:
     reconnect_max_s: float = 5.0
     publish_timeout_s: float = 10.0
     tls_ca_file: str | None = None
+    # The largest message a device is sent, as on WebSocket (`Settings.max_message_bytes`).
+    max_message_bytes: int = 65536
 
     def address(self) -> BrokerAddress:
         return BrokerAddress.parse(self.broker_url)
@@ -185,9 +192,15 @@ class MqttLink:
         return self._identity
 
     async def send_text(self, text: str) -> None:
+        """Publish on the downlink topic; MessageTooLarge (nothing sent) past the device's limit,
+        the same rule and error as on WebSocket."""
         if self.closed:
             raise LinkClosed("link closed")
-        await self._transport.publish(self.down_topic, text)
+        data = text.encode()
+        limit = self._transport.settings.max_message_bytes
+        if len(data) > limit:
+            raise MessageTooLarge(len(data), limit)
+        await self._transport.publish(self.down_topic, data)
 
     async def send_audio(self, frame: AudioFrame) -> None:
         if self.closed:
@@ -350,15 +363,14 @@ class MqttTransport:
 
     # ---- outgoing -------------------------------------------------------------------------------
 
-    async def publish(self, topic: str, text: str) -> None:
-        """Publish one message at QoS 1; LinkClosed if the broker is not reachable."""
+    async def publish(self, topic: str, data: str | bytes) -> None:
+        """Publish one message (text as UTF-8) at QoS 1; LinkClosed if the broker is not
+        reachable. No size check here: `MqttLink.send_text` applies the device's limit."""
         client = self._client
         if client is None or not self._connected.is_set():
             raise LinkClosed(BROKER_LOST)
         try:
-            await client.publish(
-                topic, text.encode(), qos=1, timeout=self.settings.publish_timeout_s
-            )
+            await client.publish(topic, data, qos=1, timeout=self.settings.publish_timeout_s)
         except aiomqtt.MqttError as exc:
             raise LinkClosed(f"publish failed: {exc}") from None
         self.count("published")
@@ -463,6 +475,7 @@ class MqttTransport:
             presence = parse_presence(payload)
         except TopicError as exc:
             self._drop("bad_presence", device_key=key, detail=str(exc))
+            self._discarded(self._devices.get(key), len(payload))
             return
         device = self._devices.get(key)
         if presence.online:
@@ -472,6 +485,7 @@ class MqttTransport:
             else:
                 device.presence = True
                 device.last_seen = time.monotonic()
+                self._discarded(device, len(payload))  # a repeat: it costs like any message
             return
         self._note_offline(key)
         if device is not None:
@@ -493,13 +507,9 @@ class MqttTransport:
         return at is not None and time.monotonic() - at <= self.settings.offline_grace_s
 
     def _on_uplink(self, key: str, payload: bytes) -> None:
-        try:
-            text = payload.decode("utf-8")
-        except UnicodeDecodeError:
-            self._drop("not_utf8", device_key=key)
-            return
-        if '"device_id"' in text and not self._claim_matches(key, text):
-            return
+        """Every uplink message is its device's (the topic says whose) and costs it, delivered
+        or not: one the session gets is charged there (`on_text`), and one dropped here (not
+        UTF-8, claiming another device, past the full queue) through `on_discarded`."""
         device = self._devices.get(key)
         if device is None:
             if self._just_went_offline(key):
@@ -510,9 +520,29 @@ class MqttTransport:
                 return
         device.last_seen = time.monotonic()
         try:
+            text = payload.decode("utf-8")
+        except UnicodeDecodeError:
+            self._drop("not_utf8", device_key=key)
+            self._discarded(device, len(payload))
+            return
+        if '"device_id"' in text and not self._claim_matches(key, text):
+            self._discarded(device, len(payload))
+            return
+        try:
             device.queue.put_nowait(text)
         except asyncio.QueueFull:
             self._drop("queue_full", device_key=key, queued=device.queue.qsize())
+            self._discarded(device, len(payload))
+
+    def _discarded(self, device: _Device | None, size: int) -> None:
+        """Charge a message the session never gets to the device's inbound limit (the handler's
+        `on_discarded`); past it the session closes the link."""
+        if device is None or device.closing or device.link.handler is None:
+            return
+        try:
+            device.link.handler.on_discarded(size)
+        except Exception as exc:  # the session's bug must not stop the dispatcher
+            self._drop("handler_error", device_key=device.key, detail=f"{exc!r}"[:200])
 
     def _claim_matches(self, key: str, text: str) -> bool:
         """A message naming a device id must name the topic's device (the topic is who sent it)."""

@@ -15,7 +15,7 @@ from pathlib import Path
 import structlog
 
 from backend.config import Settings
-from backend.transports.admission import Admission
+from backend.transports.admission import Admission, HandshakeLimits
 from backend.transports.base import LinkAcceptor
 from backend.transports.mqtt import (
     BrokerAddress,
@@ -93,8 +93,12 @@ class MqttService:
         settings: Settings,
         created: list[Path] | None = None,
         device_logins: CredentialProvider | None = None,
+        handshake_limits: HandshakeLimits | None = None,
     ) -> None:
+        """`handshake_limits`: the per-device handshake budget a WebSocket device has too, so a
+        device cut off (1008) waits before its next message opens a new link."""
         url = settings.mqtt_url
+        self._handshake_limits = handshake_limits
         if not url:
             raise MqttConfigError("MQTT is off (mqtt_url is not set)")
         self.settings = settings
@@ -141,6 +145,7 @@ class MqttService:
             udp_public_host=settings.udp_public_host,
             silence_timeout_s=settings.mqtt_silence_timeout_s,
             tls_ca_file=str(settings.mqtt_ca_file) if settings.mqtt_ca_file else None,
+            max_message_bytes=settings.max_message_bytes,
         )
 
     async def start(self, acceptor: LinkAcceptor) -> None:
@@ -153,7 +158,7 @@ class MqttService:
                 broker_url = self.settings.mqtt_url or ""
             self.transport = MqttTransport(
                 self._transport_settings(broker_url),
-                Admission(BrokerVouched()),
+                Admission(BrokerVouched(), self._handshake_limits),
                 drop_client=self.broker.disconnect_device if self.broker is not None else None,
             )
             await self.transport.start(acceptor)

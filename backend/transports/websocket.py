@@ -5,8 +5,9 @@ The handshake is checked before the upgrade: a wrong path answers 404, and the i
 `device-id`, `client-id`, `protocol-version` query parameters that some clients use instead) go
 to `Admission`, whose refusals answer 401 or 400. After the upgrade every text frame goes to the
 link's handler as it is, and every binary frame is decoded from the device's framing version into
-an `AudioFrame`; frames larger than `max_message_bytes` close the link with 1009 (done by
-`websockets`).
+an `AudioFrame`; one that does not decode is dropped (logged within a budget) and still charged
+to the device through the handler's `on_discarded`; frames larger than `max_message_bytes` close
+the link with 1009 (done by `websockets`).
 """
 
 import asyncio
@@ -336,6 +337,9 @@ class WebSocketTransport:
                     try:
                         handler.on_audio(decode_audio(version, message))
                     except AudioFrameError as exc:
+                        # Undecodable, it still costs the device a frame of its inbound limit:
+                        # junk must not flood past the bound that valid audio is held to.
+                        handler.on_discarded(len(message))
                         if drops is None:
                             drops = LogBudget(log.bind(device_id=link.identity.device_id))
                         drops.warning("dropped audio frame", reason=str(exc), size=len(message))
