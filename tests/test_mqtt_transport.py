@@ -11,7 +11,12 @@ from pathlib import Path
 
 import pytest
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from structlog.testing import capture_logs
 
+from backend.devices.conversation import ConversationHub
+from backend.devices.gateway import DeviceGateway
+from backend.devices.registry import DeviceRegistry
+from backend.errors import MessageTooLarge
 from backend.protocol.audio import AudioFrame
 from backend.transports.admission import Admission
 from backend.transports.base import DeviceLink, LinkClosed
@@ -26,6 +31,7 @@ from backend.transports.mqtt import (
 from backend.transports.mqtt_broker import BrokerSettings, EmbeddedBroker
 from backend.transports.mqtt_credentials import BridgeAccount, DerivedCredentials
 from backend.transports.mqtt_topics import parse_presence
+from tests.helpers import make_settings
 from tests.mosquitto import Mosquitto, mosquitto_available
 from tests.mqtt_helpers import (
     DEVICE_A,
@@ -404,6 +410,7 @@ async def test_embedded_broker_authentication(embedded: EmbeddedUnderTest) -> No
     attempts = [
         ("GID_t@@@a4_cf_12_34_56_78@@@u1", DEVICE_A, "wrong password"),
         ("GID_t@@@a4_cf_12_34_56_79@@@u1", DEVICE_A, "password-of-device-a"),  # names B
+        ("any-client-id", DEVICE_A, "password-of-device-a"),  # not its own client id
         ("plain-id", "not a key!", "x"),
         ("plain-id", None, None),
         ("bridge-2", embedded.broker.bridge.username, "not the bridge password"),
@@ -415,7 +422,7 @@ async def test_embedded_broker_authentication(embedded: EmbeddedUnderTest) -> No
         await client.abort()
     assert embedded.broker.stats()["logins_refused"] == len(attempts)
     ok = RawMqttClient("127.0.0.1", embedded.port)
-    await ok.connect("any-client-id", DEVICE_A, "password-of-device-a")
+    await ok.connect(DEVICE_A, DEVICE_A, "password-of-device-a")
     await ok.disconnect()
 
 
@@ -631,29 +638,26 @@ async def test_late_messages_after_offline_do_not_reopen_a_link(
     mosquitto: BrokerUnderTest,
 ) -> None:
     # A broker may deliver a device's last messages after its presence event (amqtt does).
-    # Mosquitto delivers in order, so the bridge account can stage exactly that order.
+    # Mosquitto delivers in order (and acknowledges a QoS 1 publish after routing it), so the
+    # devices can stage exactly that order.
     acceptor = RecordingAcceptor()
     assert isinstance(mosquitto, MosquittoUnderTest)
-    bridge = mosquitto.broker.bridge
     async with (
         running_transport(mosquitto.bridge_url, acceptor) as transport,
-        device(mosquitto.port, DEVICE_A),
-        device(mosquitto.port, DEVICE_B),
+        device(mosquitto.port, DEVICE_A) as dev_a,
+        device(mosquitto.port, DEVICE_B) as dev_b,
     ):
         await eventually(lambda: bool(acceptor.of(ID_A) and acceptor.of(ID_B)))
-        stager = RawMqttClient("127.0.0.1", mosquitto.port)
-        await stager.connect("stager", bridge.username, bridge.password)
-        await stager.publish(SCHEME.status(DEVICE_A), b"offline", qos=1)
-        await stager.publish(SCHEME.up(DEVICE_A), b'{"type":"mcp","late":true}', qos=1)
-        await stager.publish(SCHEME.up(DEVICE_B), b'{"type":"mcp","marker":true}', qos=1)
+        await dev_a.publish(SCHEME.status(DEVICE_A), b"offline", qos=1)
+        await dev_a.publish(SCHEME.up(DEVICE_A), b'{"type":"mcp","late":true}', qos=1)
+        await dev_b.publish(SCHEME.up(DEVICE_B), b'{"type":"mcp","marker":true}', qos=1)
         await eventually(lambda: bool(acceptor.latest(ID_B).texts), what="the marker")
         assert acceptor.latest(ID_A).closed == ["device offline"]
         assert len(acceptor.of(ID_A)) == 1
         assert transport.counters["dropped_after_offline"] == 1
         # A new `online` lifts it at once.
-        await stager.publish(SCHEME.status(DEVICE_A), b"online", qos=1)
+        await dev_a.publish(SCHEME.status(DEVICE_A), b"online", qos=1)
         await eventually(lambda: len(acceptor.of(ID_A)) == 2)
-        await stager.disconnect()
 
 
 async def test_embedded_presence_comes_before_a_fast_device_first_message(
@@ -800,3 +804,124 @@ async def test_bridge_url_round_trips_ipv6_and_odd_passwords() -> None:
         assert (address.host, address.port, address.password) == ("::1", broker.port, "p@ss:w/rd")
     finally:
         await broker.stop()
+
+
+# ---- per-device bounds: the outbound frame cap, every inbound message charged -------------------
+
+
+async def test_a_text_over_the_device_limit_is_not_published(broker: BrokerUnderTest) -> None:
+    acceptor = RecordingAcceptor()
+    async with (
+        running_transport(broker.bridge_url, acceptor, max_message_bytes=1024),
+        device(broker.port, DEVICE_A) as dev,
+    ):
+        await eventually(lambda: bool(acceptor.of(ID_A)))
+        link = acceptor.latest(ID_A).link
+        with pytest.raises(MessageTooLarge) as too_large:
+            await link.send_text(json.dumps({"type": "stt", "text": "x" * 2000}))
+        assert too_large.value.limit == 1024
+        # The limit is in UTF-8 bytes: 600 characters of 3 bytes each are over it as well.
+        with pytest.raises(MessageTooLarge):
+            await link.send_text(json.dumps({"text": "€" * 600}, ensure_ascii=False))
+        empty = json.dumps({"type": "stt", "text": ""})
+        at_limit = json.dumps({"type": "stt", "text": "y" * (1024 - len(empty))})
+        assert len(at_limit.encode()) == 1024
+        await link.send_text(at_limit)
+        await link.send_text('{"type":"mcp","after":true}')
+        # Neither big one went out: the first publish the device sees is the one at the limit.
+        first, second = await dev.next_publish(), await dev.next_publish()
+        assert (first.payload, second.payload) == (
+            at_limit.encode(),
+            b'{"type":"mcp","after":true}',
+        )
+        # The link is fine after a refusal.
+        assert acceptor.latest(ID_A).closed == []
+
+
+async def test_uplinks_dropped_by_the_transport_are_still_charged(broker: BrokerUnderTest) -> None:
+    acceptor = RecordingAcceptor()
+    acceptor.gates[ID_A] = asyncio.Event()  # the session is busy: its queue fills up
+    async with (
+        running_transport(broker.bridge_url, acceptor, inbound_queue=2) as transport,
+        device(broker.port, DEVICE_A) as dev,
+    ):
+        await eventually(lambda: bool(acceptor.of(ID_A)))
+        handler = acceptor.latest(ID_A)
+        not_utf8 = b"\xff\xfe" * 50
+        claims_b = json.dumps({"type": "hello", "device_id": ID_B})
+
+        def uplinks() -> list[int]:
+            # With the embedded broker two `online`s arrive (its presence event and the
+            # device's own): the repeat is charged as well, and left out here.
+            return [size for size in handler.discarded if size != len(b"online")]
+
+        await dev.publish(SCHEME.up(DEVICE_A), not_utf8, qos=1)
+        await dev.publish(SCHEME.up(DEVICE_A), claims_b, qos=1)
+        await eventually(lambda: len(uplinks()) == 2, what="both charged")
+        assert uplinks() == [len(not_utf8), len(claims_b)]
+        for index in range(10):  # one held by the worker, two queued, the rest dropped
+            await dev.publish(SCHEME.up(DEVICE_A), f'{{"n":{index}}}', qos=1)
+        await eventually(lambda: transport.counters.get("dropped_queue_full", 0) >= 7)
+        dropped = transport.counters["dropped_queue_full"]
+        assert uplinks()[2:] == [len('{"n":0}')] * dropped
+        acceptor.gates[ID_A].set()
+        await eventually(lambda: len(handler.texts) == 10 - dropped)
+        # Delivered ones are charged by the session itself (`on_text`), never twice.
+        assert len(uplinks()) == 2 + dropped
+
+
+class _Penalties:
+    """The bridge's handshake limits, reduced to the cut-off penalty (`Admission.cut_off`)."""
+
+    def __init__(self) -> None:
+        self.penalized: list[str] = []
+
+    def ip_refusal(self, remote: str | None) -> str | None:
+        return None
+
+    def device_refusal(self, device_id: str) -> str | None:
+        return "cut off a moment ago" if device_id in self.penalized else None
+
+    def penalize(self, device_id: str) -> None:
+        self.penalized.append(device_id)
+
+
+async def test_a_device_flooding_junk_over_mqtt_is_cut_off(
+    embedded: EmbeddedUnderTest, tmp_path: Path
+) -> None:
+    """The real session behind the transport: non-UTF-8 junk, which never reaches `on_text`,
+    empties the device's inbound limit and its link is closed (and held off); another device
+    keeps its link."""
+    settings = make_settings(tmp_path / "data", max_inbound_messages_per_s=20.0)  # 40 at once
+    registry = DeviceRegistry()
+    gateway = DeviceGateway(registry, ConversationHub(registry), settings)
+    penalties = _Penalties()
+    transport = MqttTransport(
+        transport_settings(embedded.bridge_url), Admission(BrokerVouched(), penalties)
+    )
+    with capture_logs() as logs:
+        await transport.start(gateway)
+        try:
+            await transport.wait_connected(10)
+            async with (
+                device(embedded.port, DEVICE_A) as attacker,
+                device(embedded.port, DEVICE_B),
+            ):
+                await eventually(lambda: transport.links().keys() == {ID_A, ID_B})
+                for _ in range(200):
+                    await attacker.publish(SCHEME.up(DEVICE_A), b"\xff" * 100)
+                await eventually(lambda: ID_A not in transport.links(), what="attacker cut off")
+                await eventually(lambda: transport.counters.get("received", 0) >= 200 + 2)
+                assert ID_B in transport.links()
+                assert registry.get(ID_A) is None and registry.get(ID_B) is not None
+        finally:
+            await transport.stop()
+    assert penalties.penalized == [ID_A]
+    mine = [entry for entry in logs if entry.get("device_id") == ID_A]
+    cut = [entry for entry in mine if entry["event"] == "device cut off"]
+    assert len(cut) == 1 and cut[0]["reason"] == "inbound rate limit exceeded", mine
+    assert transport.counters["links_opened"] == 2  # the attacker's link was not reopened
+    # The burst was charged on the link, the rest refused without one: all 200 in a few lines.
+    charged, refused = transport.counters["dropped_not_utf8"], transport.counters["dropped_refused"]
+    assert charged + refused == 200, transport.counters
+    assert len(logs) < 40, [entry["event"] for entry in logs]

@@ -4,9 +4,9 @@ It exists for stock firmware, which subscribes to nothing (reference §2.1): whe
 connects, the broker subscribes it to its own downlink topic on the server side, so whatever the
 bridge publishes there reaches it. Its plugins also:
 
-- authenticate every CONNECT: the bridge's own account, or a device whose username is its device
-  key and whose password the pluggable `CredentialProvider` accepts; a client id of the stock
-  convention (`GID_x@@@<key>@@@<uuid>`) must name the same key as the username;
+- authenticate every CONNECT: the bridge's own account (any client id), or a device whose
+  username is its device key, whose client id is that key or a stock one naming it
+  (`GID_x@@@<key>@@@<uuid>`), and whose password the pluggable `CredentialProvider` accepts;
 - confine each device to its own topics: publish only to `<prefix>/<key>/up` and `/status`,
   subscribe to and receive only `<prefix>/<key>/down` (the bridge may do anything);
 - publish presence on behalf of devices (stock firmware sets no last will):
@@ -16,7 +16,15 @@ bridge publishes there reaches it. Its plugins also:
 - enforce MQTT keepalive, which amqtt itself does not: a client silent for 1.5 × its keepalive is
   disconnected (its will, if any, is published and it goes offline).
 
-Two amqtt 0.12.1 defects are worked around here, both covered by tests:
+Three amqtt 0.12.1 defects are worked around here, all covered by tests:
+- `Broker._initialize_client_session` deletes the existing session of a clean-session CONNECT's
+  client id (with its subscriptions, the server-side downlink one too), or hands a persistent
+  CONNECT the existing session with its login overwritten, *before* `_handle_client_session`
+  authenticates it; the refused session then replaces the live one in amqtt's table. Anyone
+  knowing a device's client id could cut it off its downlink while it stayed connected. So the
+  accept layer (`EmbeddedBroker._admit`) reads and decides every CONNECT itself, before amqtt
+  sees a byte: a refused one gets its CONNACK there and is closed, an accepted one is replayed
+  to amqtt, whose auth plugin makes the same decision (`_Policy.decide`) again;
 - a client that connects is sent every retained message matching *any* client's subscription,
   without the topic ACL (`Broker._handle_client_session`): retained messages would leak other
   devices' presence. This broker therefore stores no retained message: the retain flag of every
@@ -43,9 +51,13 @@ from typing import Self
 from urllib.parse import quote
 
 import structlog
-from amqtt.adapters import StreamReaderAdapter, StreamWriterAdapter
+from amqtt.adapters import ReaderAdapter, StreamReaderAdapter, StreamWriterAdapter
 from amqtt.broker import Broker, BrokerContext, RetainedApplicationMessage
 from amqtt.contexts import Action, BaseContext, BrokerConfig, ListenerConfig, ListenerType
+from amqtt.errors import AMQTTError, CodecError, MQTTError, NoDataError
+from amqtt.mqtt.connack import ConnackPacket
+from amqtt.mqtt.connect import ConnectPacket
+from amqtt.mqtt.packet import CONNECT
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.mqtt.publish import PublishPacket
 from amqtt.plugins.base import BaseAuthPlugin, BasePlugin, BaseTopicPlugin
@@ -88,6 +100,29 @@ class BrokerSettings:
     # Disconnect a client silent for this many times its keepalive (MQTT 3.1.1 §3.1.2.10).
     keepalive_grace: float = 1.5
     keepalive_check_s: float = 1.0
+    # The accept gate: a client's first packet must be a CONNECT of at most this many bytes,
+    # complete within this many seconds of the TCP connection.
+    connect_timeout_s: float = 10.0
+    max_connect_bytes: int = 65_536
+
+
+NOT_AUTHORIZED = 5  # CONNACK return codes (MQTT 3.1.1 §3.2.2.3)
+BAD_USERNAME_PASSWORD = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Login:
+    """The decision on one CONNECT's login (`_Policy.decide`)."""
+
+    role: str | None  # _BRIDGE or _DEVICE; None: refused
+    device_key: str | None = None
+    client_uuid: str | None = None  # of a stock client id
+    reason: str = ""  # why it was refused
+    return_code: int = 0  # the CONNACK return code of a refusal
+
+    @classmethod
+    def refused(cls, reason: str, return_code: int) -> "Login":
+        return cls(None, reason=reason, return_code=return_code)
 
 
 @dataclass
@@ -110,44 +145,64 @@ class _Policy:
 
     # -- authentication --
 
-    def authenticate(self, session: Session) -> bool:
-        username, password = session.username, session.password or ""
+    def decide(self, username: str | None, password: str | None, client_id: str | None) -> Login:
+        """Whether a CONNECT with this login may in: one decision, no side effects (nothing
+        counted or logged, no session touched). The accept gate and the auth plugin both ask."""
         if not username:
-            return self._refuse("no username", session)
+            return Login.refused("no username", NOT_AUTHORIZED)
+        password = password or ""
         if username == self.bridge.username:
             if not hmac.compare_digest(password.encode(), self.bridge.password.encode()):
-                return self._refuse("bad bridge password", session)
-            session.attributes[_ROLE] = _BRIDGE
-            self.count("bridge_logins")
-            return True
+                return Login.refused("bad bridge password", BAD_USERNAME_PASSWORD)
+            return Login(_BRIDGE)  # the bridge's own account may use any client id
         try:
             validate_device_key(username)
         except TopicError:
-            return self._refuse("username is not a device key", session)
+            return Login.refused("username is not a device key", BAD_USERNAME_PASSWORD)
+        # A device uses its key or a stock id naming its key: never another client's id, which
+        # would take over (or, for amqtt, even delete) that client's session.
         client_uuid: str | None = None
-        client_id = session.client_id or ""
+        client_id = client_id or ""
         if is_stock_client_id(client_id):
             try:
                 stock = parse_client_id(client_id)
             except TopicError:
-                return self._refuse("malformed GID@@@device@@@uuid client id", session)
+                return Login.refused("malformed GID@@@device@@@uuid client id", NOT_AUTHORIZED)
             if stock.device_key != username:
-                return self._refuse("client id names another device", session)
+                return Login.refused("client id names another device", NOT_AUTHORIZED)
             client_uuid = stock.client_id
+        elif client_id != username:
+            return Login.refused("client id names another device", NOT_AUTHORIZED)
         if not self.credentials.verify(username, password):
-            return self._refuse("bad device credentials", session)
+            return Login.refused("bad device credentials", BAD_USERNAME_PASSWORD)
+        return Login(_DEVICE, username, client_uuid)
+
+    def authenticate(self, session: Session) -> bool:
+        """The auth plugin's check of a session amqtt built from an already admitted CONNECT."""
+        login = self.decide(session.username, session.password, session.client_id)
+        if login.role is None:
+            session.attributes.pop(_ROLE, None)
+            self.refused(login, session.username, session.remote_address)
+            return False
+        session.attributes[_ROLE] = login.role
+        if login.role == _BRIDGE:
+            self.count("bridge_logins")
+            return True
         session.will_retain = False  # no retention on this broker (module docstring)
-        session.attributes[_ROLE] = _DEVICE
-        session.attributes[_KEY] = username
-        session.attributes[_CLIENT] = client_uuid
+        session.attributes[_KEY] = login.device_key
+        session.attributes[_CLIENT] = login.client_uuid
         self.count("device_logins")
         return True
 
-    def _refuse(self, reason: str, session: Session) -> bool:
+    def refused(self, login: Login, username: str | None, remote: str | None) -> None:
+        """Count and log one refused CONNECT (within the `refusals` budget; never a password)."""
         self.count("logins_refused")
-        session.attributes.pop(_ROLE, None)
-        self.refusals.hit(reason, username=_clip(session.username), remote=session.remote_address)
-        return False
+        self.refusals.hit(login.reason, username=_clip(username), remote=remote)
+
+    def dropped(self, counter: str, reason: str, remote: str | None) -> None:
+        """Count and log a connection dropped before any login (no CONNECT, or a bad one)."""
+        self.count(counter)
+        self.refusals.hit(reason, username=None, remote=remote)
 
     # -- topic access --
 
@@ -453,9 +508,11 @@ class EmbeddedBroker:
         assert task is not None
         self._connections.add(task)
         try:
-            await broker.external_connected(
-                StreamReaderAdapter(reader), StreamWriterAdapter(writer), "default"
-            )
+            connect = await self._admit(reader, writer)
+            if connect is not None:
+                await broker.external_connected(
+                    _ReplayReader(reader, connect), StreamWriterAdapter(writer), "default"
+                )
         except (asyncio.CancelledError, ConnectionError):
             pass
         except Exception as exc:  # amqtt raising on one client must not end the listener
@@ -464,6 +521,48 @@ class EmbeddedBroker:
             self._connections.discard(task)
             with contextlib.suppress(Exception):
                 writer.close()
+
+    async def _admit(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> bytes | None:
+        """Read and decide the client's CONNECT before amqtt sees anything of the connection.
+
+        amqtt 0.12.1 deletes (clean session) or takes over (no clean session) the existing
+        session of the CONNECT's client id before it asks the auth plugin: a refused client
+        would still cut the device it names off its downlink. So only a CONNECT whose login
+        `_Policy.decide` accepts reaches amqtt, whose plugin then decides the same again.
+        Returns the CONNECT's bytes to replay to amqtt, or None when the connection is done.
+        """
+        peer = writer.get_extra_info("peername")
+        remote = str(peer[0]) if isinstance(peer, tuple) and peer else None
+        try:
+            async with asyncio.timeout(self.settings.connect_timeout_s):
+                raw = await _read_connect(reader, self.settings.max_connect_bytes)
+        except TimeoutError:
+            self._policy.dropped("connect_timeouts", "no CONNECT in time", remote)
+            return None
+        except asyncio.IncompleteReadError:
+            return None  # gone before a whole packet (a port probe): nothing to say
+        except _BadConnect as exc:
+            self._policy.dropped("connects_malformed", str(exc), remote)
+            return None
+        try:
+            connect = await _parse_connect(raw)
+        except _BadConnect as exc:
+            self._policy.dropped("connects_malformed", str(exc), remote)
+            return None
+        payload = connect.payload
+        assert payload is not None  # _parse_connect made sure
+        client_id = "" if payload.client_id_is_random else payload.client_id
+        login = self._policy.decide(payload.username, payload.password, client_id)
+        if login.role is None:
+            self._policy.refused(login, payload.username, remote)
+            writer.write(ConnackPacket.build(0, login.return_code).to_bytes())
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.settings.connect_timeout_s):
+                    await writer.drain()
+            return None
+        return raw
 
     def _live(self) -> Iterator[tuple[Session, BrokerProtocolHandler]]:
         broker = self._broker
@@ -491,6 +590,94 @@ class EmbeddedBroker:
                     )
                     session.attributes[_SEEN] = now  # once per expiry
                     await handler.handle_connection_closed()
+
+
+class _BadConnect(Exception):
+    """The first packet is not a well-formed CONNECT (the message is the logged reason)."""
+
+
+async def _read_connect(reader: asyncio.StreamReader, limit: int) -> bytes:
+    """The client's first packet, whole: fixed header, then exactly its remaining length."""
+    header = bytearray(await reader.readexactly(1))
+    if header[0] >> 4 != CONNECT:
+        raise _BadConnect("first packet is not CONNECT")
+    if header[0] & 0x0F:
+        raise _BadConnect("malformed CONNECT (reserved flags)")
+    length = 0
+    for shift in (0, 7, 14, 21):  # the remaining length takes at most four bytes
+        byte = (await reader.readexactly(1))[0]
+        header.append(byte)
+        length |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            break
+    else:
+        raise _BadConnect("malformed CONNECT (remaining length)")
+    if len(header) + length > limit:
+        raise _BadConnect("CONNECT too large")
+    return bytes(header) + await reader.readexactly(length)
+
+
+class _PacketBytes(ReaderAdapter):
+    """One packet's bytes for amqtt's parser; remembers a read past their end."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+        self._at = 0
+        self.overrun = False
+
+    async def read(self, n: int = -1) -> bytes:
+        end = len(self._data) if n < 0 else self._at + n
+        chunk = self._data[self._at : end]
+        self.overrun |= len(chunk) < end - self._at
+        self._at += len(chunk)
+        return chunk
+
+    def feed_eof(self) -> None:
+        pass
+
+    @property
+    def left(self) -> int:
+        return len(self._data) - self._at
+
+
+async def _parse_connect(raw: bytes) -> ConnectPacket:
+    """amqtt's own CONNECT parser over exactly these bytes, which it must use up exactly.
+
+    amqtt's parser turns a missing client id, username or password into None instead of
+    failing, and it will read the same bytes again from the connection: a CONNECT that
+    parsed only with bytes beyond its length (or left some over) is refused, so both parses
+    of an admitted CONNECT see the same fields.
+    """
+    data = _PacketBytes(raw)
+    try:
+        connect = await ConnectPacket.from_stream(data)
+    except (AMQTTError, MQTTError, NoDataError, CodecError, ValueError) as exc:
+        raise _BadConnect("malformed CONNECT") from exc
+    if data.overrun or data.left or connect.variable_header is None or connect.payload is None:
+        raise _BadConnect("malformed CONNECT")
+    return connect
+
+
+class _ReplayReader(StreamReaderAdapter):
+    """amqtt's reader adapter for the connection, which first hands back the CONNECT's bytes
+    that the gate already read; the bytes after it are still in the stream."""
+
+    def __init__(self, reader: asyncio.StreamReader, replay: bytes) -> None:
+        super().__init__(reader)
+        self._replay = bytearray(replay)
+
+    async def read(self, n: int = -1) -> bytes:
+        if not self._replay:
+            return await super().read(n)
+        if n < 0:
+            head = bytes(self._replay)
+            self._replay.clear()
+            return head + await super().read(n)
+        head = bytes(self._replay[:n])
+        del self._replay[:n]
+        if len(head) < n:
+            head += await super().read(n - len(head))
+        return head
 
 
 def _reachable(host: str) -> str:
