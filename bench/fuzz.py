@@ -1,22 +1,28 @@
 """Fuzzing: 100,000 generated inputs per parser of device and API data (hypothesis, generation
 phase only), with no exception but the parser's own error allowed out.
 
-The parsers and their properties are `simulator.fuzzing` (the test suite runs them with a few
-hundred examples). The firmware's MCP server has its own campaign on CPython and MicroPython
-(tests/test_firmware_fuzz.py with `FUZZ_EXAMPLES` / `FUZZ_CORPUS`, and tools/fuzz_firmware_mcp.py
-with atheris).
+The backend's parsers and their properties are `simulator.fuzzing`; the firmware's MCP server
+(`McpServer.handle` / `handle_message`) and its properties are `simulator.firmware_fuzzing`, run
+in this process on CPython and, for the MicroPython unix port, as a generated corpus streamed to
+simulator/firmware_fuzz_corpus.py (that row is skipped without a `micropython` binary). The
+test suite runs the same properties with a few hundred examples (tests/test_fuzz_parsers.py,
+tests/test_firmware_fuzz.py); tools/fuzz_firmware_mcp.py is a coverage-guided campaign with
+atheris.
 """
 
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.strategies import SearchStrategy
 
+from backend.firmware.tools import find_tool
 from bench.common import bench_main, table, verdict
 from bench.report import environment
-from simulator import fuzzing
+from simulator import firmware_fuzzing, fuzzing
 
 NAME = "fuzz"
 FULL = 100_000
@@ -40,7 +46,13 @@ PARSERS: dict[str, tuple[SearchStrategy[Any], Callable[..., None], bool]] = {
     ),
     "binary audio framing v1/v2/v3": (fuzzing.audio_frames, fuzzing.check_audio_frame, True),
     "admin API tool-call body": (fuzzing.api_bodies, fuzzing.check_api_body, False),
+    "firmware MCP server `McpServer.handle` (CPython)": (
+        firmware_fuzzing.handle_inputs,
+        firmware_fuzzing.check_handle_input,
+        True,
+    ),
 }
+MICROPYTHON_ROW = "firmware MCP server on the MicroPython unix port (generated corpus)"
 
 
 def run_one(strategy: SearchStrategy[Any], check: Callable[..., None], star: bool, n: int) -> int:
@@ -66,6 +78,15 @@ def run_one(strategy: SearchStrategy[Any], check: Callable[..., None], star: boo
     return count
 
 
+def run_micropython(n: int) -> tuple[int, str, bool]:
+    """(inputs, outcome, clean) for `n` generated inputs fed to the unix port."""
+    with tempfile.TemporaryDirectory(prefix="fuzz-corpus-") as work:
+        run = firmware_fuzzing.run_micropython_corpus(n, Path(work) / "corpus.txt")
+    if run.clean:
+        return run.inputs, "none escaped", True
+    return run.inputs, f"**{run.describe()}**", False
+
+
 async def run(quick: bool) -> str:
     examples = QUICK if quick else FULL
     rows = []
@@ -79,6 +100,19 @@ async def run(quick: bool) -> str:
             count, outcome = 0, f"**{type(exc).__name__}**: {str(exc)[:80]}"
             failures += 1
         rows.append([label, f"{count:,}", f"{time.perf_counter() - began:.1f}", outcome])
+    skipped = find_tool("micropython") is None
+    if skipped:
+        rows.append(
+            [MICROPYTHON_ROW, "—", "—", "skipped: no `micropython` binary (`firmware` extra)"]
+        )
+    else:
+        began = time.perf_counter()
+        try:
+            count, outcome, clean = run_micropython(examples)
+        except Exception as exc:  # e.g. the unix port hung: report it like a failed property
+            count, outcome, clean = 0, f"**{type(exc).__name__}**: {str(exc)[:80]}", False
+        failures += not clean
+        rows.append([MICROPYTHON_ROW, f"{count:,}", f"{time.perf_counter() - began:.1f}", outcome])
     quick_note = " — **quick run**" if quick else ""
     return f"""## Fuzzing the parsers
 
@@ -87,8 +121,12 @@ async def run(quick: bool) -> str:
 {table(["parser", "inputs", "seconds", "exceptions other than the parser's own"], rows)}
 
 Inputs: deep nesting up to 60,000 levels, integers up to 10^30, NaN and infinities, invalid
-UTF-8, every field of every message with a value of a random type, batches. Target: 100,000
-inputs per parser, no exception escaping: {verdict(failures == 0 and examples >= FULL)}.
+UTF-8, every field of every message with a value of a random type, batches. The firmware's MCP
+server gets JSON-RPC requests with every field right, absent or hostile, mutated and raw bytes,
+nesting up to 20,000 levels, integers of 5,000 digits, lone surrogates; each reply must be a
+strict JSON-RPC object with the request's id, and a valid call right after must still work.
+Target: 100,000 inputs per parser, no exception escaping:
+{verdict(failures == 0 and examples >= FULL and not skipped)}.
 """
 
 

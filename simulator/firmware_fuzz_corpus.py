@@ -1,26 +1,42 @@
-"""Feed a fuzz corpus to the firmware's McpServer.handle: `micropython fuzz_corpus.py CORPUS`
-(`-`: read it from stdin).
+"""Feed a fuzz corpus to the firmware's McpServer.handle, run by the MicroPython unix port (not by
+CPython):
 
-Not a test_* module: tests/test_firmware_fuzz.py generates the corpus with hypothesis on CPython
-and runs this on the MicroPython unix port. CORPUS has one input per line, `t <hex>` (UTF-8 text;
-fed as bytes if this runtime will not decode it) or `b <hex>` (bytes). For each input: handle()
-must not raise, a reply must be a JSON-RPC object that carries the request's id when that is
-usable, and a valid call right after must still work. Prints the first problems and the line
-"fuzz: N inputs, E escapes, B bad replies, K broken"; exits 1 on any problem.
+    MICROPYPATH=firmware/lib micropython simulator/firmware_fuzz_corpus.py CORPUS
+
+(`-`: read CORPUS from stdin; without MICROPYPATH, firmware/lib of a source checkout is used).
+`simulator.firmware_fuzzing.run_micropython_corpus` generates the corpus with hypothesis on
+CPython and streams it here (tests/test_firmware_fuzz.py, bench/fuzz.py). CORPUS has one input
+per line, `t <hex>` (UTF-8 text; fed as bytes if this runtime will not decode it) or `b <hex>`
+(bytes). For each input: handle() must not raise, a reply must be a JSON-RPC object that carries
+the request's id when that is usable, and a valid call right after must still work. Prints the
+first problems and the line "fuzz: N inputs, E escapes, B bad replies, K broken"; exits 1 on any
+problem.
+
+The firmware modules exist only on MicroPython's path, hence the mypy code disabled below;
+everything else is type-checked.
 """
+
+# mypy: disable-error-code="import-not-found"
 
 import json
 import sys
 
+try:
+    from collections.abc import Iterator
+    from typing import IO
+except ImportError:  # MicroPython: annotations are not evaluated there
+    pass
 
-def _directory_of(path):
+
+def _directory_of(path: str) -> str:
     cut = path.rfind("/")
     if cut < 0:
         return "."
     return path[:cut] or "/"
 
 
-sys.path.insert(0, _directory_of(__file__) + "/../../firmware/lib")
+del sys.path[0]  # this folder (simulator/): nothing in it may shadow a firmware module
+sys.path.append(_directory_of(__file__) + "/../firmware/lib")  # after MICROPYPATH, if set
 
 import hal_fake  # noqa: E402
 import tools_stock  # noqa: E402
@@ -35,7 +51,7 @@ SHOWN = 10  # problems printed in full
 BLOCK = 65536
 
 
-def decode(line):
+def decode(line: str) -> str | bytes:
     kind, data = line[0], bytes.fromhex(line[2:].strip())
     if kind == "t":
         try:
@@ -45,7 +61,7 @@ def decode(line):
     return data
 
 
-def usable_id(request):
+def usable_id(request: object) -> tuple[bool, object]:
     """(True, id) when the request is an object with an id a reply can carry."""
     if not isinstance(request, dict) or "id" not in request:
         return False, None
@@ -57,7 +73,7 @@ def usable_id(request):
     return isinstance(value, (str, int)), value
 
 
-def reply_problem(reply, data):
+def reply_problem(reply: str | None, data: str | bytes) -> str | None:
     """Why `reply` is not a proper answer to `data`, or None."""
     if reply is None:
         return None
@@ -87,15 +103,15 @@ def reply_problem(reply, data):
     return None
 
 
-def still_works(server):
+def still_works(server: McpServer) -> bool:
     try:
         answer = json.loads(server.handle(CHECK_CALL))
-        return answer["id"] == "check" and answer["result"]["content"][0]["text"] == "true"
+        return bool(answer["id"] == "check" and answer["result"]["content"][0]["text"] == "true")
     except Exception:
         return False
 
 
-def lines(corpus):
+def lines(corpus: "IO[str]") -> "Iterator[str]":
     """The non-empty lines of `corpus`, read in blocks (readline reads byte by byte here)."""
     pending = ""
     while True:
@@ -115,35 +131,39 @@ def lines(corpus):
         yield pending
 
 
-def main(path):
+def feed(corpus: "IO[str]") -> int:
+    """Feed every input of `corpus` to a fresh server; the number of problems."""
     server = McpServer("fuzz-board", "1.0")
     tools_stock.register(server, hal_fake.HalFake())
     inputs = escapes = bad = broken = 0
-    corpus = sys.stdin if path == "-" else open(path)
-    try:
-        for line in lines(corpus):
-            data = decode(line)
-            inputs += 1
-            problem = None
-            try:
-                reply = server.handle(data)
-            except Exception as error:  # what the fuzzing looks for: count and show it
-                escapes += 1
-                problem = "escaped: " + type(error).__name__ + ": " + str(error)
-            else:
-                problem = reply_problem(reply, data)
-                if problem is not None:
-                    bad += 1
-            if not still_works(server):
-                broken += 1
-                problem = (problem or "") + " then a valid call failed"
-            if problem is not None and escapes + bad + broken <= SHOWN:
-                print("input " + str(inputs) + ": " + problem + ": " + repr(data[:120]))
-    finally:
-        if corpus is not sys.stdin:
-            corpus.close()
-    print("fuzz: %d inputs, %d escapes, %d bad replies, %d broken" % (inputs, escapes, bad, broken))
+    for line in lines(corpus):
+        data = decode(line)
+        inputs += 1
+        problem = None
+        try:
+            reply = server.handle(data)
+        except Exception as error:  # what the fuzzing looks for: count and show it
+            escapes += 1
+            problem = "escaped: " + type(error).__name__ + ": " + str(error)
+        else:
+            problem = reply_problem(reply, data)
+            if problem is not None:
+                bad += 1
+        if not still_works(server):
+            broken += 1
+            problem = (problem or "") + " then a valid call failed"
+        if problem is not None and escapes + bad + broken <= SHOWN:
+            print("input " + str(inputs) + ": " + problem + ": " + repr(data[:120]))
+    print(f"fuzz: {inputs} inputs, {escapes} escapes, {bad} bad replies, {broken} broken")
     return escapes + bad + broken
+
+
+def main(path: str) -> int:
+    """Feed the corpus at `path` (`-`: stdin); the number of problems."""
+    if path == "-":
+        return feed(sys.stdin)
+    with open(path) as corpus:
+        return feed(corpus)
 
 
 if __name__ == "__main__":
