@@ -350,7 +350,13 @@ async def test_hello_over_mqtt_opens_udp_audio_both_ways_and_goodbye_both_ways(
     assert second != session_id
     await bridge.conversations.conversation(device.device_id).goodbye()
     await eventually(lambda: not device.app.in_conversation, WAIT_S)
-    assert ended[-1][0] == second
+    # Each conversation ended exactly once (the new hello found nothing left to replace).
+    assert ended == [
+        (session_id, "goodbye from the device"),
+        (second, "goodbye from the bridge"),
+    ]
+    await bridge.conversations.conversation(device.device_id).goodbye()  # nothing open: no-op
+    assert len(ended) == 2
     # MCP still works after both conversations.
     ready = bridge.registry.require(device.device_id)
     assert not (await ready.call_tool("self.audio_speaker.set_volume", {"volume": 3})).is_error

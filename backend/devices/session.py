@@ -69,6 +69,7 @@ class DeviceSession:
         "_handler_tasks",
         "_hello_timer",
         "_hub",
+        "_in_conversation",
         "_inbound",
         "_last_relist",
         "_log",
@@ -101,7 +102,8 @@ class DeviceSession:
         self._settings = settings
         self._session_id = new_session_id()
         self._log = DeviceLog(log, identity.device_id, self._session_id)
-        self.hello: DeviceHello | None = None
+        self.hello: DeviceHello | None = None  # the first hello (MCP, features); kept after it
+        self._in_conversation = False  # from a hello until its goodbye (or the link's end)
         self.mcp = McpClient(
             self._send_mcp,
             timeouts=timeouts if timeouts is not None else timeout_policy(settings),
@@ -189,8 +191,8 @@ class DeviceSession:
         if not self._inbound.charge(len(frame.payload)):
             self._cut_off_for("inbound rate limit exceeded")
             return
-        if self.hello is None:
-            self._dropped("audio before hello dropped", size=len(frame.payload))
+        if not self._in_conversation:
+            self._dropped("audio outside a conversation dropped", size=len(frame.payload))
             return
         self._hub.dispatch_audio(self.conversation, frame)
 
@@ -217,7 +219,8 @@ class DeviceSession:
         self.mcp.close(reason)
         if self._device is not None:
             self._registry.disconnected(self._device, reason)
-        if self.hello is not None:
+        if self._in_conversation:
+            self._in_conversation = False
             self._hub.dispatch_ended(self.conversation, reason)
         if self._drops is not None:
             if self._log_budgets is None:
@@ -267,6 +270,8 @@ class DeviceSession:
         if self.link.conversation_scoped:
             await self.link.close(1000, "goodbye")
             return
+        if not self._in_conversation:
+            return  # nothing to end (a stale session id would only confuse the device)
         await self.link.send_text(ServerGoodbye(session_id=self._session_id).to_json())
         self._conversation_over("goodbye from the bridge")
 
@@ -283,6 +288,7 @@ class DeviceSession:
             self._session_id = new_session_id()
             self._log.session_id = self._session_id
         self.hello = hello
+        self._in_conversation = True
         # The stock device waits 10 s for this reply; it goes out before any other work.
         await self.link.send_text(self._server_hello())
         for opened_handler in self._hub.opened_handlers():
@@ -314,8 +320,10 @@ class DeviceSession:
             self._conversation_over("goodbye from the device")
 
     def _conversation_over(self, reason: str) -> None:
-        if self.hello is None:
+        """End the open conversation once: its `ended` event fires exactly once."""
+        if not self._in_conversation:
             return
+        self._in_conversation = False
         self.link.conversation_ended(self._session_id)
         self._hub.dispatch_ended(self.conversation, reason)
 
