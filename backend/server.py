@@ -13,7 +13,8 @@ import asyncio
 import contextlib
 import signal
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 
@@ -68,7 +69,14 @@ class _ApiServer(uvicorn.Server):
 class Bridge:
     """Starts the transports, the admin API and the database; `stop()` drains them all."""
 
-    def __init__(self, settings: Settings, tokens: Tokens | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        tokens: Tokens | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`clock` times the devices' rate limits (tests freeze it to make them exact)."""
         self.settings = settings
         self.tokens = tokens or ensure_tokens(settings)
         self.registry = DeviceRegistry(
@@ -91,6 +99,7 @@ class Bridge:
                 None if self.mqtt is None else self.mqtt.device_endpoint(hostname)
             ),
             created=self.tokens.created,
+            clock=clock,
         )
         self.admission = Admission(self._device_credentials(), self.provisioning.handshake_limits)
         self.gateway = DeviceGateway(self.registry, self.conversations, settings)

@@ -1,6 +1,7 @@
 """Shared fixtures: a real bridge on ephemeral loopback ports, devices that connect to it."""
 
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,9 +28,9 @@ async def bridge_factory(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
     """Start bridges with custom settings; all are stopped at teardown."""
     started: list[Bridge] = []
 
-    async def start(**overrides: Any) -> Bridge:
+    async def start(*, clock: Callable[[], float] = time.monotonic, **overrides: Any) -> Bridge:
         settings = make_settings(tmp_path / f"data{len(started)}", **overrides)
-        bridge = Bridge(settings, Tokens(admin=ADMIN_TOKEN, device=DEVICE_TOKEN))
+        bridge = Bridge(settings, Tokens(admin=ADMIN_TOKEN, device=DEVICE_TOKEN), clock=clock)
         await bridge.start()
         started.append(bridge)
         return bridge

@@ -22,6 +22,19 @@ CLI = [sys.executable, "-m", "backend.cli"]
 STARTED: list[asyncio.subprocess.Process] = []
 
 
+class ManualClock:
+    """A monotonic clock that moves only when the test says so (rate limits, log budgets)."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def make_settings(data_dir: Path, **overrides: Any) -> Settings:
     """Bridge settings on ephemeral loopback ports with the tests' tokens and short timeouts;
     chat runs offline without web search unless a test points it at the fake LLM. Devices use

@@ -7,7 +7,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from backend.devices import DeviceState
-from tests.helpers import eventually, wait_state
+from tests.helpers import ManualClock, eventually, wait_state
 from tests.stock_device import STOCK_HELLO, WireDevice, answer_with, never_answer, ok
 
 
@@ -151,32 +151,32 @@ async def test_a_device_cut_off_for_a_policy_violation_is_held_off_before_it_rec
     from websockets.asyncio.client import connect
     from websockets.exceptions import InvalidStatus
 
-    # handshake_device: 5/s, burst 2 → a cut-off device waits (2 + 1) / 5 = 0.6 s.
+    # handshake_device: 5/s, burst 2 → a cut-off device waits (2 + 1) / 5 = 0.6 s of the
+    # limits' clock, which moves only when the test says.
+    clock = ManualClock()
     limits = {"handshake_device": {"per_s": 5, "burst": 2}}
-    strict = await bridge_factory(hello_timeout_s=0.1, rate_limits=limits)
+    strict = await bridge_factory(clock=clock, hello_timeout_s=0.1, rate_limits=limits)
     device = WireDevice(strict.ws_url, "device-secret-token-for-tests", "a4:cf:00:00:00:0c")
     await device.connect(send_hello=False)
     await device.ws.wait_closed()
     assert device.ws.close_code == 1008
-    with pytest.raises(InvalidStatus) as refused:
-        async with connect(strict.ws_url, additional_headers=device.headers()):
-            pass
-    assert refused.value.response.status_code == 429
+
+    async def handshake_status() -> int:
+        try:
+            async with connect(strict.ws_url, additional_headers=device.headers()):
+                return 101
+        except InvalidStatus as refused:
+            return refused.response.status_code
+
+    assert await handshake_status() == 429
     other = WireDevice(strict.ws_url, "device-secret-token-for-tests", "a4:cf:00:00:00:0d")
     await other.connect()  # another device is not held off
     await wait_state(strict, other.device_id, DeviceState.READY)
-
-    refusals = 1
-    async with asyncio.timeout(5):
-        while True:
-            try:
-                await device.connect()
-                break
-            except InvalidStatus:
-                refusals += 1  # still held off
-                await asyncio.sleep(0.05)
+    clock.advance(0.5)
+    assert await handshake_status() == 429  # still held off: 2.5 of the 3 tokens
+    clock.advance(0.25)
+    await device.connect()
     await wait_state(strict, device.device_id, DeviceState.READY)
-    assert refusals >= 2  # held off for a while, not just for one attempt
     await asyncio.gather(device.close(), other.close())
 
 

@@ -4,6 +4,7 @@ import logging
 from typing import Any
 
 from backend.logs import DeviceBudgets, LibraryNoiseFilter, LogBudget
+from tests.helpers import ManualClock
 
 
 class Lines:
@@ -19,16 +20,8 @@ class Lines:
         self.lines.append(("warning", event, fields))
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_burst_then_one_counted_summary_per_interval() -> None:
-    lines, clock = Lines(), Clock()
+    lines, clock = Lines(), ManualClock(0.0)
     budget = LogBudget(lines, burst=3, interval_s=10, clock=clock)
     for _ in range(1000):
         budget.warning("dropped device message")

@@ -22,7 +22,15 @@ from websockets.exceptions import InvalidMessage, InvalidStatus
 from backend.cli.runs import auth_warnings
 from backend.server import Bridge
 from simulator import stock_ota
-from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, eventually, make_settings, run_cli, wait_state
+from tests.helpers import (
+    ADMIN_TOKEN,
+    DEVICE_TOKEN,
+    ManualClock,
+    eventually,
+    make_settings,
+    run_cli,
+    wait_state,
+)
 from tests.stock_device import CLIENT_ID, WireDevice
 
 MAC = "a4:cf:12:34:56:78"
@@ -482,44 +490,47 @@ async def test_pending_activations_are_capped(
 async def test_ota_activation_and_handshake_rate_limits_trigger_and_recover(
     bridge_factory: Callable[..., Any], http: httpx.AsyncClient
 ) -> None:
-    # Slow enough that three requests in a row meet an empty bucket on a loaded machine too.
-    slow = {"per_s": 2.0, "burst": 2}
+    # The limits' clock moves only when the test says: exact on a loaded machine too.
+    clock, limit = ManualClock(), {"per_s": 2.0, "burst": 2}
     bridge: Bridge = await bridge_factory(
+        clock=clock,
         device_auth="device",
         rate_limit_exempt=[],
-        rate_limits={"ota_ip": slow, "activate_device": slow, "handshake_device": slow},
+        rate_limits={"ota_ip": limit, "activate_device": limit, "handshake_device": limit},
     )
     url = bridge.provisioning.ota_url
     headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     async with httpx.AsyncClient(base_url=bridge.api_url, headers=headers) as admin:
         token = await approved_token(bridge, http, admin, mac=MAC, client_id=CLIENT_ID)
-    await asyncio.sleep(1.1)  # the OTA bucket (2 at 2/s) refills after approved_token used it
+    clock.advance(1.0)  # the OTA bucket (2 at 2/s) refills after approved_token spent it
     statuses = [
         (await StockOta(http, url, mac=f"a4:cf:00:00:03:{i:02x}").check()).status_code
         for i in range(3)
     ]
     assert statuses == [200, 200, 429]
     ota = StockOta(http, url, mac="a4:cf:00:00:03:00")
-
-    async def accepted() -> bool:
-        return (await ota.check()).status_code == 200
-
-    await eventually_async(accepted)  # the bucket refills
+    clock.advance(0.25)
+    assert (await ota.check()).status_code == 429  # half a token is not one
+    clock.advance(0.25)
+    assert (await ota.check()).status_code == 200  # the bucket refilled one
 
     polls = [(await ota.activate()).status_code for _ in range(3)]
-    assert polls[:2] == [202, 202] and polls[2] == 429
+    assert polls == [202, 202, 429]
     strangers = [await handshake_status(bridge.ws_url, "x", MAC) for _ in range(3)]
     assert strangers == [401, 401, 401]  # a wrong token never spends the device's budget
     handshakes = [await handshake_status(bridge.ws_url, token, MAC) for _ in range(3)]
     assert handshakes == [101, 101, 429]
-
-    async def handshake_allowed() -> bool:
-        return await handshake_status(bridge.ws_url, token, MAC) == 101
-
-    await eventually_async(handshake_allowed)
+    clock.advance(0.5)
+    assert await handshake_status(bridge.ws_url, token, MAC) == 101
+    clock.advance(0.5)
+    assert (await ota.activate()).status_code == 202
     counts = bridge.provisioning.limits.refused()
-    assert counts["ota_ip"] >= 1 and counts["activate_device"] >= 1
-    assert counts["handshake_device"] >= 1
+    assert counts == {
+        "ota_ip": 2,
+        "activate_device": 1,
+        "handshake_device": 1,
+        **{name: 0 for name in ("ota_device", "activate_ip", "handshake_ip")},
+    }
 
 
 async def eventually_async(check: Callable[[], Any], timeout_s: float = 5.0) -> None:
@@ -605,8 +616,11 @@ async def test_every_other_abuse_bucket_triggers_and_recovers(
     allowed: int,
     refused: Reply,
 ) -> None:
-    # A burst of 2, then one request every half second: spent at once, refilled quickly.
+    # A burst of 2, then one request every half second of the limits' clock, which moves
+    # only when the test says: exact on a loaded machine too.
+    clock = ManualClock()
     bridge: Bridge = await bridge_factory(
+        clock=clock,
         device_auth="device",
         rate_limit_exempt=[],
         rate_limits={limit: {"per_s": 2.0, "burst": 2}},
@@ -614,18 +628,14 @@ async def test_every_other_abuse_bucket_triggers_and_recovers(
     transport = httpx.AsyncHTTPTransport(local_address=OTHER_ADDRESS)
     async with httpx.AsyncClient(timeout=10, transport=transport) as elsewhere:
         ask = await asking(bridge, http, elsewhere)
+        clock.advance(1.0)  # whatever `asking` spent comes back
         assert [await ask(False) for _ in range(3)] == [Reply(allowed), Reply(allowed), refused]
         if limit.endswith("_device") or HAVE_OTHER_ADDRESS:
             assert await ask(True) == Reply(allowed)  # a bucket of its own
         counts = bridge.provisioning.limits.refused()
         assert {name: count for name, count in counts.items() if count} == {limit: 1}
-
-        # Refilled, the same request is allowed again. Asked slowly: refused handshakes count
-        # towards the penalty box of the address (20 within 10 s).
-        async with asyncio.timeout(5):
-            while (reply := await ask(False)) != Reply(allowed):
-                assert reply == refused
-                await asyncio.sleep(0.1)
+        clock.advance(0.5)  # refilled one: the same request is allowed again
+        assert await ask(False) == Reply(allowed)
     health = await http.get(bridge.api_url + "/healthz")
     assert health.status_code == 200
 

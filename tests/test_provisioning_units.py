@@ -16,14 +16,7 @@ from backend.provisioning.ota import (
 )
 from backend.provisioning.ratelimit import KeyedLimiter, Limits, host_of
 from backend.provisioning.tokens import bare_token, derive_token, token_hash
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.helpers import ManualClock
 
 
 @pytest.mark.parametrize(
@@ -81,7 +74,7 @@ def test_the_summary_is_tolerant_and_keeps_unknown_fields() -> None:
 
 
 def test_a_token_bucket_refuses_past_its_burst_and_recovers() -> None:
-    clock = Clock()
+    clock = ManualClock()
     limiter = KeyedLimiter(2.0, 3, clock=clock)
     assert [limiter.allow("ip") for _ in range(4)] == [True, True, True, False]
     assert limiter.allow("other")  # its own bucket
@@ -93,7 +86,7 @@ def test_a_token_bucket_refuses_past_its_burst_and_recovers() -> None:
 
 
 def test_a_penalized_key_waits_a_whole_burst_each_time() -> None:
-    clock = Clock()
+    clock = ManualClock()
     limiter = KeyedLimiter(1.0, 10, clock=clock)
     limiter.penalize("device")  # a fresh key starts empty, a burst in debt
     clock.now += 10.5
@@ -109,7 +102,7 @@ def test_a_penalized_key_waits_a_whole_burst_each_time() -> None:
 
 
 def test_the_bucket_table_is_bounded() -> None:
-    limiter = KeyedLimiter(1.0, 1, max_keys=100, clock=Clock())
+    limiter = KeyedLimiter(1.0, 1, max_keys=100, clock=ManualClock())
     for index in range(10_000):
         limiter.allow(f"device-{index}")
     assert len(limiter) == 100
@@ -122,7 +115,7 @@ def test_exempt_networks_are_not_limited_per_ip() -> None:
     from backend.config import DEFAULT_RATE_LIMITS, RateLimit
 
     tight = {name: RateLimit(per_s=0.001, burst=1) for name in DEFAULT_RATE_LIMITS}
-    limits = Limits(tight, ["127.0.0.0/8", "::1/128"], clock=Clock())
+    limits = Limits(tight, ["127.0.0.0/8", "::1/128"], clock=ManualClock())
     assert all(limits.ip_refusal("ota", "127.0.0.1") is None for _ in range(5))
     assert all(limits.ip_refusal("ota", "::1") is None for _ in range(5))
     assert limits.ip_refusal("ota", "192.168.1.9") is None
@@ -182,7 +175,7 @@ def test_answers_to_a_confirmation_question(text: str, kind: str) -> None:
 
 
 def test_a_question_is_answered_once_and_expires() -> None:
-    clock = Clock()
+    clock = ManualClock()
     book = ConfirmationBook(ttl_s=300, limit=2, clock=clock)
     asked = PendingConfirmation("d", "self.reboot", "self_reboot", {}, "rule", clock.now)
     book.remember(["conversation:a", "device:d"], asked)

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import re
 import socket
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,6 +90,7 @@ class Provisioning:
         websocket_port: Callable[[], int],
         mqtt_endpoint: Callable[[str], str | None] = lambda _hostname: None,
         created: list[Path] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
         self.registry = registry
@@ -106,7 +108,7 @@ class Provisioning:
         self.releases = FirmwareReleases(
             database, settings.data_dir / FIRMWARE_DIR, max_attempts=settings.firmware_max_attempts
         )
-        self.limits = Limits(settings.rate_limits, settings.rate_limit_exempt)
+        self.limits = Limits(settings.rate_limits, settings.rate_limit_exempt, clock=clock)
         self.handshake_limits = HandshakeLimiter(self.limits)
         self._auto_macs = tuple(p.strip().lower() for p in settings.activation_auto_approve_macs)
         self._server: _Listener | None = None
