@@ -7,12 +7,15 @@ import json
 from typing import Any
 
 import httpx
+import pytest
 
 from backend.auth import Tokens
 from backend.chat import DeviceToolBox
 from backend.devices import DeviceRegistry
+from backend.devices.audit import AUDIT_MIGRATIONS, AuditLog
 from backend.devices.registry import DeviceEvent, EventKind
 from backend.server import Bridge
+from backend.storage import Database, DatabaseError
 from tests.helpers import (
     ADMIN_TOKEN,
     DEVICE_TOKEN,
@@ -144,3 +147,29 @@ async def test_calls_refused_before_they_reach_a_device_are_audited(
     ]
     assert entries[1]["actor"] == f"key:{reader.split('_')[1]}"
     assert entries[0]["arguments_sha256"] == digest({"volume": 5})
+
+
+async def test_rows_a_failed_write_kept_are_written_later_as_digests_only(tmp_path: Any) -> None:
+    registry = DeviceRegistry()
+    database = Database(tmp_path / "audit.db", AUDIT_MIGRATIONS)
+    await database.open()
+    audit = AuditLog(database, registry, flush_interval_s=3600)
+    audit.start()
+    arguments = {"volume": 70, "note": "private words"}
+    try:
+        await database.execute("ALTER TABLE audit_log RENAME TO audit_log_away")
+        registry.emit(
+            EventKind.TOOL_CALLED, "a4:cf:00:00:00:01", tool=VOLUME, outcome="ok",
+            duration_ms=1.5, actor="admin", arguments=arguments, confirmed=False, error=None,
+        )  # fmt: skip
+        with pytest.raises(DatabaseError, match="no such table"):
+            await audit.flush()
+        assert audit.written == 0
+        await database.execute("ALTER TABLE audit_log_away RENAME TO audit_log")
+        entries = await audit.entries()
+        assert [(e.tool, e.arguments_sha256) for e in entries] == [(VOLUME, digest(arguments))]
+        rows = await database.fetchall("SELECT * FROM audit_log")
+        assert not any("private" in str(value) for row in rows for value in tuple(row))
+    finally:
+        await audit.stop()
+        await database.close()

@@ -121,8 +121,8 @@ async def test_device_error_without_code_is_502_with_its_message(bridge, api, wi
     ("arguments", "fragment"),
     [
         ({"volume": 101}, "maximum"),
-        ({"volume": "loud"}, "not of type 'integer'"),
-        ({}, "'volume' is a required property"),
+        ({"volume": "loud"}, 'not of type "integer"'),
+        ({}, '"volume" is a required property'),
     ],
 )
 async def test_arguments_checked_against_schema_before_sending(

@@ -6,8 +6,8 @@ when, who (`actor`: `key:<id>` for an API key, `admin` for the admin token, `cha
 `device:<id>` for a chat turn or a device's own conversation), which device and tool, the
 SHA-256 of the arguments (canonical JSON; the arguments themselves are not kept: they may hold
 personal data), the outcome (`ok`, `tool_error`, `error`, `refused`), the error class, whether
-the call was confirmed, and how long it took. Rows are written off the call path, batched, at
-most every `flush_interval_s`; past `max_buffer` unwritten rows (a database that stopped
+the call was confirmed, and how long it took. Rows are digested and written off the call path,
+batched, at most every `flush_interval_s`; past `max_buffer` unwritten rows (a database that stopped
 answering) new ones are counted as `dropped` rather than kept.
 """
 
@@ -49,10 +49,14 @@ AUDIT_MIGRATIONS = (
 )
 
 
+_CANONICAL = json.JSONEncoder(sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
 def arguments_digest(arguments: Any) -> str:
+    """SHA-256 of the arguments' canonical JSON (sorted keys, compact, UTF-8)."""
     try:
-        canonical = json.dumps(arguments, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-    except (TypeError, ValueError):
+        canonical = _CANONICAL.encode(arguments)
+    except (TypeError, ValueError, RecursionError):
         canonical = repr(arguments)
     return hashlib.sha256(canonical.encode()).hexdigest()
 
@@ -130,7 +134,7 @@ class AuditLog:
                 detail.get("actor"),
                 event.device_id,
                 str(detail.get("tool", "")),
-                arguments_digest(detail.get("arguments") or {}),
+                detail.get("arguments") or {},  # digested at flush, off the call's path
                 str(detail.get("outcome", "")),
                 detail.get("error"),
                 int(bool(detail.get("confirmed"))),
@@ -143,6 +147,7 @@ class AuditLog:
         rows, self._buffer = self._buffer, []
         if not rows:
             return
+        rows = [_digested(row) for row in rows]
         try:
             await self._db.run(lambda c: _insert(c, rows))
         except DatabaseError as exc:
@@ -190,6 +195,18 @@ class AuditLog:
             )
             for row in rows
         ]
+
+
+class _Digest(str):
+    """An arguments digest already computed (a row a failed write put back)."""
+
+
+def _digested(row: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The row with its arguments (index 4) replaced by their digest."""
+    arguments = row[4]
+    if isinstance(arguments, _Digest):
+        return row
+    return (*row[:4], _Digest(arguments_digest(arguments)), *row[5:])
 
 
 def _insert(c: sqlite3.Connection, rows: list[tuple[Any, ...]]) -> None:
