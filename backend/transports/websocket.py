@@ -45,7 +45,7 @@ SHUTDOWN = "bridge shutting down"
 class WebSocketLink:
     """A device connection as the session sees it. Stock devices open it for a conversation."""
 
-    __slots__ = ("_limits", "connection", "identity")
+    __slots__ = ("_high_water", "_limits", "connection", "identity")
     conversation_scoped = True
 
     def __init__(
@@ -54,6 +54,7 @@ class WebSocketLink:
         self.connection = connection
         self.identity = identity
         self._limits = limits
+        self._high_water = connection.transport.get_write_buffer_limits()[1]
 
     async def send_text(self, text: str) -> None:
         limit = self._limits.max_message_bytes
@@ -71,14 +72,26 @@ class WebSocketLink:
 
     async def _send(self, data: str | bytes) -> None:
         try:
-            async with asyncio.timeout(self._limits.write_timeout_s):
+            if self._cannot_wait(data):
                 await self.connection.send(data)
+            else:
+                async with asyncio.timeout(self._limits.write_timeout_s):
+                    await self.connection.send(data)
         except ConnectionClosed as exc:
             raise LinkClosed(f"link closed ({exc.rcvd.code if exc.rcvd else 1006})") from None
         except TimeoutError:
             # The device stopped reading: its buffers are full and nothing more will fit.
             self.connection.transport.abort()
             raise LinkClosed("write timed out: the device is not reading") from None
+
+    def _cannot_wait(self, data: str | bytes) -> bool:
+        """True when this write cannot wait for the device: nothing is buffered and the frame
+        fits under the high-water mark, so the transport takes it whole without pausing (and
+        a closing connection has its own close timeout). Skipping the write timeout here saves
+        a timer per message on the path every tool call takes."""
+        size = len(data) * 4 + 14 if isinstance(data, str) else len(data) + 14  # + frame header
+        transport = self.connection.transport
+        return size <= self._high_water and not transport.get_write_buffer_size()
 
     def hello_fields(self, session_id: str) -> dict[str, str]:
         # Must be present and exactly "websocket": a missing transport crashes stock firmware.
