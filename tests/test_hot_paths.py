@@ -117,3 +117,13 @@ def test_unusable_schemas_skip_validation() -> None:
     broken = ({"type": 5}, {"properties": {"a": {"$ref": "#/nowhere"}}})
     for schema in (*broken, nested(900), nested(5_000)):
         assert argument_error(schema, {"a": 1}) is None
+
+
+def test_reasons_are_short_and_odd_text_is_a_reason_not_an_exception() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}}}
+    reason = argument_error(schema, {"a": "x" * 1_000_000})
+    assert reason is not None and reason.startswith('a: "xxx') and len(reason) < 400
+    # json.loads (the chat pipeline's tool arguments) lets lone surrogates through.
+    for arguments in ({"a": "\ud800" * 4}, {"\ud800": 1}):
+        reason = argument_error(schema, arguments)
+        assert reason is not None and "not valid JSON text" in reason, reason

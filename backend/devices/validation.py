@@ -14,21 +14,32 @@ from typing import Any
 import jsonschema_rs
 import structlog
 
+from backend.logs import clip
+
 log = structlog.get_logger("devices.validation")
 
 Validator = jsonschema_rs.Validator
 
 
+MAX_REASON_CHARS = 300  # a reason quotes the offending value, which may be huge
+
+
 def argument_error(schema: dict[str, Any], arguments: dict[str, Any]) -> str | None:
-    """Return a one-line reason when `arguments` break `schema`, else None."""
+    """Return a one-line reason (at most about MAX_REASON_CHARS) when `arguments` break
+    `schema`, else None."""
     validator = _validator_for(schema)
-    if validator is None or validator.is_valid(arguments):
+    if validator is None:
         return None
-    error = next(validator.iter_errors(arguments), None)
+    try:
+        if validator.is_valid(arguments):
+            return None
+        error = next(validator.iter_errors(arguments), None)
+    except (UnicodeError, ValueError, TypeError) as exc:  # e.g. a lone surrogate from json.loads
+        return clip(f"arguments are not valid JSON text: {type(exc).__name__}", MAX_REASON_CHARS)
     if error is None:  # not expected: is_valid said no
         return "arguments do not match the tool's inputSchema"
     where = ".".join(str(part) for part in error.instance_path)
-    return f"{where}: {error.message}" if where else str(error.message)
+    return clip(f"{where}: {error.message}" if where else str(error.message), MAX_REASON_CHARS)
 
 
 # Schema dict identity -> (the dict, its validator). Tools are frozen and shared between devices
