@@ -46,6 +46,11 @@ PARSERS: dict[str, tuple[SearchStrategy[Any], Callable[..., None], bool]] = {
     ),
     "binary audio framing v1/v2/v3": (fuzzing.audio_frames, fuzzing.check_audio_frame, True),
     "admin API tool-call body": (fuzzing.api_bodies, fuzzing.check_api_body, False),
+    "tool argument check (`jsonschema_rs`): any declared schema, any arguments": (
+        fuzzing.tool_arguments,
+        fuzzing.check_argument_check,
+        True,
+    ),
     "firmware MCP server `McpServer.handle` (CPython)": (
         firmware_fuzzing.handle_inputs,
         firmware_fuzzing.check_handle_input,

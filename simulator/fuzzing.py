@@ -12,8 +12,10 @@ from typing import Any
 
 import hypothesis.strategies as st
 from pydantic import ValidationError
+from structlog.testing import capture_logs
 
 from backend.api.app import ToolCallRequest
+from backend.devices.validation import MAX_REASON_CHARS, argument_error
 from backend.mcp_session import CallResult, InitializeResult, McpClient, ProtocolViolation
 from backend.mcp_session.models import parse_tools
 from backend.protocol import AudioFrameError, ParseError
@@ -166,6 +168,64 @@ def check_audio_frame(version: int, data: bytes) -> None:
         decode_audio(version, data)
     except AudioFrameError:
         return
+
+
+# Tool arguments as the chat pipeline hands them over (`json.loads` lets lone surrogates
+# through), checked against schemas as devices declare them: real ones, keyword soup, any JSON.
+odd_text = st.text(st.characters(categories=["Cs", "Ll", "Nd", "So"]), max_size=20)
+argument_values = st.recursive(
+    st.one_of(scalars, odd_text),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=5), st.dictionaries(odd_text, inner, max_size=5)
+    ),
+    max_leaves=20,
+)
+DECLARED_SCHEMAS: list[dict[str, Any]] = [
+    {
+        "type": "object",
+        "properties": {"volume": {"type": "integer", "minimum": 0, "maximum": 100}},
+        "required": ["volume"],
+    },
+    {
+        "$schema": "http://json-schema.org/draft-07/schema#",
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "pattern": "^(a+)+$", "maxLength": 8},
+            "mode": {"enum": ["on", "off", 1, None]},
+            "at": {"type": "string", "format": "date-time"},
+            "items": {"type": "array", "items": {"type": "number"}, "uniqueItems": True},
+        },
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"x": {"$ref": "#/$defs/x"}},
+        "$defs": {"x": {"type": "integer"}},
+    },
+]
+SCHEMA_KEYWORDS = ["type", "properties", "required", "items", "enum", "minimum", "maximum",
+                   "pattern", "$ref", "anyOf", "oneOf", "not", "additionalProperties", "$schema",
+                   "const", "minLength", "format", "if", "then", "$defs"]  # fmt: skip
+schema_soup = st.dictionaries(st.sampled_from(SCHEMA_KEYWORDS), json_values, max_size=5)
+tool_schemas = st.one_of(
+    st.sampled_from(DECLARED_SCHEMAS),
+    schema_soup,
+    st.dictionaries(st.sampled_from(["volume", "x"]), schema_soup, max_size=2).map(
+        lambda properties: {"type": "object", "properties": properties}
+    ),
+)
+tool_arguments = st.tuples(
+    tool_schemas, st.dictionaries(odd_text, argument_values, max_size=4) | json_values
+)
+
+
+def check_argument_check(schema: dict[str, Any], arguments: Any) -> None:
+    """The argument check answers None or one short reason, and never raises: any schema a
+    device declares, any arguments a model produces."""
+    with capture_logs() as lines:
+        reason = argument_error(schema, arguments)
+    assert reason is None or (isinstance(reason, str) and len(reason) <= MAX_REASON_CHARS + 40)
+    assert len(lines) <= 1, lines
 
 
 def check_api_body(body: bytes) -> None:

@@ -14,12 +14,14 @@ from simulator.fuzzing import (
     api_bodies,
     audio_frames,
     check_api_body,
+    check_argument_check,
     check_audio_frame,
     check_device_frame,
     check_mcp_payload,
     check_reply_results,
     device_frames,
     mcp_payloads,
+    tool_arguments,
     tool_declarations,
 )
 
@@ -64,6 +66,12 @@ def test_audio_frame_decoder(frame: tuple[int, bytes]) -> None:
 @given(api_bodies)
 def test_admin_api_call_body(body: bytes) -> None:
     check_api_body(body)
+
+
+@FUZZ
+@given(tool_arguments)
+def test_tool_argument_check(case: tuple[dict[str, Any], Any]) -> None:
+    check_argument_check(*case)
 
 
 def test_the_known_bombs_are_plain_parse_errors() -> None:
