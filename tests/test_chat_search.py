@@ -153,5 +153,15 @@ def test_knowledge_base_ranks_the_right_entry_first(
     assert all(r.origin == "kb" for r in results)
 
 
+def test_knowledge_base_leaves_out_entries_that_share_only_common_words(kb: KnowledgeBase) -> None:
+    # "teeth" and "brush" also occur in the dentures entry; quoting it would be off topic.
+    query = "tell me how long I should brush my teeth"
+    loose = kb.search(query, 3, language="en", min_share=0.0)
+    strict = kb.search(query, 3, language="en")
+    assert any("Dentures" in r.title for r in loose)
+    assert [r.title for r in strict] == [loose[0].title]
+    assert "2 minutes" in strict[0].content
+
+
 def test_knowledge_base_finds_nothing_for_nonsense(kb: KnowledgeBase) -> None:
     assert kb.search("zxqv plorp", 3) == []

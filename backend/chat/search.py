@@ -214,16 +214,25 @@ class KnowledgeBase:
         return scores
 
     def search(
-        self, query: str, n: int = 3, *, language: Language | None = None, min_score: float = 1.0
+        self,
+        query: str,
+        n: int = 3,
+        *,
+        language: Language | None = None,
+        min_score: float = 1.0,
+        min_share: float = 0.4,
     ) -> list[SearchResult]:
-        """The best `n` entries scoring at least `min_score`, in `language` when given."""
+        """The best `n` entries in `language` (when given) scoring at least `min_score` and at
+        least `min_share` of the best score: an entry far below the best shares only common
+        words with the query ("teeth" for a brushing question) and would be quoted off topic."""
         scored = [
             (score, index)
             for index, score in enumerate(self.scores(query))
             if score >= min_score and (language is None or self.entries[index].lang == language)
         ]
         scored.sort(key=lambda pair: (-pair[0], pair[1]))
-        return [_kb_result(self.entries[index]) for _score, index in scored[:n]]
+        floor = scored[0][0] * min_share if scored else 0.0
+        return [_kb_result(self.entries[index]) for score, index in scored[:n] if score >= floor]
 
 
 def _kb_result(entry: KbEntry) -> SearchResult:
