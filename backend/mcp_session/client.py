@@ -26,7 +26,7 @@ import structlog
 
 from backend import __version__
 from backend.errors import MessageTooLarge
-from backend.logs import LogBudget
+from backend.logs import LogBudget, clip
 from backend.mcp_session.errors import (
     DeviceDisconnected,
     DeviceError,
@@ -40,7 +40,6 @@ from backend.mcp_session.models import (
     TimeoutPolicy,
     Tool,
     ToolLimits,
-    clip,
     json_kind,
     parse_tools,
 )

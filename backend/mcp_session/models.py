@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
-from backend.logs import LogBudget
+from backend.logs import LogBudget, clip
 from backend.mcp_session.errors import ProtocolViolation
 
 Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -248,10 +248,6 @@ def json_kind(value: Any) -> str:
     if isinstance(value, dict):
         return "an object"
     return type(value).__name__
-
-
-def clip(text: str, limit: int = 80) -> str:
-    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def _dict_or_empty(value: Any) -> dict[str, Any]:
