@@ -7,7 +7,9 @@ in-memory index, no database round trip) gives its own scopes, anything else is 
 principal goes into the ASGI scope (`scope["state"]["principal"]`, i.e. `request.state.principal`)
 for the routes, which each require their scope (backend/api/scopes.py). The gate also caps
 request bodies: a declared `Content-Length` over the cap is refused at once (413), a streamed
-body is cut off the moment it passes the cap. Refusals use the API's JSON error shape.
+body is cut off the moment it passes the cap. The one exception is a firmware upload
+(`PUT /api/firmware/<board>/<version>` by an admin principal), capped at `upload_bytes`
+instead. Refusals use the API's JSON error shape.
 """
 
 import json
@@ -28,6 +30,7 @@ OPEN_PATHS = frozenset({"/healthz", "/openapi.json", "/docs", "/docs/oauth2-redi
 # Front ends used with API keys rather than the admin token (only the 401 message differs).
 KEY_PATHS = ("/v1/", "/mcp", "/api/chat/")
 PRINCIPAL = "principal"
+UPLOAD_PREFIX = "/api/firmware/"  # PUT by an admin: a firmware image, capped at upload_bytes
 
 KeyResolver = Callable[[str], Principal | None]
 
@@ -44,8 +47,10 @@ class AdminGate:
         *,
         max_body_bytes: int = 65536,
         resolve_key: KeyResolver | None = None,
+        upload_bytes: int = 32 << 20,
     ) -> None:
         self.app = app
+        self._upload_bytes = upload_bytes
         self._admin_token = admin_token
         self._admin = admin_principal()
         self._resolve_key = resolve_key
@@ -67,6 +72,7 @@ class AdminGate:
             return
         headers = _headers(scope)
         path: str = scope["path"]
+        limit = self._max_body_bytes
         if path not in OPEN_PATHS:
             principal = self.principal(headers.get(b"authorization", b"").decode("latin-1"))
             if principal is None:
@@ -74,13 +80,13 @@ class AdminGate:
                 await _refuse(send, 401, "unauthorized", f"missing or invalid {what}")
                 return
             scope.setdefault("state", {})[PRINCIPAL] = principal
+            if principal.is_admin and scope["method"] == "PUT" and path.startswith(UPLOAD_PREFIX):
+                limit = self._upload_bytes
         declared = headers.get(b"content-length")
-        if declared is not None and (
-            not declared.isdigit() or int(declared) > self._max_body_bytes
-        ):
-            await _refuse(send, 413, "body_too_large", self._too_large())
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            await _refuse(send, 413, "body_too_large", self._too_large(limit))
             return
-        capped = _CappedReceive(receive, self._max_body_bytes)
+        capped = _CappedReceive(receive, limit)
         started = False
 
         async def watched_send(message: Message) -> None:
@@ -88,7 +94,7 @@ class AdminGate:
             if capped.exceeded:  # the app answered a body it could not read (FastAPI: 400)
                 if not started:
                     started = True
-                    await _refuse(send, 413, "body_too_large", self._too_large())
+                    await _refuse(send, 413, "body_too_large", self._too_large(limit))
                 return
             started = True
             await send(message)
@@ -97,10 +103,11 @@ class AdminGate:
             await self.app(scope, capped, watched_send)
         except BodyTooLarge:
             if not started:
-                await _refuse(send, 413, "body_too_large", self._too_large())
+                await _refuse(send, 413, "body_too_large", self._too_large(limit))
 
-    def _too_large(self) -> str:
-        return f"request body larger than {self._max_body_bytes} bytes"
+    @staticmethod
+    def _too_large(limit: int) -> str:
+        return f"request body larger than {limit} bytes"
 
 
 class _CappedReceive:

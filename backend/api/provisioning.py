@@ -10,7 +10,9 @@
   with `code` and `ota_url` (shown once); `GET` lists them, `DELETE .../{id}` revokes one;
 - `PUT /api/provisioning/serial-keys/{serial}` body `{key: hex}`, `DELETE`, `GET` (serials);
 - `GET /api/provisioning/mosquitto-passwd`: a Mosquitto `password_file` of approved devices;
-- `POST /api/firmware` body `{board, version, path}` (a file on the bridge's machine) → 201;
+- `PUT /api/firmware/{board}/{version}` body: the image itself (application/octet-stream, up to
+  32 MiB) → 201; `POST /api/firmware` body `{board, version, path}` with `path` a file inside
+  the bridge's firmware folder (relative to it, or absolute) → 201; anything else is 422;
   `GET /api/firmware`; `DELETE /api/firmware/{board}/{version}`;
 - `GET /api/audit?device_id=&tool=&actor=&before=&limit=`: `{entries, next_before}`.
 """
@@ -18,7 +20,7 @@
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Query, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 from pydantic import BaseModel, Field
 
 from backend.api.scopes import actor_of, needs
@@ -126,10 +128,15 @@ def provisioning_router(service: Provisioning, audit: AuditLog) -> APIRouter:
 
     @router.post("/api/firmware", status_code=201)
     async def publish(body: PublishRequest, _admin: Admin) -> dict[str, Any]:
-        path = Path(body.path)
-        if not path.is_absolute():
-            raise InvalidRelease("give the firmware file's absolute path on the bridge's machine")
-        release = await service.releases.publish(body.board, body.version, path)
+        if "\x00" in body.path:
+            raise InvalidRelease("the path contains a NUL character")
+        release = await service.releases.publish(body.board, body.version, Path(body.path))
+        return release.to_json()
+
+    @router.put("/api/firmware/{board}/{version}", status_code=201)
+    async def upload(board: str, version: str, request: Request, _admin: Admin) -> dict[str, Any]:
+        # The gate lets an admin's body here reach 32 MiB; the store streams it to disk.
+        release = await service.releases.upload(board, version, request.stream())
         return release.to_json()
 
     @router.get("/api/firmware")

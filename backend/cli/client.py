@@ -4,6 +4,7 @@ one line for the user."""
 import contextlib
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
@@ -107,6 +108,15 @@ class AdminClient:
 
     def delete(self, path: str) -> Any:
         return self._request("DELETE", path)
+
+    def upload(self, path: str, file: Path, timeout_s: float = 300.0) -> dict[str, Any]:
+        """PUT a file's bytes (a firmware image) as application/octet-stream."""
+        headers = {"Content-Type": "application/octet-stream"}
+        with self._errors(), file.open("rb") as reader:
+            response = self._http.put(path, content=reader, headers=headers, timeout=timeout_s)
+        if not response.is_success:
+            raise AdminError(_error_message(response))
+        return _object(response.json())
 
     def text(self, path: str) -> str:
         with self._errors():

@@ -205,14 +205,16 @@ def publish(
     token: TokenOpt = None,
     data_dir: DataDirOpt = None,
 ) -> None:
-    """Offer FILE as VERSION to every BOARD device that reports an older version."""
+    """Offer FILE as VERSION to every BOARD device that reports an older version (FILE is
+    uploaded to the bridge, which keeps its own copy)."""
+    from urllib.parse import quote
 
-    path = file.expanduser().resolve()
+    path = file.expanduser()
     if not path.is_file():
         raise fail(f"{file} is not a file", 2)
-    body = {"board": board, "version": version, "path": str(path)}
+    where = f"/api/firmware/{quote(board, safe='')}/{quote(version, safe='')}"
     with admin_client(server, token, data_dir, None) as admin:
-        release = admin.post("/api/firmware", body)
+        release = admin.upload(where, path)
     say(
         f"published {release['board']} {release['version']}: {release['size']} bytes, "
         f"sha256 {release['sha256']}"

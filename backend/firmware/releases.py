@@ -1,8 +1,14 @@
 """Firmware an operator published for a board type, and which device gets offered what.
 
-`esp32-bridge firmware publish BOARD VERSION FILE` copies FILE into the bridge's data
-directory (`firmware/<board>/<version>/<sha256 prefix>.bin`, written to a temporary name and
-renamed, so a download never sees half a file) and records its size and SHA-256. The OTA
+`esp32-bridge firmware publish BOARD VERSION FILE` uploads FILE through the admin API into the
+bridge's firmware folder (`<data_dir>/firmware/<board>/<version>/<sha256 prefix>.bin`, written
+to a temporary name and renamed, so a download never sees half a file) and records its size
+and SHA-256. What can be published is only what was uploaded, or a file already inside the
+firmware folder (symlinks resolved, nothing that leads out of it): an admin key never turns a
+file of the host (the bridge's secret, its database, /etc/passwd) into a download. Board and
+version are single safe path components. A download serves a release's own artifact only, at
+the path derived from its recorded board, version and hash, never a path built from the
+request. The OTA
 endpoint then offers the newest release of a board to devices of that board that report an
 older version (dot-separated integer compare, protocol reference §5.2), never a downgrade,
 never `force`.
@@ -19,10 +25,12 @@ import os
 import re
 import shutil
 import sqlite3
+import stat
 import time
+from collections.abc import AsyncIterable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import structlog
 
@@ -53,7 +61,12 @@ FIRMWARE_MIGRATIONS = (
 
 FIRMWARE_DIR = "firmware"
 MAX_FIRMWARE_BYTES = 32 << 20  # the biggest ESP32 flash is 32 MiB
-_BOARD = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+UPLOADS = ".uploads"  # scratch files of uploads in progress, inside the firmware folder
+# One path component: starts with a letter or digit (so never "." or ".."), ASCII only, no
+# separator, NUL or control character; fullmatch, since "$" would let a trailing newline in.
+_BOARD = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
+_VERSION = re.compile(r"[0-9]{1,9}(\.[0-9]{1,9}){0,3}")
+_ARTIFACT = re.compile(r"[0-9a-f]{16}\.bin")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,13 +91,16 @@ class Release:
 
 
 def check_board(board: str) -> str:
-    if not _BOARD.match(board):
-        raise InvalidRelease(f"invalid board type {board[:80]!r} (letters, digits, _ . -)")
+    if not _BOARD.fullmatch(board) or ".." in board:
+        raise InvalidRelease(
+            f"invalid board type {board[:80]!r}: 1 to 64 ASCII letters, digits, _ . -, "
+            "starting with a letter or digit, no '..'"
+        )
     return board
 
 
 def check_version(version: str) -> str:
-    if not valid_version(version):
+    if not _VERSION.fullmatch(version) or not valid_version(version):
         raise InvalidRelease(
             f"invalid version {version[:40]!r}: digits and dots only, e.g. 2.4.3 (stock firmware "
             "cannot compare anything else)"
@@ -103,6 +119,8 @@ class FirmwareReleases:
         self._offers: dict[str, tuple[str, int]] = {}  # device id -> (version offered, times)
 
     async def load(self) -> None:
+        # Created up front: it is where an operator drops files to publish by name.
+        await asyncio.to_thread(self.directory.mkdir, parents=True, exist_ok=True)
         rows = await self._db.fetchall("SELECT * FROM firmware_releases")
         for row in rows:
             release = Release(
@@ -113,14 +131,31 @@ class FirmwareReleases:
                 row["sha256"],
                 row["published_at"],
             )
-            if (self.directory / release.file).is_file():
+            problem = await asyncio.to_thread(self._artifact_problem, release)
+            if problem is None:
                 self._releases[(release.board, release.version)] = release
             else:
                 log.warning(
-                    "published firmware file is missing; not offered",
-                    board=release.board,
-                    version=release.version,
+                    "published firmware not offered",
+                    reason=problem,
+                    board=release.board[:80],
+                    version=release.version[:40],
                 )
+
+    def _artifact_problem(self, release: Release) -> str | None:
+        """Why a recorded release cannot be served (None: it can): a name that is not a safe
+        path component, a file not where its hash puts it, or content that changed."""
+        try:
+            check_board(release.board)
+            check_version(release.version)
+        except InvalidRelease:
+            return "unsafe board or version name"
+        try:
+            with self.open(release) as reader:
+                digest = _hash_all(reader)
+        except OSError as exc:
+            return f"artifact unreadable: {exc.strerror or exc}"
+        return None if digest == release.sha256 else "artifact content changed"
 
     def releases(self) -> list[Release]:
         return sorted(
@@ -135,23 +170,105 @@ class FirmwareReleases:
         return release
 
     def path(self, release: Release) -> Path:
-        return self.directory / release.file
+        """Where the release's artifact is: derived from its recorded board, version and hash
+        (never from request input), and required to match the recorded file name."""
+        relative = f"{release.board}/{release.version}/{release.sha256[:16]}.bin"
+        if release.file != relative or not _ARTIFACT.fullmatch(relative.rsplit("/", 1)[1]):
+            raise OSError(f"release {release.board} {release.version}: unexpected file name")
+        check_board(release.board)
+        check_version(release.version)
+        return self.directory / relative
+
+    def open(self, release: Release) -> BinaryIO:
+        """The release's artifact, opened for reading: a regular file inside the firmware
+        folder, reached through no symlink, of the recorded size (OSError otherwise)."""
+        path = self.path(release)
+        root = self.directory.resolve()
+        if path.resolve() != root / release.file:
+            raise OSError(f"{release.file} leads out of the firmware folder")
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        reader = os.fdopen(fd, "rb")
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size != release.size:
+            reader.close()
+            raise OSError(f"{release.file} is not the published file")
+        return reader
 
     def latest(self, board: str) -> Release | None:
         mine = [r for (b, _v), r in self._releases.items() if b == board]
         return max(mine, key=lambda r: parse_version(r.version) or (), default=None)
 
     async def publish(self, board: str, version: str, source: Path) -> Release:
-        """Copy `source` in and offer it to `board` devices older than `version`."""
+        """Copy `source`, a file inside the firmware folder, in and offer it to `board`
+        devices older than `version`."""
+        self._check_new(board, version)
+        size, digest, stored = await asyncio.to_thread(self._copy_local, source, board, version)
+        return await self._record(board, version, size, digest, stored)
+
+    async def upload(self, board: str, version: str, chunks: AsyncIterable[bytes]) -> Release:
+        """Store an uploaded image (at most MAX_FIRMWARE_BYTES) and offer it like `publish`."""
+        self._check_new(board, version)
+        folder = self.directory / UPLOADS
+        await asyncio.to_thread(_make_folder, folder, self.directory)
+        scratch = folder / f"{os.getpid()}-{time.monotonic_ns()}"
+        try:
+            size, digest = await _receive(chunks, scratch)
+            stored = await asyncio.to_thread(self._place, scratch, board, version, digest)
+        finally:
+            scratch.unlink(missing_ok=True)
+        return await self._record(board, version, size, digest, stored)
+
+    def _check_new(self, board: str, version: str) -> None:
         check_board(board)
         check_version(version)
         if (board, version) in self._releases:
             raise InvalidRelease(
                 f"{board} {version} is published already; unpublish it first or use a new version"
             )
-        size, digest, stored = await asyncio.to_thread(
-            _copy_in, source, self.directory / board / version
-        )
+
+    def _copy_local(self, source: Path, board: str, version: str) -> tuple[int, str, Path]:
+        inside = self._inside_folder(source)
+        folder = self._release_folder(board, version)
+        return _copy_in(inside, folder)
+
+    def _inside_folder(self, source: Path) -> Path:
+        """`source` resolved (symlinks followed), if it is a file inside the firmware folder
+        and not in a release or upload folder's scratch; InvalidRelease otherwise."""
+        if not source.is_absolute():
+            source = self.directory / source
+        root = self.directory.resolve()
+        if self.directory.parent.resolve().is_relative_to(root):
+            raise InvalidRelease("the firmware folder contains the bridge's data directory")
+        try:
+            resolved = source.resolve()  # where symlinks lead; whether it exists comes after
+        except (OSError, RuntimeError, ValueError):  # a symlink loop, unencodable text
+            resolved = root.parent
+        if resolved == root or not resolved.is_relative_to(root):
+            raise InvalidRelease(
+                f"only files inside the firmware folder ({self.directory}) can be published;"
+                " upload the file instead (esp32-bridge firmware publish does)"
+            )
+        if not resolved.is_file():
+            raise InvalidRelease(f"no such file in the firmware folder: {str(source)[:200]}")
+        if resolved.relative_to(root).parts[0] == UPLOADS:
+            raise InvalidRelease("files of uploads in progress cannot be published")
+        return resolved
+
+    def _release_folder(self, board: str, version: str) -> Path:
+        """<folder>/<board>/<version>, created; refused if it would lead out of the folder
+        (a symlink planted as a board folder)."""
+        folder = self.directory / board / version
+        _make_folder(folder, self.directory)
+        return folder
+
+    def _place(self, scratch: Path, board: str, version: str, digest: str) -> Path:
+        stored = self._release_folder(board, version) / f"{digest[:16]}.bin"
+        scratch.replace(stored)
+        return stored
+
+    async def _record(
+        self, board: str, version: str, size: int, digest: str, stored: Path
+    ) -> Release:
         release = Release(
             board, version, str(stored.relative_to(self.directory)), size, digest, time.time()
         )
@@ -209,27 +326,67 @@ class FirmwareReleases:
             )
 
 
+def _make_folder(folder: Path, root: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    if not folder.resolve().is_relative_to(root.resolve()):
+        raise InvalidRelease(f"{folder.relative_to(root)} leads out of the firmware folder")
+
+
+def _hash_all(reader: BinaryIO) -> str:
+    digest = hashlib.sha256()
+    while chunk := reader.read(1 << 16):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+async def _receive(chunks: AsyncIterable[bytes], scratch: Path) -> tuple[int, str]:
+    """(size, SHA-256) of an upload written to `scratch`; InvalidRelease past the cap or empty."""
+    digest = hashlib.sha256()
+    size = 0
+    with scratch.open("xb") as writer:
+        async for chunk in chunks:
+            size += len(chunk)
+            if size > MAX_FIRMWARE_BYTES:
+                raise InvalidRelease(f"the image is larger than {MAX_FIRMWARE_BYTES} bytes")
+            digest.update(chunk)
+            await asyncio.to_thread(writer.write, chunk)
+    if size == 0:
+        raise InvalidRelease("the upload is empty")
+    return size, digest.hexdigest()
+
+
 def _copy_in(source: Path, folder: Path) -> tuple[int, str, Path]:
-    """(size, SHA-256, stored path) of `source`, copied into `folder` under its hash."""
+    """(size, SHA-256, stored path) of `source`, copied into `folder` under its hash. Opened
+    without following a symlink, so the file checked is the file read."""
     try:
-        size = source.stat().st_size
+        fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
         raise InvalidRelease(f"cannot read {source}: {exc.strerror or exc}") from None
-    if not source.is_file() or size == 0:
-        raise InvalidRelease(f"{source} is not a non-empty file")
-    if size > MAX_FIRMWARE_BYTES:
-        raise InvalidRelease(f"{source} is larger than {MAX_FIRMWARE_BYTES} bytes")
-    folder.mkdir(parents=True, exist_ok=True)
+    with os.fdopen(fd, "rb") as reader:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size == 0:
+            raise InvalidRelease(f"{source} is not a non-empty file")
+        if info.st_size > MAX_FIRMWARE_BYTES:
+            raise InvalidRelease(f"{source} is larger than {MAX_FIRMWARE_BYTES} bytes")
+        return _write_in(reader, source, folder)
+
+
+def _write_in(reader: BinaryIO, source: Path, folder: Path) -> tuple[int, str, Path]:
     scratch = folder / f".upload-{os.getpid()}-{time.monotonic_ns()}"
     digest = hashlib.sha256()
+    size = 0
     try:
-        with source.open("rb") as reader, scratch.open("wb") as writer:
+        with scratch.open("xb") as writer:
             while chunk := reader.read(1 << 16):
+                size += len(chunk)
+                if size > MAX_FIRMWARE_BYTES:
+                    raise InvalidRelease(f"{source} is larger than {MAX_FIRMWARE_BYTES} bytes")
                 digest.update(chunk)
                 writer.write(chunk)
         stored = folder / f"{digest.hexdigest()[:16]}.bin"
         scratch.replace(stored)
     except OSError as exc:
-        scratch.unlink(missing_ok=True)
         raise InvalidRelease(f"cannot copy {source}: {exc.strerror or exc}") from None
+    finally:
+        scratch.unlink(missing_ok=True)
     return size, digest.hexdigest(), stored

@@ -9,18 +9,23 @@ stock firmware's HTTP client follows no redirect):
 - `POST /xiaozhi/ota/enroll/<code>/` and `.../enroll/<code>/activate`: the same, with an
   enrollment code in the device's OTA URL;
 - `GET /xiaozhi/ota/firmware/<board>/<version>`: a published release, with Content-Length and
-  `X-Firmware-SHA256`.
+  `X-Firmware-SHA256`. The board and version only select a release by exact match; the file
+  sent is that release's stored artifact (`FirmwareReleases.open`), never a path built from
+  the request.
 
 Bodies are capped at 16 KiB (413) before they are parsed; anything but a JSON object is 400.
 Concurrent connections are capped by the listener (`device_http_max_connections`, 503 past it).
 """
 
 import json
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import Any, BinaryIO
 
+import structlog
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import FileResponse, PlainTextResponse, Response
+from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from backend.provisioning.ota import MAX_BODY_BYTES
@@ -28,6 +33,7 @@ from backend.provisioning.service import Answer, Provisioning, refusal
 
 HEALTH_TEXT = "OTA endpoint of esp32-mcp-bridge: POST the device's system info here.\n"
 _JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+log = structlog.get_logger("provisioning")
 
 
 class _TooLarge(Exception):
@@ -52,10 +58,21 @@ def device_app(service: Provisioning) -> Starlette:
         )
         if isinstance(found, Answer):
             return _answer(found)
-        return FileResponse(
-            service.releases.path(found),
-            media_type="application/octet-stream",
-            headers={"X-Firmware-SHA256": found.sha256, "ETag": f'"{found.sha256}"'},
+        try:
+            reader = await run_in_threadpool(service.releases.open, found)
+        except OSError as exc:
+            log.warning("published firmware cannot be served", board=found.board, error=str(exc))
+            return _answer(refusal(404, "no such firmware"))
+        headers = {
+            "Content-Length": str(found.size),
+            "X-Firmware-SHA256": found.sha256,
+            "ETag": f'"{found.sha256}"',
+        }
+        if request.method == "HEAD":
+            reader.close()
+            return Response(headers=headers, media_type="application/octet-stream")
+        return StreamingResponse(
+            _chunks(reader), media_type="application/octet-stream", headers=headers
         )
 
     routes = []
@@ -72,6 +89,15 @@ def device_app(service: Provisioning) -> Starlette:
         Route(f"{base}firmware/{{board}}/{{version}}", download, methods=["GET", "HEAD"]),
     ]
     return Starlette(routes=routes)
+
+
+async def _chunks(reader: BinaryIO) -> AsyncIterator[bytes]:
+    """The opened artifact, 64 KiB at a time, closed at the end or when the client goes."""
+    try:
+        while chunk := await run_in_threadpool(reader.read, 1 << 16):
+            yield chunk
+    finally:
+        reader.close()
 
 
 async def _handle(service: Provisioning, request: Request, kind: str) -> Response:
