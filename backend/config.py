@@ -81,6 +81,8 @@ class Settings(BaseSettings):
     max_inbound_bytes_per_s: float = Field(2_000_000.0, gt=0)
     write_timeout_s: float = Field(10.0, gt=0)
     max_pending_handshakes: int = Field(1024, ge=1)
+    # Per address (outside `rate_limit_exempt`): idle sockets from one host cannot fill the cap.
+    max_pending_handshakes_per_address: int = Field(64, ge=1)
     max_http_body_bytes: int = Field(65536, ge=1024)  # admin API bodies; larger: 413
     hello_timeout_s: float = Field(10.0, gt=0)
     init_timeout_s: float = Field(10.0, gt=0)
@@ -99,7 +101,8 @@ class Settings(BaseSettings):
     log_level: str = "info"
     log_format: str = Field("auto", pattern="^(auto|json|console)$")
     # ---- MQTT + UDP transport (docs/mqtt.md): off unless mqtt_url is set. "embedded" runs the
-    # embedded broker on mqtt_host:mqtt_port; mqtt[s]://[user:pass@]host[:port] is an external one.
+    # bridge's own MQTT endpoint on mqtt_host:mqtt_port; mqtt[s]://[user:pass@]host[:port] is an
+    # external broker.
     mqtt_url: str | None = Field(None, repr=False)  # may hold the bridge's broker password
     mqtt_host: str = "0.0.0.0"
     mqtt_port: int = Field(1883, ge=0, le=65535)

@@ -5,16 +5,15 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from backend.protocol.audio import AudioFrame
 from backend.transports.admission import Admission
 from backend.transports.base import DeviceLink
 from backend.transports.mqtt import BrokerVouched, MqttSettings, MqttTransport
-from backend.transports.mqtt_broker import BrokerSettings, EmbeddedBroker
-from backend.transports.mqtt_credentials import BridgeAccount, CredentialTable
+from backend.transports.mqtt_credentials import CredentialTable
 from backend.transports.mqtt_topics import TopicScheme
-from tests.mosquitto import Mosquitto, free_port
+from tests.mosquitto import Mosquitto
 from tests.mqtt_wire import RawMqttClient
 
 PREFIX = "xiaozhi"
@@ -90,29 +89,6 @@ class BrokerUnderTest(Protocol):
 
 
 @dataclass
-class EmbeddedUnderTest:
-    broker: EmbeddedBroker
-    kind: str = "embedded"
-
-    @property
-    def port(self) -> int:
-        return self.broker.port
-
-    @property
-    def bridge_url(self) -> str:
-        return self.broker.bridge_url("127.0.0.1")
-
-    async def start(self) -> None:
-        await self.broker.start()
-
-    async def stop(self) -> None:
-        await self.broker.stop()
-
-    async def crash(self) -> None:
-        await self.broker.stop()  # in-process: stopping drops every connection at once
-
-
-@dataclass
 class MosquittoUnderTest:
     broker: Mosquitto
     kind: str = "mosquitto"
@@ -143,27 +119,15 @@ def device_table() -> CredentialTable:
 
 
 @contextlib.asynccontextmanager
-async def broker_of_kind(
-    kind: str, workdir: Path, **settings: Any
-) -> AsyncIterator[BrokerUnderTest]:
-    if kind == "mosquitto":
-        mosquitto = Mosquitto(workdir, PASSWORDS, prefix=PREFIX)
-        await mosquitto.start()
-        try:
-            yield MosquittoUnderTest(mosquitto)
-        finally:
-            await mosquitto.stop()
-        return
-    embedded = EmbeddedBroker(
-        BrokerSettings(host="127.0.0.1", port=free_port(), topic_prefix=PREFIX, **settings),
-        device_table(),
-        BridgeAccount(),
-    )
-    await embedded.start()
+async def broker_of_kind(kind: str, workdir: Path) -> AsyncIterator[BrokerUnderTest]:
+    """A real broker for the bridge's MQTT client (Mosquitto: the embedded endpoint is not one)."""
+    assert kind == "mosquitto", kind
+    mosquitto = Mosquitto(workdir, PASSWORDS, prefix=PREFIX)
+    await mosquitto.start()
     try:
-        yield EmbeddedUnderTest(embedded)
+        yield MosquittoUnderTest(mosquitto)
     finally:
-        await embedded.stop()
+        await mosquitto.stop()
 
 
 def transport_settings(url: str, **overrides: object) -> MqttSettings:

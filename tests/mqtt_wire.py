@@ -46,9 +46,15 @@ def packet(kind: int, flags: int, body: bytes) -> bytes:
 
 
 class RawMqttClient:
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(
+        self, host: str, port: int, *, local_host: str | None = None, auto_ack: bool = True
+    ) -> None:
         self.host = host
         self.port = port
+        self.local_host = local_host  # another loopback address plays another host
+        self.auto_ack = auto_ack  # False: a device that never acknowledges its downlink
+        self.others: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue()  # PUBREC, PINGRESP, ...
+        self.connack_flags = -1
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
         self.publishes: asyncio.Queue[Publish] = asyncio.Queue()
@@ -69,7 +75,10 @@ class RawMqttClient:
         clean_session: bool = True,
     ) -> None:
         """CONNECT and wait for CONNACK; MqttRefused for a non-zero return code."""
-        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        local = (self.local_host, 0) if self.local_host else None
+        self.reader, self.writer = await asyncio.open_connection(
+            self.host, self.port, local_addr=local
+        )
         flags = 0x02 if clean_session else 0
         payload = _string(client_id)
         if will is not None:
@@ -88,6 +97,7 @@ class RawMqttClient:
         kind, _flags, data = await self._read_packet()
         if kind != CONNACK:
             raise AssertionError(f"expected CONNACK, got packet type {kind}")
+        self.connack_flags = data[0]
         if data[1] != 0:
             raise MqttRefused(data[1])
         self._reader_task = asyncio.create_task(self._read_loop())
@@ -117,6 +127,12 @@ class RawMqttClient:
         self.writer.write(packet(SUBSCRIBE, 0x02, body))
         await self.writer.drain()
         return await asyncio.wait_for(self.subacks.get(), 10)
+
+    async def send_raw(self, data: bytes) -> None:
+        """Bytes as they are: malformed packets, forged flags, a packet with a huge header."""
+        assert self.writer is not None
+        self.writer.write(data)
+        await self.writer.drain()
 
     async def ping(self) -> None:
         assert self.writer is not None
@@ -175,12 +191,15 @@ class RawMqttClient:
                     rest = data[2 + length :]
                     if qos:
                         packet_id, rest = rest[:2], rest[2:]
-                        self.writer.write(packet(PUBACK, 0, packet_id))
+                        if self.auto_ack:
+                            self.writer.write(packet(PUBACK, 0, packet_id))
                     await self.publishes.put(Publish(topic, rest, qos, bool(flags & 1)))
                 elif kind == SUBACK:
                     await self.subacks.put(list(data[2:]))
                 elif kind == PUBACK:
                     await self.pubacks.put(struct.unpack(">H", data)[0])
+                else:
+                    await self.others.put((kind, data))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:

@@ -1,5 +1,5 @@
 """End to end over MQTT + UDP: the whole bridge (session, MCP client, registry, admin API, CLI)
-with the embedded broker or a real Mosquitto, and simulated devices that run the firmware's own
+with the embedded endpoint or a real Mosquitto, and simulated devices that run the firmware's own
 code (app loop, transport_mqtt on umqtt.simple, MCP server, stock tools) on CPython."""
 
 import asyncio
@@ -231,7 +231,7 @@ async def test_a_device_cannot_publish_as_another_or_read_its_downlink(
     try:
         url = mosquitto.bridge_url if mosquitto else "embedded"
         async with running_bridge(tmp_path / "data", url) as bridge:
-            port = mosquitto.port if mosquitto else bridge.mqtt.broker.port  # type: ignore[union-attr]
+            port = mosquitto.port if mosquitto else bridge.mqtt.endpoint.port  # type: ignore[union-attr]
             intruder = RawMqttClient("127.0.0.1", port)
             await intruder.connect(intruder_key, intruder_key, password(intruder_id))
             await intruder.subscribe(SCHEME.down(victim_key))  # granted or not: nothing comes
@@ -326,7 +326,7 @@ async def test_hello_over_mqtt_opens_udp_audio_both_ways_and_goodbye_both_ways(
     conversation: Conversation = bridge.conversations.conversation(device.device_id)
     assert conversation.session_id == session_id
     udp = device.app._transport.audio  # the firmware's UdpAudio of this conversation
-    assert udp is not None and udp.port == bridge.mqtt.transport.udp.port  # type: ignore[union-attr]
+    assert udp is not None and udp.port == bridge.mqtt.udp.port  # type: ignore[union-attr]
     assert len(udp.key) == 16 and udp.nonce[0] == 1
 
     frames = [bytes([n]) * (40 + n) for n in range(5)]
@@ -394,7 +394,7 @@ async def test_mqtt_credentials_are_accepted_by_the_embedded_broker(
     assert record["username"] == "a4_cf_12_34_56_78"
     assert record["publish_topic"] == "xiaozhi/a4_cf_12_34_56_78/up"
     assert SECRET not in out + err
-    port = embedded_bridge.mqtt.broker.port  # type: ignore[union-attr]
+    port = embedded_bridge.mqtt.endpoint.port  # type: ignore[union-attr]
     client = RawMqttClient("127.0.0.1", port)
     await client.connect(record["client_id"], record["username"], record["password"])
     await client.publish(record["status_topic"], b"online", qos=1)
@@ -455,7 +455,7 @@ async def test_serve_with_embedded_broker_and_simulate_over_mqtt_as_processes(
         serve.send_signal(signal.SIGTERM)
         out, err = await asyncio.wait_for(serve.communicate(), 15)
     banner = out.decode()
-    assert "mqtt: devices at mqtt://127.0.0.1:" in banner and "(embedded broker" in banner
+    assert "mqtt: devices at mqtt://127.0.0.1:" in banner and "(the bridge's own endpoint" in banner
     assert secret not in out.decode() + err.decode()  # the credential secret is never printed
 
 

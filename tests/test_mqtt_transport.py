@@ -1,5 +1,6 @@
 """The MQTT + UDP transport against real brokers: Mosquitto (its own process, password and ACL
-files) and the embedded amqtt broker, with a recording LinkAcceptor in place of the core."""
+files), with a recording LinkAcceptor in place of the core. The bridge's embedded endpoint,
+which is not a broker, has its own tests (test_mqtt_endpoint.py)."""
 
 import asyncio
 import json
@@ -28,9 +29,6 @@ from backend.transports.mqtt import (
     MqttConfigError,
     MqttTransport,
 )
-from backend.transports.mqtt_broker import BrokerSettings, EmbeddedBroker
-from backend.transports.mqtt_credentials import BridgeAccount, DerivedCredentials
-from backend.transports.mqtt_topics import parse_presence
 from tests.helpers import make_settings
 from tests.mosquitto import Mosquitto, mosquitto_available
 from tests.mqtt_helpers import (
@@ -41,7 +39,6 @@ from tests.mqtt_helpers import (
     PASSWORDS,
     SCHEME,
     BrokerUnderTest,
-    EmbeddedUnderTest,
     MosquittoUnderTest,
     RecordingAcceptor,
     RecordingHandler,
@@ -51,27 +48,19 @@ from tests.mqtt_helpers import (
     running_transport,
     transport_settings,
 )
-from tests.mqtt_wire import MqttRefused, RawMqttClient
+from tests.mqtt_wire import RawMqttClient
 
 KINDS = [
     pytest.param(
         "mosquitto",
         marks=pytest.mark.skipif(not mosquitto_available(), reason="mosquitto not installed"),
     ),
-    "embedded",
 ]
 
 
 @pytest.fixture(params=KINDS)
 async def broker(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[BrokerUnderTest]:
     async with broker_of_kind(request.param, tmp_path) as running:
-        yield running
-
-
-@pytest.fixture
-async def embedded(tmp_path: Path) -> AsyncIterator[EmbeddedUnderTest]:
-    async with broker_of_kind("embedded", tmp_path, keepalive_check_s=0.1) as running:
-        assert isinstance(running, EmbeddedUnderTest)
         yield running
 
 
@@ -139,9 +128,9 @@ async def test_a_device_cannot_publish_as_another_or_read_its_downlink(
         # A tries B's topics, and wildcards; then a marker on its own uplink.
         await dev_a.publish(SCHEME.up(DEVICE_B), '{"type":"mcp","spoofed":true}', qos=1)
         await dev_a.publish(SCHEME.status(DEVICE_B), b"offline", qos=1, retain=True)
-        # amqtt refuses the subscription (0x80); Mosquitto 2.0 grants it and filters every
-        # message by the ACL's read rule at delivery. Either way nothing of B's may arrive.
-        refused = [0x80] if broker.kind == "embedded" else [1]
+        # Mosquitto 2.0 grants the subscription and filters every message by the ACL's read
+        # rule at delivery: nothing of B's may arrive.
+        refused = [1]
         for pattern in (SCHEME.down(DEVICE_B), "xiaozhi/+/down", "#"):
             assert await dev_a.subscribe(pattern) == refused
         await dev_a.publish(SCHEME.up(DEVICE_A), '{"type":"mcp","marker":true}', qos=1)
@@ -327,26 +316,6 @@ def _device_packet(key: bytes, nonce: bytes, payload: bytes, sequence: int) -> b
 # ---- stock firmware: no subscription, no will ---------------------------------------------------
 
 
-async def test_stock_device_gets_its_downlink_through_the_embedded_broker(
-    embedded: EmbeddedUnderTest,
-) -> None:
-    acceptor = RecordingAcceptor()
-    async with running_transport(embedded.bridge_url, acceptor):
-        async with device(
-            embedded.port, DEVICE_A, will=False, online=False, subscribe=False
-        ) as stock:
-            # The broker's presence event opens the link: MCP can start before any message.
-            await eventually(lambda: bool(acceptor.of(ID_A)), what="link from presence event")
-            handler = acceptor.latest(ID_A)
-            assert handler.link.identity.client_id == "0b1c2d3e-uuid"
-            await handler.link.send_text('{"type":"mcp","payload":{"id":1}}')
-            got = await stock.next_publish()
-            assert got.topic == SCHEME.down(DEVICE_A)
-            assert json.loads(got.payload)["payload"] == {"id": 1}
-        # No will was set: the broker's own presence event closes the link.
-        await eventually(lambda: handler.closed == ["device offline"], what="closed")
-
-
 async def test_stock_device_gets_nothing_through_mosquitto(mosquitto: BrokerUnderTest) -> None:
     # What docs/mqtt.md states: Mosquitto cannot push to a client that never subscribed.
     acceptor = RecordingAcceptor()
@@ -381,68 +350,6 @@ async def test_a_stock_device_without_presence_times_out_on_silence(
         assert transport.counters["silence_timeouts"] == 1
 
 
-async def test_embedded_broker_enforces_keepalive_and_publishes_offline(
-    embedded: EmbeddedUnderTest,
-) -> None:
-    acceptor = RecordingAcceptor()
-    async with running_transport(embedded.bridge_url, acceptor):
-        # A stock-like client with a 1 s keepalive that then goes silent (unplugged, no FIN).
-        async with device(
-            embedded.port, DEVICE_A, will=False, online=False, subscribe=False, keepalive=1
-        ) as silent:
-            await eventually(lambda: bool(acceptor.of(ID_A)))
-            handler = acceptor.latest(ID_A)
-            await eventually(lambda: handler.closed == ["device offline"], what="keepalive")
-            await asyncio.wait_for(silent.closed.wait(), 5)  # the broker dropped the connection
-        assert embedded.broker.stats()["keepalive_expired"] == 1
-
-
-async def test_embedded_broker_keeps_a_pinging_client(embedded: EmbeddedUnderTest) -> None:
-    async with device(embedded.port, DEVICE_A, keepalive=1) as dev:
-        for _ in range(6):  # 3 s of pings every 0.5 s: three times the keepalive
-            await dev.ping()
-            await asyncio.sleep(0.5)
-        assert not dev.closed.is_set()
-        assert embedded.broker.online_devices() == [DEVICE_A]
-
-
-async def test_embedded_broker_authentication(embedded: EmbeddedUnderTest) -> None:
-    attempts = [
-        ("GID_t@@@a4_cf_12_34_56_78@@@u1", DEVICE_A, "wrong password"),
-        ("GID_t@@@a4_cf_12_34_56_79@@@u1", DEVICE_A, "password-of-device-a"),  # names B
-        ("any-client-id", DEVICE_A, "password-of-device-a"),  # not its own client id
-        ("plain-id", "not a key!", "x"),
-        ("plain-id", None, None),
-        ("bridge-2", embedded.broker.bridge.username, "not the bridge password"),
-    ]
-    for client_id, username, password in attempts:
-        client = RawMqttClient("127.0.0.1", embedded.port)
-        with pytest.raises(MqttRefused):
-            await client.connect(client_id, username, password)
-        await client.abort()
-    assert embedded.broker.stats()["logins_refused"] == len(attempts)
-    ok = RawMqttClient("127.0.0.1", embedded.port)
-    await ok.connect(DEVICE_A, DEVICE_A, "password-of-device-a")
-    await ok.disconnect()
-
-
-async def test_embedded_broker_presence_payload_and_kick(embedded: EmbeddedUnderTest) -> None:
-    watcher = RawMqttClient("127.0.0.1", embedded.port)
-    bridge = embedded.broker.bridge
-    await watcher.connect("watcher", bridge.username, bridge.password)
-    assert await watcher.subscribe(SCHEME.status(DEVICE_A)) == [1]
-    async with device(embedded.port, DEVICE_A, will=False, online=False, subscribe=False) as dev:
-        online = await watcher.next_publish()
-        assert parse_presence(online.payload).online
-        assert parse_presence(online.payload).client_id == "0b1c2d3e-uuid"
-        assert await embedded.broker.disconnect_device(DEVICE_A)
-        offline = await watcher.next_publish()
-        assert not parse_presence(offline.payload).online
-        await asyncio.wait_for(dev.closed.wait(), 5)
-    assert not await embedded.broker.disconnect_device(DEVICE_A)
-    await watcher.disconnect()
-
-
 # ---- settings -----------------------------------------------------------------------------------
 
 
@@ -475,89 +382,6 @@ def test_udp_public_host_is_required_when_binding_everywhere() -> None:
         == "192.0.2.7"
     )
     assert "secret" not in repr(transport_settings("mqtt://u:secret@127.0.0.1:1"))
-
-
-# ---- embedded broker: amqtt defects worked around -----------------------------------------------
-
-
-async def test_embedded_broker_stores_no_retained_message_to_leak(
-    embedded: EmbeddedUnderTest,
-) -> None:
-    # amqtt 0.12.1 sends a connecting client every retained message that matches anyone's
-    # subscription, without the ACL. A's retained status must therefore never reach B.
-    acceptor = RecordingAcceptor()
-    async with running_transport(embedded.bridge_url, acceptor):
-        async with device(embedded.port, DEVICE_A) as dev_a:  # publishes retained "online"
-            await dev_a.publish(SCHEME.up(DEVICE_A), b'{"type":"mcp"}', qos=1, retain=True)
-            await eventually(lambda: bool(acceptor.of(ID_A) and acceptor.latest(ID_A).texts))
-            async with device(
-                embedded.port, DEVICE_B, will=False, online=False, subscribe=False
-            ) as dev_b:
-                await eventually(lambda: bool(acceptor.of(ID_B)))
-                await acceptor.latest(ID_B).link.send_text('{"type":"mcp","marker":1}')
-                first = await dev_b.next_publish()
-                assert first.topic == SCHEME.down(DEVICE_B), first
-        assert embedded.broker.stats()["retain_flags_cleared"] >= 2
-
-
-async def test_a_bridge_that_connects_late_learns_who_is_online(
-    embedded: EmbeddedUnderTest,
-) -> None:
-    async with device(embedded.port, DEVICE_A, will=False, online=False, subscribe=False):
-        acceptor = RecordingAcceptor()
-        async with running_transport(embedded.bridge_url, acceptor):
-            await eventually(lambda: bool(acceptor.of(ID_A)), what="link from re-announcement")
-
-
-async def test_embedded_broker_survives_subscription_churn_during_traffic(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    # amqtt 0.12.1 iterates its subscription table while awaiting the ACL: devices connecting
-    # during a broadcast used to lose that message ("dictionary changed size during iteration").
-    credentials = DerivedCredentials(b"churn-test-secret-0123456789")
-    broker = EmbeddedBroker(
-        BrokerSettings(host="127.0.0.1", port=0, topic_prefix="xiaozhi"), credentials
-    )
-    await broker.start()
-    acceptor = RecordingAcceptor()
-    steady_key = "steady-device"
-    try:
-        async with (
-            running_transport(broker.bridge_url("127.0.0.1"), acceptor),
-            device(
-                broker.port,
-                steady_key,
-                password=credentials.issue(steady_key).password,
-                will=False,
-                online=False,
-                subscribe=False,
-            ) as steady,
-        ):
-            await eventually(lambda: bool(acceptor.of(steady_key)))
-            link = acceptor.latest(steady_key).link
-
-            async def join_and_leave(key: str) -> None:
-                client = RawMqttClient("127.0.0.1", broker.port)
-                await client.connect(key, key, credentials.issue(key).password)
-                await client.subscribe(SCHEME.down(key))
-                await client.abort()
-
-            async def churn() -> None:
-                for wave in range(10):
-                    await asyncio.gather(*(join_and_leave(f"churn-{wave}-{i}") for i in range(10)))
-
-            async def traffic() -> None:
-                for burst in range(10):
-                    await asyncio.gather(
-                        *(link.send_text(json.dumps({"n": burst * 50 + i})) for i in range(50))
-                    )
-
-            await asyncio.gather(churn(), traffic())
-            received = [json.loads((await steady.next_publish()).payload)["n"] for _ in range(500)]
-            assert sorted(received) == list(range(500))
-    finally:
-        await broker.stop()
-    assert "dictionary changed size" not in caplog.text
 
 
 # ---- link lifecycle details ---------------------------------------------------------------------
@@ -609,7 +433,7 @@ class _ClosingHandler(RecordingHandler):
             await asyncio.sleep(0)  # the session keeps running after close() returns
 
 
-async def test_closing_a_link_from_inside_its_own_handler(embedded: EmbeddedUnderTest) -> None:
+async def test_closing_a_link_from_inside_its_own_handler(mosquitto: BrokerUnderTest) -> None:
     handlers: list[_ClosingHandler] = []
 
     class Acceptor:
@@ -618,8 +442,8 @@ async def test_closing_a_link_from_inside_its_own_handler(embedded: EmbeddedUnde
             return handlers[-1]
 
     async with (
-        running_transport(embedded.bridge_url, Acceptor()) as transport,  # type: ignore[arg-type]
-        device(embedded.port, DEVICE_A) as dev,
+        running_transport(mosquitto.bridge_url, Acceptor()) as transport,  # type: ignore[arg-type]
+        device(mosquitto.port, DEVICE_A) as dev,
     ):
         await eventually(lambda: bool(handlers))
         await dev.publish(SCHEME.up(DEVICE_A), '{"type":"close me"}', qos=1)
@@ -658,29 +482,6 @@ async def test_late_messages_after_offline_do_not_reopen_a_link(
         # A new `online` lifts it at once.
         await dev_a.publish(SCHEME.status(DEVICE_A), b"online", qos=1)
         await eventually(lambda: len(acceptor.of(ID_A)) == 2)
-
-
-async def test_embedded_presence_comes_before_a_fast_device_first_message(
-    embedded: EmbeddedUnderTest,
-) -> None:
-    # Stock firmware connects on demand when a conversation starts and publishes its hello at
-    # once: the link must come from the presence event (with the client uuid), not the hello.
-    acceptor = RecordingAcceptor()
-    async with running_transport(embedded.bridge_url, acceptor):
-        for attempt in range(5):
-            client = RawMqttClient("127.0.0.1", embedded.port)
-            await client.connect(
-                f"GID_t@@@{DEVICE_A}@@@uuid-{attempt}", DEVICE_A, PASSWORDS[DEVICE_A]
-            )
-            await client.publish(SCHEME.up(DEVICE_A), f'{{"type":"hello","n":{attempt}}}', qos=1)
-            await eventually(lambda n=attempt: len(acceptor.of(ID_A)) == n + 1)
-            handler = acceptor.latest(ID_A)
-            assert handler.link.identity.client_id == f"uuid-{attempt}"
-            await eventually(
-                lambda h=handler, n=attempt: h.texts == [f'{{"type":"hello","n":{n}}}']
-            )
-            await client.disconnect()
-            await eventually(lambda h=handler: h.closed == ["device offline"])
 
 
 # ---- TLS ----------------------------------------------------------------------------------------
@@ -792,18 +593,10 @@ async def test_mqtts_to_a_tls_mosquitto(tmp_path: Path) -> None:
         await broker.stop()
 
 
-async def test_bridge_url_round_trips_ipv6_and_odd_passwords() -> None:
-    broker = EmbeddedBroker(
-        BrokerSettings(host="::1", port=0),
-        DerivedCredentials(b"0123456789abcdef!"),
-        BridgeAccount(password="p@ss:w/rd"),
-    )
-    await broker.start()
-    try:
-        address = BrokerAddress.parse(broker.bridge_url())
-        assert (address.host, address.port, address.password) == ("::1", broker.port, "p@ss:w/rd")
-    finally:
-        await broker.stop()
+def test_broker_url_round_trips_ipv6_and_odd_passwords() -> None:
+    address = BrokerAddress.parse("mqtt://bridge:p%40ss%3Aw%2Frd@[::1]:1884")
+    assert (address.host, address.port, address.password) == ("::1", 1884, "p@ss:w/rd")
+    assert address.redacted() == "mqtt://bridge@[::1]:1884"
 
 
 # ---- per-device bounds: the outbound frame cap, every inbound message charged -------------------
@@ -851,8 +644,7 @@ async def test_uplinks_dropped_by_the_transport_are_still_charged(broker: Broker
         claims_b = json.dumps({"type": "hello", "device_id": ID_B})
 
         def uplinks() -> list[int]:
-            # With the embedded broker two `online`s arrive (its presence event and the
-            # device's own): the repeat is charged as well, and left out here.
+            # A repeated `online` is charged as well, and left out here.
             return [size for size in handler.discarded if size != len(b"online")]
 
         await dev.publish(SCHEME.up(DEVICE_A), not_utf8, qos=1)
@@ -887,7 +679,7 @@ class _Penalties:
 
 
 async def test_a_device_flooding_junk_over_mqtt_is_cut_off(
-    embedded: EmbeddedUnderTest, tmp_path: Path
+    mosquitto: BrokerUnderTest, tmp_path: Path
 ) -> None:
     """The real session behind the transport: non-UTF-8 junk, which never reaches `on_text`,
     empties the device's inbound limit and its link is closed (and held off); another device
@@ -897,15 +689,15 @@ async def test_a_device_flooding_junk_over_mqtt_is_cut_off(
     gateway = DeviceGateway(registry, ConversationHub(registry), settings)
     penalties = _Penalties()
     transport = MqttTransport(
-        transport_settings(embedded.bridge_url), Admission(BrokerVouched(), penalties)
+        transport_settings(mosquitto.bridge_url), Admission(BrokerVouched(), penalties)
     )
     with capture_logs() as logs:
         await transport.start(gateway)
         try:
             await transport.wait_connected(10)
             async with (
-                device(embedded.port, DEVICE_A) as attacker,
-                device(embedded.port, DEVICE_B),
+                device(mosquitto.port, DEVICE_A) as attacker,
+                device(mosquitto.port, DEVICE_B),
             ):
                 await eventually(lambda: transport.links().keys() == {ID_A, ID_B})
                 for _ in range(200):

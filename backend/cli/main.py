@@ -47,12 +47,12 @@ MqttOpt = Annotated[
     str | None,
     typer.Option(
         "--mqtt",
-        help="MQTT + UDP transport: 'embedded' (broker in the bridge) or mqtt[s]://[user:pass@]"
+        help="MQTT + UDP transport: 'embedded' (the bridge's own endpoint) or mqtt[s]://[user:pass@]"
         "host:port of an external broker [env: BRIDGE_MQTT_URL, which keeps a password off ps].",
     ),
 ]
 MqttPortOpt = Annotated[
-    int | None, typer.Option("--mqtt-port", help="Port of the embedded broker (1883).")
+    int | None, typer.Option("--mqtt-port", help="Port of the embedded MQTT endpoint (1883).")
 ]
 UdpPublicHostOpt = Annotated[
     str | None,

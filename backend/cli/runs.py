@@ -39,8 +39,9 @@ async def run_bridge(settings: Settings) -> None:
     )
     if bridge.mqtt is not None:
         mqtt = bridge.mqtt.endpoints()
+        kind = "the bridge's own endpoint" if mqtt["mqtt_broker"] == "embedded" else "a broker"
         print(
-            f"mqtt: devices at {mqtt['mqtt']} ({mqtt['mqtt_broker']} broker, topics "
+            f"mqtt: devices at {mqtt['mqtt']} ({kind}, topics "
             f"{mqtt['mqtt_topic_prefix']}/<device>/up|down|status), udp audio at {mqtt['udp']}",
             flush=True,
         )

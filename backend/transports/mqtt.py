@@ -1,11 +1,12 @@
 """MQTT + UDP device transport (protocol reference §2) on `aiomqtt`.
 
-The bridge is one MQTT client of a broker (the embedded one, EMQX, or Mosquitto for devices that
-subscribe themselves). It subscribes to every device's uplink and presence topics
-(`mqtt_topics`) and keeps one `DeviceLink` per online device:
+The bridge is one MQTT client of an external broker (EMQX, or Mosquitto for devices that subscribe
+themselves; the embedded default is not a broker but the bridge's own endpoint, `mqtt_endpoint`).
+It subscribes to every device's uplink and presence topics (`mqtt_topics`) and keeps one
+`DeviceLink` per online device:
 
 - a device comes online with a retained `online` on its status topic (our firmware and the
-  simulator set it, with a last will `offline`), with the embedded broker's presence event, or —
+  simulator set it, with a last will `offline`), with a broker's presence event (EMQX), or —
   stock firmware on a broker without presence events — with its first uplink message;
 - it goes offline with `offline` (last will or presence event), after `silence_timeout_s` without
   any message when no presence was ever seen for it, or when the bridge loses the broker (then
@@ -284,7 +285,7 @@ class MqttTransport:
     ) -> None:
         self.settings = settings
         self.admission = admission
-        # Asks the broker to disconnect a device (an embedded broker can; an external one is
+        # Asks the broker to disconnect a device, where it offers a way (an external one is
         # told through its ACLs and password files instead).
         self.drop_client = drop_client
         self.address = settings.address()
@@ -395,7 +396,7 @@ class MqttTransport:
             max_queued_outgoing_messages=self.settings.outbound_queue,
             timeout=self.settings.publish_timeout_s,
             # paho leaves Nagle on: a PUBACK of ours still unacknowledged held the next request
-            # until the broker's delayed ACK, 40 ms per call through the embedded broker.
+            # until the broker's delayed ACK, 40 ms per call through a local broker.
             socket_options=((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),),
         )
 

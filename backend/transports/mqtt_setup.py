@@ -1,7 +1,8 @@
 """The MQTT + UDP transport as the bridge runs it, built from `Settings` (docs/mqtt.md).
 
-`MqttService` is one `Transport` for the bridge: with `mqtt_url = "embedded"` it starts the
-embedded broker first and stops it last; with `mqtt[s]://…` it connects to an external broker.
+`MqttService` is one `Transport` for the bridge: with `mqtt_url = "embedded"` devices connect to
+the bridge's own MQTT endpoint (`mqtt_endpoint`: no broker, every connection is one device's
+link); with `mqtt[s]://…` the bridge is a client of an external broker (`mqtt.MqttTransport`).
 Either way devices log in with username = device key and the password that `DerivedCredentials`
 derives from the bridge's credential secret (`mqtt_secret`, else the file `mqtt.secret` in the
 data directory, created once with mode 0600 like the tokens). `esp32-bridge mqtt credentials`
@@ -24,13 +25,19 @@ from backend.transports.mqtt import (
     MqttSettings,
     MqttTransport,
 )
-from backend.transports.mqtt_broker import BrokerSettings, EmbeddedBroker
 from backend.transports.mqtt_credentials import (
-    BridgeAccount,
     CredentialProvider,
     DerivedCredentials,
     EitherCredentials,
 )
+from backend.transports.mqtt_endpoint import DeviceLogin, EndpointSettings, MqttEndpoint
+from backend.transports.throttle import (
+    ConnectionGuard,
+    ExemptNetworks,
+    KeyedLimiter,
+    handshake_cap,
+)
+from backend.transports.udp import UdpAudioChannel
 
 log = structlog.get_logger("transport.mqtt")
 
@@ -84,7 +91,7 @@ def _url_host(host: str) -> str:
 
 
 class MqttService:
-    """The `Transport` the bridge starts: embedded broker (optional) + `MqttTransport`."""
+    """The `Transport` the bridge starts: the embedded endpoint, or a client of a broker."""
 
     name = "mqtt"
 
@@ -96,34 +103,25 @@ class MqttService:
         handshake_limits: HandshakeLimits | None = None,
     ) -> None:
         """`handshake_limits`: the per-device handshake budget a WebSocket device has too, so a
-        device cut off (1008) waits before its next message opens a new link."""
+        device cut off (1008) waits before it comes back."""
         url = settings.mqtt_url
         self._handshake_limits = handshake_limits
         if not url:
             raise MqttConfigError("MQTT is off (mqtt_url is not set)")
         self.settings = settings
         self.credentials = device_credentials(settings, created)
-        # Who may log in to the embedded broker: each device with its own token (provisioning),
+        # Who may log in to the embedded endpoint: each device with its own token (provisioning),
         # and with the derived development passwords only when device auth is not per device.
         providers: list[CredentialProvider] = [] if device_logins is None else [device_logins]
         if settings.device_auth != "device" or device_logins is None:
             providers.append(self.credentials)
-        logins = EitherCredentials(*providers)
-        self.broker: EmbeddedBroker | None = None
+        self._logins = EitherCredentials(*providers)
+        self.embedded = url == EMBEDDED
         self._address: BrokerAddress | None = None
-        if url == EMBEDDED:
-            self.broker = EmbeddedBroker(
-                BrokerSettings(
-                    host=settings.mqtt_host,
-                    port=settings.mqtt_port,
-                    topic_prefix=settings.mqtt_topic_prefix,
-                ),
-                logins,
-                BridgeAccount(),
-            )
-        else:
+        if not self.embedded:
             self._address = BrokerAddress.parse(url)  # MqttConfigError for a bad URL, now
         self._check_udp()
+        self.endpoint: MqttEndpoint | None = None
         self.transport: MqttTransport | None = None
 
     def _check_udp(self) -> None:
@@ -148,22 +146,46 @@ class MqttService:
             max_message_bytes=settings.max_message_bytes,
         )
 
+    def _endpoint(self) -> MqttEndpoint:
+        settings = self.settings
+        rate = settings.rate_limits["connection_ip"]
+        guard = ConnectionGuard(
+            handshake_cap(settings.max_pending_handshakes),
+            KeyedLimiter(rate.per_s, rate.burst),
+            exempt=ExemptNetworks(settings.rate_limit_exempt),
+            max_pending_per_address=settings.max_pending_handshakes_per_address,
+            logger=log,
+        )
+        return MqttEndpoint(
+            EndpointSettings(
+                host=settings.mqtt_host,
+                port=settings.mqtt_port,
+                topic_prefix=settings.mqtt_topic_prefix,
+                max_message_bytes=settings.max_message_bytes,
+                write_timeout_s=settings.write_timeout_s,
+                idle_timeout_s=settings.mqtt_silence_timeout_s,
+                udp_public_host=self._udp_public_host(),
+            ),
+            Admission(DeviceLogin(self._logins), self._handshake_limits),
+            guard,
+            udp=UdpAudioChannel(settings.udp_host, settings.udp_port),
+        )
+
+    def _udp_public_host(self) -> str:
+        return self.settings.udp_public_host or self.settings.udp_host
+
     async def start(self, acceptor: LinkAcceptor) -> None:
-        """Start the embedded broker (if any), then the transport; on failure undo both."""
+        """Start the endpoint, or the client of the external broker; on failure undo it."""
         try:
-            if self.broker is not None:
-                await self.broker.start()
-                broker_url = self.broker.bridge_url()
-            else:
-                broker_url = self.settings.mqtt_url or ""
+            if self.embedded:
+                self.endpoint = self._endpoint()
+                await self.endpoint.start(acceptor)
+                return
             self.transport = MqttTransport(
-                self._transport_settings(broker_url),
+                self._transport_settings(self.settings.mqtt_url or ""),
                 Admission(BrokerVouched(), self._handshake_limits),
-                drop_client=self.broker.disconnect_device if self.broker is not None else None,
             )
             await self.transport.start(acceptor)
-            if self.broker is not None:  # in process: subscribed before the bridge is "ready"
-                await self.transport.wait_connected(10)
         except BaseException:
             await self.stop()
             raise
@@ -171,35 +193,45 @@ class MqttService:
     async def stop(self) -> None:
         if self.transport is not None:
             await self.transport.stop()
-        if self.broker is not None:
-            await self.broker.stop()
+        if self.endpoint is not None:
+            await self.endpoint.stop()
+
+    @property
+    def udp(self) -> UdpAudioChannel | None:
+        running = self.endpoint or self.transport
+        return None if running is None else running.udp
 
     @property
     def device_url(self) -> str:
-        """The broker as devices reach it (no credentials): `mqtt://host:port`."""
-        if self.broker is not None:
+        """Where devices reach MQTT (no credentials): `mqtt://host:port`."""
+        if self.endpoint is not None:
             host = self.settings.mqtt_host
             if host in _WILDCARDS and self.settings.udp_public_host:
                 host = self.settings.udp_public_host
-            return f"mqtt://{_url_host(_reachable(host))}:{self.broker.port}"
+            return f"mqtt://{_url_host(_reachable(host))}:{self.endpoint.port}"
+        if self.embedded:
+            return (
+                f"mqtt://{_url_host(_reachable(self.settings.mqtt_host))}:{self.settings.mqtt_port}"
+            )
         address = self._address
         assert address is not None
         scheme = "mqtts" if address.tls else "mqtt"
         return f"{scheme}://{_url_host(address.host)}:{address.port}"
 
     def device_endpoint(self, hostname: str) -> str:
-        """`host:port` of the broker for the OTA answer of a device that reached the bridge at
-        `hostname`: that host with the embedded broker's port, else the external broker's."""
-        if self.broker is not None:
-            return f"{_url_host(hostname)}:{self.broker.port}"
+        """`host:port` of MQTT for the OTA answer of a device that reached the bridge at
+        `hostname`: that host with the embedded endpoint's port, else the external broker's."""
+        if self.endpoint is not None:
+            return f"{_url_host(hostname)}:{self.endpoint.port}"
         return self.device_url.split("://", 1)[1]
 
     def endpoints(self) -> dict[str, str]:
         found = {
             "mqtt": self.device_url,
-            "mqtt_broker": EMBEDDED if self.broker is not None else "external",
+            "mqtt_broker": EMBEDDED if self.embedded else "external",
             "mqtt_topic_prefix": self.settings.mqtt_topic_prefix,
         }
-        if self.transport is not None:
-            found["udp"] = self.transport.endpoints()["udp"]
+        running = self.endpoint or self.transport
+        if running is not None:
+            found["udp"] = running.endpoints()["udp"]
         return found

@@ -11,9 +11,7 @@ the link with 1009 (done by `websockets`).
 """
 
 import asyncio
-import resource
 import socket
-import time
 from dataclasses import dataclass
 from http import HTTPStatus
 from urllib.parse import parse_qs, urlsplit
@@ -31,7 +29,12 @@ from backend.logs import LogBudget
 from backend.protocol.audio import AudioFrame, AudioFrameError, decode_audio, encode_audio
 from backend.transports.admission import Admission, HandshakeRefused, HandshakeRequest
 from backend.transports.base import DeviceIdentity, LinkAcceptor, LinkClosed
-from backend.transports.throttle import ExemptNetworks, KeyedLimiter
+from backend.transports.throttle import (
+    ConnectionGuard,
+    ExemptNetworks,
+    KeyedLimiter,
+    handshake_cap,
+)
 
 log = structlog.get_logger("transport.websocket")
 
@@ -110,83 +113,8 @@ class LinkLimits:
     write_timeout_s: float
 
 
-class HandshakeGuard:
-    """Drops unwanted TCP connections at accept time, before a byte of them is parsed.
-
-    - Connections still in their handshake are capped (slowloris, idle sockets, an attempt to
-      exhaust descriptors): past the cap a new one is dropped at once.
-    - One address may open `per_address` connections at a burst, then at a steady rate: a
-      connection storm from one host is dropped before its requests are parsed (loopback is
-      addresses in `rate_limit_exempt`, loopback by default, are not limited: a local fleet
-      simulation is not an attack).
-    - An address whose handshakes keep being refused (bad tokens, too many attempts) goes in a
-      penalty box: `penalty_refusals` refusals within `penalty_s` block it for `penalty_s`, so a
-      storm of doomed handshakes costs a few parsed requests, not thousands.
-    """
-
-    def __init__(
-        self,
-        limit: int,
-        per_address: KeyedLimiter | None = None,
-        *,
-        exempt: ExemptNetworks | None = None,
-        penalty_refusals: int = 20,
-        penalty_s: float = 10.0,
-    ) -> None:
-        self.limit = limit
-        self._per_address = per_address
-        self._exempt = exempt if exempt is not None else ExemptNetworks(())
-        self.pending: set[ServerConnection] = set()
-        self.refused = 0
-        self._budget = LogBudget(log)
-        self._penalty_refusals = penalty_refusals
-        self._penalty_s = penalty_s
-        self._refusals = KeyedLimiter(penalty_refusals / penalty_s, penalty_refusals)
-        self._blocked_until: dict[str, float] = {}
-
-    def admit(self, connection: ServerConnection, address: str | None) -> bool:
-        if address is not None and self._is_blocked(address):
-            self.refused += 1
-            self._budget.warning("connection dropped: address in the penalty box", remote=address)
-            return False
-        if (
-            address is not None
-            and self._per_address is not None
-            and address not in self._exempt
-            and not self._per_address.allow(address)
-        ):
-            self.refused += 1
-            self._budget.warning("connection dropped: too many from this address", remote=address)
-            return False
-        if len(self.pending) >= self.limit:
-            self.refused += 1
-            self._budget.warning("connection refused: too many handshakes in progress",
-                                 limit=self.limit, refused=self.refused)  # fmt: skip
-            return False
-        self.pending.add(connection)
-        return True
-
-    def handshake_refused(self, address: str | None) -> None:
-        """A handshake from `address` was refused; too many and the address is blocked."""
-        if address is None or self._refusals.allow(address) or self._is_blocked(address):
-            return
-        self._blocked_until[address] = time.monotonic() + self._penalty_s
-        if len(self._blocked_until) > 10_000:
-            now = time.monotonic()
-            self._blocked_until = {a: t for a, t in self._blocked_until.items() if t > now}
-        log.warning("address in the penalty box", remote=address, seconds=self._penalty_s)
-
-    def _is_blocked(self, address: str) -> bool:
-        until = self._blocked_until.get(address)
-        if until is None:
-            return False
-        if until > time.monotonic():
-            return True
-        del self._blocked_until[address]
-        return False
-
-    def done(self, connection: ServerConnection) -> None:
-        self.pending.discard(connection)
+class HandshakeGuard(ConnectionGuard):
+    """`ConnectionGuard` applied in `websockets`' `connection_made`, before a byte is parsed."""
 
     def connection_class(self) -> type[ServerConnection]:
         guard = self
@@ -228,12 +156,14 @@ class WebSocketTransport:
         # Refusals are logged a few at a time, then counted: a refused client may retry fast.
         self._refusals = LogBudget(log, burst=5)
         self.handshakes = HandshakeGuard(
-            _handshake_cap(settings.max_pending_handshakes),
+            handshake_cap(settings.max_pending_handshakes),
             KeyedLimiter(
                 settings.rate_limits["connection_ip"].per_s,
                 settings.rate_limits["connection_ip"].burst,
             ),
             exempt=ExemptNetworks(settings.rate_limit_exempt),
+            logger=log,
+            max_pending_per_address=settings.max_pending_handshakes_per_address,
         )
 
     @property
@@ -366,13 +296,6 @@ class WebSocketTransport:
             if _we_closed_for_policy(connection):
                 self._admission.cut_off(link.identity.device_id)
             handler.on_closed(_close_reason(connection))
-
-
-def _handshake_cap(configured: int) -> int:
-    """At most half the open-file limit may wait in handshakes, whatever the setting: the
-    other half stays for devices that finished theirs, the API and the database."""
-    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return configured if soft == resource.RLIM_INFINITY else max(1, min(configured, soft // 2))
 
 
 def _refuse(
