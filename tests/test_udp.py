@@ -10,7 +10,7 @@ import asyncio
 import random
 import socket
 import struct
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import pytest
 import structlog
@@ -35,9 +35,22 @@ from backend.transports.udp import (
     parse_header,
     seal,
 )
-from tests.mqtt_helpers import eventually
+
+
+async def eventually(check: Callable[[], bool], timeout_s: float = 10.0, what: str = "") -> None:
+    """Poll `check` until it holds; fails with `what` after the deadline (a hang guard, not a
+    performance threshold). Here, not in tests.mqtt_helpers, so no broker is imported."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            while not check():  # noqa: ASYNC110 - nothing to wait on but the condition
+                await asyncio.sleep(0.01)
+    except TimeoutError:
+        raise AssertionError(f"not within {timeout_s:g} s: {what}") from None
+
 
 # ---- the device's side, written from the protocol reference ------------------------------------
+
+OPUS_60MS = bytes([11 << 3]) + bytes(40)  # TOC: SILK wideband 60 ms, mono, one frame (code 0)
 
 
 def device_header(nonce: bytes, payload_len: int, timestamp: int, sequence: int) -> bytes:
@@ -264,31 +277,44 @@ async def test_a_forged_packet_with_a_live_cookie_but_wrong_key_decrypts_to_nois
     assert frames[0].payload != b"forged plaintext"
 
 
-async def test_address_learned_from_the_latest_valid_uplink_only(
+async def test_address_learned_from_the_first_uplink_and_moved_only_after_probation(
     channel: UdpAudioChannel, sockets: list[DeviceSocket]
 ) -> None:
     session, frames = open_session(channel)
     key, nonce = hello_key_nonce(session)
     first, moved, spoofer = (DeviceSocket(channel.port) for _ in range(3))
     sockets += [first, moved, spoofer]
+    confirmations = channel.limits.move_confirmations
 
     assert not channel.send(session, AudioFrame(b"too early"))  # no uplink yet: nowhere to send
     assert channel.counters["drop_no_peer"] == 1
     assert not channel.send(session, AudioFrame(bytes(1001)))  # above max_payload: never sent
     assert channel.counters["drop_oversized"] == 1
 
-    first.send(device_packet(key, nonce, b"a", 1))
+    first.send(device_packet(key, nonce, OPUS_60MS + b"a", 1))
     await eventually(lambda: len(frames) == 1)
     channel.send(session, AudioFrame(b"to first"))
     assert device_open(key, await first.recv())[2] == b"to first"
 
-    moved.send(device_packet(key, nonce, b"b", 2))  # NAT rebinding: a new source port
-    await eventually(lambda: len(frames) == 2)
-    spoofer.send(device_packet(key, nonce, b"b", 2))  # a replay from elsewhere must not steer
+    # NAT rebinding: a new source port. Until `confirmations` valid packets came from it, the
+    # downlink stays with the old address and nothing from the new one is delivered.
+    for sequence in range(2, 1 + confirmations):
+        moved.send(device_packet(key, nonce, OPUS_60MS + bytes([sequence]), sequence))
+    await eventually(lambda: channel.counters.get("rx_held") == confirmations - 1)
+    assert len(frames) == 1
+    channel.send(session, AudioFrame(b"still to first"))
+    assert device_open(key, await first.recv())[2] == b"still to first"
+
+    last = 1 + confirmations
+    moved.send(device_packet(key, nonce, OPUS_60MS + bytes([last]), last))
+    await eventually(lambda: len(frames) == 1 + confirmations)  # the held ones, in order
+    assert [f.payload[-1] for f in frames[1:]] == list(range(2, last + 1))
+    spoofer.send(device_packet(key, nonce, OPUS_60MS + bytes([last]), last))  # a replay
     await eventually(lambda: channel.counters.get("drop_replay") == 1)
     channel.send(session, AudioFrame(b"to moved"))
-    assert device_open(key, await moved.recv()) == (2, 0, b"to moved")
+    assert device_open(key, await moved.recv()) == (3, 0, b"to moved")  # one sequence
     assert not first.pending() and not spoofer.pending()
+    assert channel.counters["peer_moves"] == 1
 
 
 async def test_a_new_session_restarts_both_sequences(

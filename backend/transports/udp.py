@@ -8,19 +8,38 @@ Packet (both directions), all integers big-endian:
 The 16-byte header is the initial counter block of AES-128-CTR. The device builds its uplink
 header from the server's `nonce` with bytes 2-3, 8-11 and 12-15 overwritten, so bytes 0-1 and 4-7
 are the nonce's: byte 0 is `0x01` and bytes 4-7 carry a per-session cookie, which is how one
-socket tells the sessions apart. There is no authentication tag: every check (length, type,
-cookie, sequence) runs before anything is decrypted, and a datagram that fails one is dropped and
-counted, never raised. A forged datagram with a live cookie but a wrong key cannot be recognised
-(it decrypts to noise); a stale key comes with a stale nonce, whose cookie is unknown.
+socket tells the sessions apart. There is no authentication tag: the structural checks (length,
+type, cookie, sequence) run before anything is decrypted, and a datagram that fails one is
+dropped and counted, never raised.
+
+Without a tag, a forged datagram with a live cookie decrypts to noise. What keeps a stranger who
+knows (or guessed) a cookie from steering a session:
+
+- the peer address (where the downlink goes) moves only after `move_confirmations` consecutive
+  packets from the new address whose sequence is ahead and whose decrypted payload is a
+  well-formed Opus packet (RFC 6716 §3.4) with a TOC byte the device's own stream has used, with
+  no valid packet from the current peer in between, and at most once per `move_interval_s`;
+  until then the old peer keeps the downlink and nothing from the new address is delivered;
+- only packets from the current peer advance the session's sequence or reach the audio sink
+  (which charges the device's inbound budget);
+- every datagram that fails a check is charged to its source address (IPv4 address, IPv6 /64)
+  in a token bucket; a source whose bucket is empty is dropped before any decryption, except
+  from a session's current peer. The table of sources is an LRU with a cap.
+
+See docs/mqtt.md, "UDP audio", for what this does and does not stop.
 
 The codec functions are pure (bytes in, bytes out) for tests; `UdpAudioChannel` is the one
 asyncio datagram endpoint that all sessions share.
 """
 
 import asyncio
+import ipaddress
+import math
 import os
 import secrets
 import struct
+import time
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -40,6 +59,8 @@ HEADER_SIZE = HEADER.size  # 16
 KEY_SIZE = 16
 DEFAULT_MAX_PAYLOAD = 1500  # a 60 ms Opus packet is far smaller; one Ethernet MTU is plenty
 MAX_SEQUENCE_JUMP = 1 << 16  # ~65 minutes of 60 ms frames lost in a row: not a live device
+MAX_OPUS_FRAME = 1275  # RFC 6716 §3.4 R2
+MAX_OPUS_PACKET_MS = 120.0  # RFC 6716 §3.4 R5
 _U32 = 0xFFFFFFFF
 _U128 = (1 << 128) - 1
 
@@ -57,6 +78,8 @@ class DropReason(StrEnum):
     UNKNOWN_COOKIE = "unknown_cookie"  # no live session has this ssrc
     REPLAY = "replay"  # sequence not above the last accepted one
     SEQUENCE_JUMP = "sequence_jump"  # more than MAX_SEQUENCE_JUMP above the last accepted one
+    IMPLAUSIBLE = "implausible"  # from a new address, and not a frame of the device's stream
+    SOURCE_BUDGET = "source_budget"  # its source address spent its budget for bad datagrams
     HANDLER_ERROR = "handler_error"  # the session's audio sink raised
     NO_PEER = "no_peer"  # downlink before any valid uplink taught us the address
     SEND_ERROR = "send_error"  # the socket refused a downlink datagram
@@ -72,6 +95,27 @@ class PacketError(BridgeError, ValueError):
 
 class UdpError(BridgeError):
     """The UDP channel cannot do what was asked (not started, bad parameters)."""
+
+
+@dataclass(frozen=True, slots=True)
+class UdpLimits:
+    """How the channel guards a session's peer address and its own CPU (docs/mqtt.md)."""
+
+    move_confirmations: int = 4  # consecutive valid packets from a new address before a move
+    move_interval_s: float = 5.0  # at most one move per session in this long
+    max_candidates: int = 4  # new addresses tracked per session at once
+    source_failures_per_s: float = 50.0  # bad datagrams a source address may send, sustained
+    source_burst: float = 200.0  # ... and in a burst
+    max_sources: int = 4096  # source addresses remembered (LRU)
+
+    def __post_init__(self) -> None:
+        if self.move_confirmations < 1 or self.max_candidates < 1 or self.max_sources < 1:
+            raise UdpError("move_confirmations, max_candidates and max_sources must be >= 1")
+        if self.source_failures_per_s <= 0 or self.source_burst < 1:
+            raise UdpError("the source budget needs a positive rate and a burst of at least 1")
+
+
+DEFAULT_LIMITS = UdpLimits()
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,14 +226,118 @@ def open_packet(
     return header, ctr_xor(key, datagram[:HEADER_SIZE], datagram[HEADER_SIZE:])
 
 
+# ---- Opus plausibility (RFC 6716 §3.4, written from the RFC) ---------------------------------
+
+_SILK_MS = (10.0, 20.0, 40.0, 60.0)
+_HYBRID_MS = (10.0, 20.0)
+_CELT_MS = (2.5, 5.0, 10.0, 20.0)
+
+
+def opus_frame_ms(toc: int) -> float:
+    """The duration of each frame of a packet, from the configuration in its TOC byte."""
+    config = toc >> 3
+    if config < 12:
+        return _SILK_MS[config % 4]
+    if config < 16:
+        return _HYBRID_MS[config % 2]
+    return _CELT_MS[config % 4]
+
+
+def _frame_length(packet: bytes, pos: int, end: int) -> tuple[int, int] | None:
+    """A coded frame length at `pos` (1 or 2 bytes) and the position after it."""
+    if pos >= end:
+        return None
+    first = packet[pos]
+    if first < 252:
+        return first, pos + 1
+    if pos + 1 >= end:
+        return None
+    return first + 4 * packet[pos + 1], pos + 2
+
+
+def _code3_ok(packet: bytes) -> bool:
+    size = len(packet)
+    if size < 2:
+        return False
+    count_byte = packet[1]
+    count = count_byte & 0x3F
+    if count == 0 or count * opus_frame_ms(packet[0]) > MAX_OPUS_PACKET_MS:
+        return False
+    pos, end = 2, size
+    if count_byte & 0x40:  # padding: length bytes, 255 meaning 254 and one more byte
+        while True:
+            if pos >= end:
+                return False
+            value = packet[pos]
+            pos += 1
+            end -= 254 if value == 255 else value
+            if value != 255:
+                break
+    if count_byte & 0x80:  # VBR: count - 1 coded lengths, the last frame takes the rest
+        total = 0
+        for _ in range(count - 1):
+            read = _frame_length(packet, pos, end)
+            if read is None:
+                return False
+            length, pos = read
+            total += length
+        last = end - pos - total
+        return 0 <= last <= MAX_OPUS_FRAME
+    rest = end - pos
+    return rest >= 0 and rest % count == 0 and rest // count <= MAX_OPUS_FRAME
+
+
+def opus_packet_ok(packet: bytes) -> bool:
+    """Whether `packet` is a well-formed Opus packet (RFC 6716 §3.4, rules R1-R7).
+
+    About half of all random byte strings pass; what makes noise stand out is the TOC byte,
+    which a device's encoder keeps from packet to packet (see `UdpSession`)."""
+    size = len(packet)
+    if size < 1:
+        return False
+    code = packet[0] & 0x03
+    body = size - 1
+    if code == 0:
+        return body <= MAX_OPUS_FRAME
+    if code == 1:
+        return body % 2 == 0 and body // 2 <= MAX_OPUS_FRAME
+    if code == 2:
+        read = _frame_length(packet, 1, size)
+        if read is None:
+            return False
+        first, pos = read
+        return 0 <= size - pos - first <= MAX_OPUS_FRAME
+    return _code3_ok(packet)
+
+
 # ---- sessions and the endpoint ------------------------------------------------------------------
+
+MAX_LEARNED_TOCS = 8  # distinct TOC bytes remembered per session (mode and bandwidth switches)
+
+
+class _Candidate:
+    """A new source address of a session, on its way to becoming the peer."""
+
+    __slots__ = ("count", "held", "last_seq")
+
+    def __init__(self, keep: int) -> None:
+        self.count = 0
+        self.last_seq = 0
+        self.held: deque[AudioFrame] = deque(maxlen=keep)  # delivered if the move happens
 
 
 class UdpSession:
-    """One audio channel: key, nonce (cookie), learned peer, sequence state, audio sink."""
+    """One audio channel: key, nonce (cookie), peer address, sequence state, audio sink.
+
+    The peer is learned from the first valid uplink. After that it moves only as the module
+    docstring says; only the peer's packets advance `last_uplink_seq` or reach `on_audio`."""
 
     __slots__ = (
+        "_candidates",
         "_ctr",
+        "_limits",
+        "_log",
+        "_tocs",
         "accepted",
         "closed",
         "cookie",
@@ -198,6 +346,8 @@ class UdpSession:
         "drops",
         "key",
         "last_uplink_seq",
+        "moved_at",
+        "moves",
         "nonce",
         "on_audio",
         "peer",
@@ -205,7 +355,14 @@ class UdpSession:
     )
 
     def __init__(
-        self, device_id: str, session_id: str, cookie: int, key: bytes, on_audio: AudioSink
+        self,
+        device_id: str,
+        session_id: str,
+        cookie: int,
+        key: bytes,
+        on_audio: AudioSink,
+        *,
+        limits: UdpLimits = DEFAULT_LIMITS,
     ) -> None:
         self.device_id = device_id
         self.session_id = session_id
@@ -217,37 +374,116 @@ class UdpSession:
         self.last_uplink_seq = 0  # the device's first packet after a hello is sequence 1
         self.downlink_seq = 0
         self.accepted = 0
+        self.moves = 0
+        self.moved_at = -math.inf
         self.closed = False
+        self._limits = limits
+        self._candidates: OrderedDict[Address, _Candidate] = OrderedDict()
+        self._tocs: list[int] = []  # TOC bytes of the peer's well-formed Opus packets
         self._ctr = CtrKeystream(key)
-        self.drops = _drop_log(log.bind(device_id=device_id, session_id=session_id))
+        self._log = log.bind(device_id=device_id, session_id=session_id)
+        self.drops = _drop_log(self._log)
 
     def hello_block(self, server: str, port: int) -> dict[str, object]:
         """The `udp` object of the server hello (key and nonce as 32 hex digits)."""
         return {"server": server, "port": port, "key": self.key.hex(), "nonce": self.nonce.hex()}
 
     def accept(
-        self, datagram: bytes, header: PacketHeader, source: Address
-    ) -> AudioFrame | DropReason:
-        """Sequence rule, address learning and decryption for a structurally valid datagram;
-        the reason when the sequence rule drops it."""
-        if header.sequence <= self.last_uplink_seq:
-            self.drops.hit(
-                DropReason.REPLAY, detail=f"sequence {header.sequence} <= {self.last_uplink_seq}"
-            )
+        self, datagram: bytes, header: PacketHeader, source: Address, now: float = 0.0
+    ) -> list[AudioFrame] | DropReason:
+        """The frames a structurally valid datagram releases (none while a new address is on
+        probation, several when its probation ends), or why it was dropped."""
+        if self.peer is None or source == self.peer:
+            return self._from_peer(datagram, header, source)
+        return self._from_candidate(datagram, header, source, now)
+
+    def _sequence_drop(self, sequence: int, last: int) -> DropReason | None:
+        if sequence <= last:
+            self.drops.hit(DropReason.REPLAY, detail=f"sequence {sequence} <= {last}")
             return DropReason.REPLAY
-        if header.sequence - self.last_uplink_seq > MAX_SEQUENCE_JUMP:
+        if sequence - last > MAX_SEQUENCE_JUMP:
             # The header is not authenticated (§2.3): without this bound one forged datagram
             # with sequence 0xFFFFFFFF would make every later uplink of the device a "replay".
-            self.drops.hit(
-                DropReason.SEQUENCE_JUMP,
-                detail=f"sequence {header.sequence} after {self.last_uplink_seq}",
-            )
+            self.drops.hit(DropReason.SEQUENCE_JUMP, detail=f"sequence {sequence} after {last}")
             return DropReason.SEQUENCE_JUMP
+        return None
+
+    def _from_peer(
+        self, datagram: bytes, header: PacketHeader, source: Address
+    ) -> list[AudioFrame] | DropReason:
+        dropped = self._sequence_drop(header.sequence, self.last_uplink_seq)
+        if dropped is not None:
+            return dropped
         self.last_uplink_seq = header.sequence
         self.peer = source
+        self._candidates.clear()  # the device is still here: probation starts over
         self.accepted += 1
         payload = self._ctr.xor(datagram[:HEADER_SIZE], datagram[HEADER_SIZE:])
-        return AudioFrame(payload, header.timestamp)
+        self._learn(payload)
+        return [AudioFrame(payload, header.timestamp)]
+
+    def _learn(self, payload: bytes) -> None:
+        if not payload or payload[0] in self._tocs or not opus_packet_ok(payload):
+            return
+        self._tocs.append(payload[0])
+        if len(self._tocs) > MAX_LEARNED_TOCS:
+            del self._tocs[0]
+
+    @property
+    def candidates(self) -> int:
+        """New source addresses on probation."""
+        return len(self._candidates)
+
+    def plausible(self, payload: bytes) -> bool:
+        """Could this be the device's next Opus packet? Well-formed, and (once the peer has sent
+        any well-formed one) with a TOC byte its encoder has used: noise passes about 1 in 500."""
+        if not opus_packet_ok(payload):
+            return False
+        return not self._tocs or payload[0] in self._tocs
+
+    def _from_candidate(
+        self, datagram: bytes, header: PacketHeader, source: Address, now: float
+    ) -> list[AudioFrame] | DropReason:
+        candidate = self._candidates.pop(source, None)  # any failure ends its streak
+        last = self.last_uplink_seq if candidate is None else candidate.last_seq
+        dropped = self._sequence_drop(header.sequence, max(last, self.last_uplink_seq))
+        if dropped is not None:
+            return dropped
+        payload = self._ctr.xor(datagram[:HEADER_SIZE], datagram[HEADER_SIZE:])
+        if not self.plausible(payload):
+            self.drops.hit(DropReason.IMPLAUSIBLE, detail=f"{len(payload)} bytes from {source[0]}")
+            return DropReason.IMPLAUSIBLE
+        if candidate is None:
+            candidate = _Candidate(self._limits.move_confirmations)
+            while len(self._candidates) >= self._limits.max_candidates:
+                self._candidates.popitem(last=False)
+        candidate.count += 1
+        candidate.last_seq = header.sequence
+        candidate.held.append(AudioFrame(payload, header.timestamp))
+        self._candidates[source] = candidate
+        if candidate.count < self._limits.move_confirmations:
+            return []
+        if now - self.moved_at < self._limits.move_interval_s:
+            return []  # moved a moment ago: stay on probation until the interval has passed
+        return self._move(source, candidate, now)
+
+    def _move(self, source: Address, candidate: _Candidate, now: float) -> list[AudioFrame]:
+        self._log.info(
+            "udp peer moved",
+            old=_show(self.peer),
+            new=_show(source),
+            confirmations=candidate.count,
+        )
+        self.peer = source
+        self.last_uplink_seq = candidate.last_seq
+        self.moved_at = now
+        self.moves += 1
+        self._candidates.clear()
+        frames = list(candidate.held)
+        self.accepted += len(frames)
+        for frame in frames:
+            self._learn(frame.payload)
+        return frames
 
     def seal_downlink(self, frame: AudioFrame) -> bytes:
         """Encrypt one downlink packet with the next sequence number (first is 1)."""
@@ -256,8 +492,73 @@ class UdpSession:
         return header + self._ctr.xor(header, frame.payload)
 
 
+def _show(address: Address | None) -> str | None:
+    return None if address is None else f"{address[0]}:{address[1]}"
+
+
 def _drop_log(logger: structlog.typing.FilteringBoundLogger) -> EventBudget:
     return EventBudget(logger, "udp datagram dropped", first=3, summary_interval_s=60.0)
+
+
+def source_key(host: str) -> str:
+    """Whom a failure is charged to: the IPv4 address, or the /64 of an IPv6 one (one host's
+    share of addresses); any source port, so port rotation buys nothing."""
+    if ":" not in host:
+        return host
+    try:
+        network = ipaddress.IPv6Network((host.split("%", 1)[0], 64), strict=False)
+    except ValueError:
+        return host
+    return str(network)
+
+
+class _Bucket:
+    __slots__ = ("stamp", "tokens")
+
+    def __init__(self, tokens: float, stamp: float) -> None:
+        self.tokens = tokens
+        self.stamp = stamp
+
+
+class SourceBudgets:
+    """A token bucket of failures per source address, in an LRU of at most `max_sources`.
+
+    Entries are made only by failures, so devices that behave never take a slot; an evicted
+    source starts again with a full bucket, which bounds memory, not the attacker's total."""
+
+    def __init__(self, limits: UdpLimits) -> None:
+        self._rate = limits.source_failures_per_s
+        self._burst = limits.source_burst
+        self._cap = limits.max_sources
+        self._buckets: OrderedDict[str, _Bucket] = OrderedDict()
+        self.evicted = 0
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+    def _refill(self, bucket: _Bucket, now: float) -> None:
+        if now > bucket.stamp:
+            bucket.tokens = min(self._burst, bucket.tokens + (now - bucket.stamp) * self._rate)
+        bucket.stamp = now
+
+    def exhausted(self, key: str, now: float) -> bool:
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            return False
+        self._refill(bucket, now)
+        return bucket.tokens < 1.0
+
+    def charge(self, key: str, now: float) -> None:
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            while len(self._buckets) >= self._cap:
+                self._buckets.popitem(last=False)
+                self.evicted += 1
+            bucket = self._buckets[key] = _Bucket(self._burst, now)
+        else:
+            self._buckets.move_to_end(key)
+            self._refill(bucket, now)
+        bucket.tokens = max(0.0, bucket.tokens - 1.0)
 
 
 class _Protocol(asyncio.DatagramProtocol):
@@ -281,14 +582,19 @@ class UdpAudioChannel:
         port: int = 8884,
         *,
         max_payload: int = DEFAULT_MAX_PAYLOAD,
+        limits: UdpLimits | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not 0 < max_payload <= 0xFFFF:
             raise UdpError("max_payload must be within 1..65535")
         self.host = host
         self._port = port
         self.max_payload = max_payload
+        self.limits = limits or DEFAULT_LIMITS
+        self._clock = clock
         self.counters: dict[str, int] = {}
         self._sessions: dict[int, UdpSession] = {}
+        self._sources = SourceBudgets(self.limits)
         self._transport: asyncio.DatagramTransport | None = None
         self._global_drops = _drop_log(log.bind(device_id=None))
 
@@ -323,7 +629,12 @@ class UdpAudioChannel:
         self.counters[name] = self.counters.get(name, 0) + amount
 
     def stats(self) -> dict[str, int]:
-        return {**self.counters, "sessions": len(self._sessions)}
+        return {
+            **self.counters,
+            "sessions": len(self._sessions),
+            "sources": len(self._sources),
+            "sources_evicted": self._sources.evicted,
+        }
 
     # -- sessions --
 
@@ -333,7 +644,7 @@ class UdpAudioChannel:
             cookie = int.from_bytes(os.urandom(4), "big")
             if cookie and cookie not in self._sessions:
                 break
-        session = UdpSession(device_id, session_id, cookie, new_key(), on_audio)
+        session = UdpSession(device_id, session_id, cookie, new_key(), on_audio, limits=self.limits)
         self._sessions[cookie] = session
         self.count("sessions_opened")
         return session
@@ -356,29 +667,61 @@ class UdpAudioChannel:
     def handle_datagram(self, data: bytes, source: Address) -> None:
         """Validate, route and decrypt one datagram; drops are counted, never raised."""
         self.count("rx_datagrams")
+        now = self._clock()
+        session = self._attribute(data)
+        trusted = session is not None and (session.peer is None or session.peer == source)
+        key = source_key(source[0])
+        if not trusted and self._sources.exhausted(key, now):
+            # Before any decryption or per-session log: this address has had its share.
+            self.count(f"drop_{DropReason.SOURCE_BUDGET}")
+            self._global_drops.hit(DropReason.SOURCE_BUDGET)
+            return
         try:
             header = parse_header(data, self.max_payload)
         except PacketError as exc:
-            self._drop(exc.reason, str(exc), self._attribute(data))
+            self._fail(key, now, exc.reason, str(exc), session)
             return
-        session = self._sessions.get(header.ssrc)
         if session is None:
-            self._drop(DropReason.UNKNOWN_COOKIE, f"cookie {header.ssrc:08x} from {source[0]}")
+            self._fail(key, now, DropReason.UNKNOWN_COOKIE, f"cookie {header.ssrc:08x} from {key}")
             return
-        frame = session.accept(data, header, source)
-        if isinstance(frame, DropReason):
-            self.count(f"drop_{frame}")
+        moves = session.moves
+        frames = session.accept(data, header, source, now)
+        if session.moves != moves:
+            self.count("peer_moves")
+        if isinstance(frames, DropReason):  # the session has logged it under its device
+            self._sources.charge(key, now)
+            self.count(f"drop_{frames}")
             return
-        self.count("rx_audio")
-        try:
-            session.on_audio(frame)
-        except Exception as exc:  # a faulty sink must not stop the endpoint
-            self._drop(DropReason.HANDLER_ERROR, f"{type(exc).__name__}: {exc}", session)
+        self._deliver(session, frames)
+
+    def _deliver(self, session: UdpSession, frames: list[AudioFrame]) -> None:
+        if not frames:
+            self.count("rx_held")  # valid, from an address on probation
+            return
+        if len(frames) > 1 or (session.peer is not None and session.moves and not session.accepted):
+            pass
+        for frame in frames:
+            self.count("rx_audio")
+            try:
+                session.on_audio(frame)
+            except Exception as exc:  # a faulty sink must not stop the endpoint
+                self._drop(DropReason.HANDLER_ERROR, f"{type(exc).__name__}: {exc}", session)
 
     def _attribute(self, data: bytes) -> UdpSession | None:
         if len(data) >= 8:
             return self._sessions.get(int.from_bytes(data[4:8], "big"))
         return None
+
+    def _fail(
+        self,
+        key: str,
+        now: float,
+        reason: DropReason,
+        detail: str,
+        session: UdpSession | None = None,
+    ) -> None:
+        self._sources.charge(key, now)
+        self._drop(reason, detail, session)
 
     def _drop(self, reason: DropReason, detail: str, session: UdpSession | None = None) -> None:
         self.count(f"drop_{reason}")
@@ -387,7 +730,7 @@ class UdpAudioChannel:
     # -- downlink --
 
     def send(self, session: UdpSession, frame: AudioFrame) -> bool:
-        """Send one Opus packet to the session's latest uplink address; False if dropped."""
+        """Send one Opus packet to the session's peer address; False if dropped."""
         if self._transport is None or session.closed:
             raise UdpError("udp session is closed")
         if len(frame.payload) > self.max_payload:
