@@ -341,9 +341,10 @@ async def test_two_pending_requests_for_one_mac_are_approved_by_code_only(
     code = (await real.check()).json()["activation"]["code"]
     await spoof.check()
     ambiguous = await admin.post("/api/provisioning/approve", json={"target": MAC})
-    assert ambiguous.status_code == 409 and ambiguous.json()["error"]["code"] == (
-        "ambiguous_activation"
-    )
+    error = ambiguous.json()["error"]
+    assert ambiguous.status_code == 409 and error["code"] == "ambiguous_activation"
+    assert "2 pending activations claim" in error["message"]
+    assert "approve by code" in error["message"]
     assert (await admin.post("/api/provisioning/approve", json={"target": code})).status_code == 200
     assert "websocket" in (await real.check()).json()
     assert "websocket" not in (await spoof.check()).json()
@@ -473,18 +474,22 @@ def test_serve_warns_about_shared_and_off_device_auth_only(
 # ---- abuse limits --------------------------------------------------------------------------------
 
 
-async def test_pending_activations_are_capped(
+async def test_a_full_pending_table_replaces_its_least_recently_seen_request(
     bridge_factory: Callable[..., Any], http: httpx.AsyncClient
 ) -> None:
+    # Loopback is exempt from the per-address shares: only the table's own cap applies, and a
+    # newcomer is never refused for it (the oldest request of the largest prefix makes room).
     bridge: Bridge = await bridge_factory(device_auth="device", max_pending_activations=3)
     url = bridge.provisioning.ota_url
-    statuses = [
-        (await StockOta(http, url, mac=f"a4:cf:00:00:02:{i:02x}").check()).status_code
-        for i in range(4)
-    ]
-    assert statuses == [200, 200, 200, 503]
-    # A device already pending keeps polling.
-    assert (await StockOta(http, url, mac="a4:cf:00:00:02:00").check()).status_code == 200
+    answers = [await StockOta(http, url, mac=f"a4:cf:00:00:02:{i:02x}").check() for i in range(4)]
+    assert [answer.status_code for answer in answers] == [200, 200, 200, 200]
+    store = bridge.provisioning.store
+    assert store.pending_count == 3
+    pending = {p.device_id for p in store.pending()}
+    assert pending == {f"a4:cf:00:00:02:{i:02x}" for i in (1, 2, 3)}  # the first one went
+    # A device already pending keeps polling with its code.
+    again = await StockOta(http, url, mac="a4:cf:00:00:02:03").check()
+    assert again.json()["activation"]["code"] == answers[3].json()["activation"]["code"]
 
 
 async def test_ota_activation_and_handshake_rate_limits_trigger_and_recover(

@@ -14,7 +14,7 @@ from backend.provisioning.ota import (
     summarize,
     upgrade,
 )
-from backend.provisioning.ratelimit import KeyedLimiter, Limits, host_of
+from backend.provisioning.ratelimit import KeyedLimiter, Limits, device_key, host_of, partition_of
 from backend.provisioning.tokens import bare_token, derive_token, token_hash
 from tests.helpers import ManualClock
 
@@ -199,3 +199,27 @@ def test_tokens_are_per_device_and_per_generation() -> None:
     assert derive_token(b"t" * 32, "a4:cf:12:34:56:78", 1) != first
     assert token_hash(first) != first and len(token_hash(first)) == 64
     assert bare_token(f"Bearer {first}") == first == bare_token(first)
+
+
+@pytest.mark.parametrize(
+    ("ip", "partition"),
+    [
+        ("203.0.113.7", ("203.0.113.7", "203.0.113.0/24")),
+        ("2001:db8:1:2:aaaa::1", ("2001:db8:1:2:aaaa::1", "2001:db8:1:2::/64")),
+        ("[2001:db8:1:2::9]", ("2001:db8:1:2::9", "2001:db8:1:2::/64")),
+        ("fe80::1%eth0", ("fe80::1", "fe80::/64")),
+        ("::ffff:198.51.100.20", ("198.51.100.20", "198.51.100.0/24")),  # mapped: IPv4
+        (None, ("unknown", "unknown")),
+        ("not an address", ("unknown", "unknown")),
+    ],
+)
+def test_pending_activations_are_shared_out_by_address_and_prefix(
+    ip: str | None, partition: tuple[str, str]
+) -> None:
+    assert partition_of(ip) == partition
+
+
+def test_a_device_budget_is_the_devices_own_only_once_its_client_id_is_checked() -> None:
+    assert device_key("a4:cf:00:00:00:01", "c1", checked=True) == "a4:cf:00:00:00:01"
+    unchecked = {device_key("a4:cf:00:00:00:01", c, checked=False) for c in ("c1", "c2")}
+    assert len(unchecked) == 2 and "a4:cf:00:00:00:01" not in unchecked

@@ -1,8 +1,10 @@
 """Admin API routes of provisioning, firmware releases and the audit log (scope `admin`).
 
 - `GET /api/provisioning/pending`: `{pending: [{code, device_id, client_id, serial_number,
-  serial_check, remote, board, firmware, chip, created_at, last_seen}]}`;
-- `POST /api/provisioning/approve`: body `{target: CODE or DEVICE_ID, transport?}`;
+  serial_check, remote, board, firmware, chip, created_at, last_seen, candidates}]}`
+  (`candidates`: how many pending requests claim that device id);
+- `POST /api/provisioning/approve`: body `{target: CODE or DEVICE_ID, transport?}` (by device
+  id only while one request claims it: 409 `ambiguous_activation` otherwise);
 - `GET /api/provisioning/devices`: `{devices: [{device_id, client_id, status, generation, ...}]}`;
 - `POST /api/provisioning/devices/{device_id}/revoke`: its live link is closed at once;
 - `PUT /api/provisioning/devices/{device_id}/transport`: body `{transport}` (or null);

@@ -5,7 +5,7 @@
 
 - `pending`: activation requests waiting for the operator, with the code each device shows;
 - `approve CODE|DEVICE`: give the device its own credentials (by the code it shows, or by its
-  id when only one request is pending for it);
+  id when only one request is pending for it; with several candidates, only by code);
 - `revoke DEVICE`: its token stops working and its live link is closed at once;
 - `transport DEVICE websocket|mqtt|default`: what its next OTA answer hands it;
 - `enroll`: a one-time (or N-time) enrollment code for fleets: a device whose OTA URL carries
@@ -91,14 +91,21 @@ def pending(
     if not rows:
         say("no pending activations")
         return
-    table = Table("code", "device_id", "client_id", "board", "firmware", "serial", "from", "since")
-    for row in rows:
+    table = Table(
+        "code", "device_id", "claims", "client_id", "board", "firmware", "serial", "from", "since"
+    )
+    contested: dict[str, int] = {}
+    for row in sorted(rows, key=lambda r: (r["device_id"], r["created_at"])):
         serial = row["serial_number"] or ""
         if serial:
             serial += f" ({row['serial_check']})"
+        claims = int(row.get("candidates") or 1)
+        if claims > 1:
+            contested[row["device_id"]] = claims
         table.add_row(
             row["code"],
             row["device_id"],
+            f"1 of {claims}" if claims > 1 else "",
             row["client_id"],
             row["board"] or "",
             row["firmware"] or "",
@@ -107,6 +114,12 @@ def pending(
             row["created_at"],
         )
     console.print(table)
+    for device_id, claims in contested.items():
+        # Only the code on the device's screen tells the real device from a stranger with its MAC.
+        say(
+            f"{device_id}: {claims} candidates (different Client-Ids); approve the code "
+            "the device shows: esp32-bridge devices approve CODE"
+        )
 
 
 @devices_app.command("approve")

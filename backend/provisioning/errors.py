@@ -22,13 +22,17 @@ class UnknownActivation(ProvisioningError):
 
 
 class AmbiguousActivation(ProvisioningError):
-    """Several pending activations for one device id (different Client-Ids): use the code."""
+    """Several pending activations claim one device id (different Client-Ids): a stranger who
+    knows the MAC may be one of them, so only the code on the device's screen picks it."""
 
-    def __init__(self, device_id: str, count: int) -> None:
+    def __init__(self, device_id: str, remotes: list[str | None]) -> None:
+        addresses = ", ".join(sorted({r or "unknown" for r in remotes}))
         super().__init__(
-            f"{count} pending activations for {device_id!r} (different Client-Ids): "
-            "approve by the code the device shows"
+            f"{len(remotes)} pending activations claim {device_id!r} (different Client-Ids, "
+            f"from {addresses}); approve by code: `esp32-bridge devices approve CODE` with the "
+            "code the device shows (`esp32-bridge devices pending` lists each candidate)"
         )
+        self.device_id = device_id
 
 
 class NotVerified(ProvisioningError):

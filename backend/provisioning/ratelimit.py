@@ -6,8 +6,15 @@ token. Tables keep at most `max_keys` buckets (least recently used go first), so
 invented ids or addresses costs bounded memory. Addresses in `exempt` networks (loopback by
 default: simulators and benchmarks on the bridge's machine) are not limited per IP; their
 devices still are.
+
+Per-device buckets are keyed by `device_key`: the Device-Id alone only for a request that
+passed the Client-Id check (the Client-Id the device was approved with), the Device-Id and the
+Client-Id otherwise, so a stranger who knows a device's MAC address spends buckets of its own,
+never the device's. `partition_of` names the address and the prefix (IPv4 /24, IPv6 /64) that
+pending activations are shared out by.
 """
 
+import ipaddress
 import time
 from collections.abc import Callable, Iterable, Mapping
 
@@ -66,6 +73,28 @@ def host_of(remote: str | None) -> str | None:
         return None
     host, sep, _port = remote.rpartition(":")
     return host.strip("[]") if sep else remote
+
+
+def device_key(device_id: str, client_id: str | None, *, checked: bool) -> str:
+    """The per-device bucket of a request: the device's own only once its Client-Id is checked."""
+    return device_id if checked or client_id is None else f"{device_id} {client_id}"
+
+
+UNKNOWN_ADDRESS = "unknown"
+
+
+def partition_of(ip: str | None) -> tuple[str, str]:
+    """(address, prefix) of a client IP: the prefix is its IPv4 /24 or IPv6 /64 (an IPv4-mapped
+    IPv6 address counts as IPv4); anything unparseable shares one partition."""
+    try:
+        address = ipaddress.ip_address((ip or "").strip("[]").split("%", 1)[0])
+    except ValueError:
+        return UNKNOWN_ADDRESS, UNKNOWN_ADDRESS
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    bits = 24 if address.version == 4 else 64
+    prefix = ipaddress.ip_network(f"{address}/{bits}", strict=False)
+    return str(address), str(prefix)
 
 
 class HandshakeLimiter:

@@ -39,9 +39,15 @@ from backend.auth import DEVICE_TOKEN_FILE, load_or_create_secret, read_token
 from backend.config import Settings
 from backend.devices.registry import DeviceRegistry
 from backend.firmware.releases import FIRMWARE_DIR, FIRMWARE_MIGRATIONS, FirmwareReleases, Release
+from backend.logs import LogBudget
 from backend.provisioning import ota as proto
 from backend.provisioning.errors import TooManyPending
-from backend.provisioning.ratelimit import HandshakeLimiter, Limits, host_of
+from backend.provisioning.ratelimit import (
+    HandshakeLimiter,
+    Limits,
+    device_key,
+    host_of,
+)
 from backend.provisioning.store import (
     PROVISIONING_MIGRATIONS,
     Enrollment,
@@ -104,6 +110,7 @@ class Provisioning:
             max_pending=settings.max_pending_activations,
             pending_ttl_s=settings.activation_ttl_s,
             require_hmac=settings.activation_require_hmac,
+            exempt=settings.rate_limit_exempt,
         )
         self.releases = FirmwareReleases(
             database, settings.data_dir / FIRMWARE_DIR, max_attempts=settings.firmware_max_attempts
@@ -115,6 +122,8 @@ class Provisioning:
         self._server_task: asyncio.Task[None] | None = None
         self._socket: socket.socket | None = None
         self._mqtt_warned = False
+        # Refusals a stranger can cause at line rate: a few are logged, then one count a minute.
+        self._refusals = LogBudget(log, burst=5, interval_s=60.0)
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -178,7 +187,9 @@ class Provisioning:
     # ---- what devices ask ------------------------------------------------------------------------
 
     def identify(self, kind: str, raw: dict[str, str | None]) -> OtaHeadersOrAnswer:
-        """The request's headers, checked and rate limited: OtaHeaders, or the refusal."""
+        """The request's headers, checked and limited per address: OtaHeaders, or the refusal.
+        The per-device budget is charged later (`_device_limited`), once the Client-Id is
+        checked."""
         ip = host_of(raw.get("remote"))
         limited = self.limits.ip_refusal(kind, ip)
         if limited is not None:
@@ -190,9 +201,6 @@ class Provisioning:
         client_id = (raw.get("client_id") or "").strip()
         if not client_id or len(client_id) > 128 or not client_id.isprintable():
             return refusal(400, "missing or malformed Client-Id header")
-        limited = self.limits.device_refusal(kind, device_id)
-        if limited is not None:
-            return refusal(429, limited, **{"Retry-After": "10"})
         serial = (raw.get("serial_number") or "").strip() or None
         if serial is not None and (len(serial) > 64 or not serial.isprintable()):
             return refusal(400, "malformed Serial-Number header")
@@ -215,58 +223,76 @@ class Provisioning:
         host: str | None,
     ) -> Answer:
         """The answer to an OTA check (POST <ota_path>) of a device."""
+        mode = self.settings.device_auth
+        device = self.store.approved_for(headers.device_id, headers.client_id)
+        checked = mode != "device" or device is not None
+        limited = self._device_limited("ota", headers, checked=checked)
+        if limited is not None:
+            return limited
         info = proto.summarize(body, headers)
-        log_ = log.bind(device_id=headers.device_id)
         answer: dict[str, Any] = {
             "server_time": proto.server_time(self.settings.ota_timezone_offset_min)
         }
-        mode = self.settings.device_auth
         if mode != "device":
             self.registry.reported(headers.device_id, headers.client_id, info)
             self._add_firmware(answer, headers.device_id, info, host)
             token = "" if mode == "off" or self._shared_token is None else self._shared_token
             answer["websocket"] = proto.websocket_section(self._websocket_url(host), token)
             return Answer(200, answer)
-        device = self.store.approved_for(headers.device_id, headers.client_id)
         if device is None:
             device = await self._auto_approve(headers, info, enrollment)
         if device is None:
-            try:
-                request = self.store.request_activation(
-                    headers.device_id,
-                    headers.client_id,
-                    serial_number=headers.serial_number,
-                    remote=headers.remote,
-                    info={k: v for k, v in info.items() if k != "system_info"},
-                )
-            except TooManyPending as exc:
-                log_.warning("activation refused", reason=str(exc), remote=headers.remote)
-                return refusal(503, str(exc), **{"Retry-After": "60"})
-            section = proto.no_upgrade(info.get("firmware_version"))
-            if section is not None:
-                answer["firmware"] = section
-            answer["activation"] = self._activation(request)
-            return Answer(200, answer)
+            return self._pending_answer(headers, info, answer)
         self.registry.reported(headers.device_id, headers.client_id, info)
         token = await self.store.deliver(device)
         self._add_firmware(answer, headers.device_id, info, host)
         answer.update(self._credentials(device, headers, token, host))
-        log_.debug("ota check answered", board=info.get("board_type"))
+        log.debug("ota check answered", device_id=headers.device_id, board=info.get("board_type"))
+        return Answer(200, answer)
+
+    def _pending_answer(
+        self, headers: proto.OtaHeaders, info: dict[str, Any], answer: dict[str, Any]
+    ) -> Answer:
+        """An activation code for a device nobody approved (503 past its address's share)."""
+        try:
+            request = self.store.request_activation(
+                headers.device_id,
+                headers.client_id,
+                serial_number=headers.serial_number,
+                remote=headers.remote,
+                info={k: v for k, v in info.items() if k != "system_info"},
+            )
+        except TooManyPending as exc:
+            self._refusals.warning(
+                "activation refused",
+                device_id=headers.device_id,
+                reason=str(exc),
+                remote=headers.remote,
+            )
+            return refusal(503, str(exc), **{"Retry-After": "60"})
+        section = proto.no_upgrade(info.get("firmware_version"))
+        if section is not None:
+            answer["firmware"] = section
+        answer["activation"] = self._activation(request)
         return Answer(200, answer)
 
     async def activate(self, headers: proto.OtaHeaders, body: dict[str, Any]) -> Answer:
         """POST <ota_path>activate: 200 approved, 202 pending, 403 a wrong HMAC, 404 nothing
         pending (the device checks for updates again and gets a code)."""
-        if self.settings.device_auth != "device":
-            return Answer(200, {"status": "activated"})
-        if self.store.approved_for(headers.device_id, headers.client_id) is not None:
+        mode = self.settings.device_auth
+        approved = self.store.approved_for(headers.device_id, headers.client_id) is not None
+        limited = self._device_limited("activate", headers, checked=mode != "device" or approved)
+        if limited is not None:
+            return limited
+        if mode != "device" or approved:
             return Answer(200, {"status": "activated"})
         request = self.store.find_pending(headers.device_id, headers.client_id)
         if request is None:
             return refusal(404, "no pending activation: check for updates again")
+        self.store.seen(request)
         checked = self.store.check_hmac(request, body)
         if checked == "invalid":
-            log.warning(
+            self._refusals.warning(
                 "activation with a wrong HMAC or challenge",
                 device_id=headers.device_id,
                 remote=headers.remote,
@@ -307,6 +333,16 @@ class Provisioning:
         return device
 
     # ---- internals -------------------------------------------------------------------------------
+
+    def _device_limited(
+        self, kind: str, headers: proto.OtaHeaders, *, checked: bool
+    ) -> Answer | None:
+        """Charge the per-device budget: the device's own once its Client-Id is checked (the one
+        it was approved with), else one of this (Device-Id, Client-Id) pair's, so a stranger with
+        the device's MAC never spends the device's budget."""
+        key = device_key(headers.device_id, headers.client_id, checked=checked)
+        limited = self.limits.device_refusal(kind, key)
+        return None if limited is None else refusal(429, limited, **{"Retry-After": "10"})
 
     @property
     def _shared_token(self) -> str | None:

@@ -9,11 +9,22 @@ never hands out a token); pending activations are written behind, batched, so a 
 devices costs one transaction per flush, and their codes survive a restart.
 
 A pending activation belongs to one (Device-Id, Client-Id) pair: it keeps its code while the
-device polls, at most `MAX_PENDING_PER_DEVICE` pairs per Device-Id exist at once, and one the
-device stops polling is forgotten after `pending_ttl_s`. Approval binds the device's credentials
-to that Client-Id: the OTA endpoint hands the token only to the same Client-Id (a stranger who
-knows the MAC address gets an activation code of their own, which the operator never sees on
-the real device's screen).
+device polls, and one the device stops polling is forgotten after `pending_ttl_s`. Approval
+binds the device's credentials to that Client-Id: the OTA endpoint hands the token only to the
+same Client-Id (a stranger who knows the MAC address gets an activation code of their own,
+which the operator never sees on the real device's screen).
+
+Nobody's requests can block someone else's activation:
+
+- The table is shared out by address: one address holds at most `max_pending // 64` requests,
+  one IPv4 /24 or IPv6 /64 at most `max_pending // 16` (addresses in `exempt` networks, loopback
+  by default, are not capped); past its share a request is refused (TooManyPending, 503).
+  When the whole table is full (many prefixes, or an exempt one), a new request takes the place
+  of the least recently seen request of the prefix holding the most.
+- A Device-Id is never reserved: it keeps up to `MAX_PENDING_PER_DEVICE` candidates (each with
+  its own code, Client-Id and address); one more takes the place of the least recently seen
+  candidate of the prefix holding the most of them. The operator approves the candidate whose
+  code the device shows; approval by device id is refused while there are several.
 """
 
 import asyncio
@@ -31,6 +42,7 @@ from typing import Any, Literal
 import structlog
 
 from backend.devices.registry import iso_time
+from backend.logs import LogBudget
 from backend.provisioning.errors import (
     AmbiguousActivation,
     InvalidInput,
@@ -41,9 +53,11 @@ from backend.provisioning.errors import (
     UnknownEnrollment,
     UnknownSerialKey,
 )
+from backend.provisioning.ratelimit import partition_of
 from backend.provisioning.tokens import bare_token, derive_token, hmac_sha256_hex, token_hash
 from backend.storage import Database, DatabaseError, Migration, WriteBehind
 from backend.transports.mqtt_topics import TopicError, device_key
+from backend.transports.throttle import ExemptNetworks
 
 log = structlog.get_logger("provisioning")
 
@@ -96,7 +110,7 @@ PROVISIONING_MIGRATIONS = (
     ),
 )
 
-MAX_PENDING_PER_DEVICE = 4
+MAX_PENDING_PER_DEVICE = 8  # candidates per Device-Id (a new one replaces one)
 CODE_DIGITS = 6
 ENROLLMENT_PREFIX = "enr-"
 Transport = Literal["websocket", "mqtt"]
@@ -222,12 +236,19 @@ class ProvisioningStore:
         max_pending: int = 4096,
         pending_ttl_s: float = 86400.0,
         require_hmac: bool = False,
+        exempt: Iterable[str] = (),
         flush_interval_s: float = 0.5,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._db = database
         self._secret = secret
         self.max_pending = max_pending
+        self.per_address = max(1, max_pending // 64)
+        self.per_prefix = max(self.per_address, max_pending // 16)
+        self._exempt = ExemptNetworks(exempt)
+        # Requests that replace another (a full table, a contested Device-Id) are what a flood
+        # looks like: a few are logged, then one count a minute.
+        self._churn = LogBudget(log, burst=5, interval_s=60.0)
         self.pending_ttl_s = pending_ttl_s
         self.require_hmac = require_hmac
         self._clock = clock
@@ -236,7 +257,10 @@ class ProvisioningStore:
         self._by_key: dict[str, str] = {}  # broker username (device key) -> device id
         self._pending: dict[str, PendingActivation] = {}  # code -> request
         self._pending_of: dict[tuple[str, str], str] = {}  # (device id, client id) -> code
-        self._pending_count: dict[str, int] = {}  # device id -> pending requests
+        self._candidates: dict[str, dict[str, None]] = {}  # device id -> its codes
+        self._partition: dict[str, tuple[str, str]] = {}  # code -> (address, prefix)
+        self._by_address: dict[str, int] = {}  # address -> pending requests
+        self._by_prefix: dict[str, dict[str, None]] = {}  # prefix -> codes, least recent first
         self._serial_keys: dict[str, bytes] = {}
         self._enrollments: dict[str, Enrollment] = {}  # id -> code
         self._enrollment_by_hash: dict[str, str] = {}
@@ -262,7 +286,7 @@ class ProvisioningStore:
         for row in devices:
             self._index(_provisioned(row))
         now = self._clock()
-        for row in pending:
+        for row in sorted(pending, key=lambda r: float(r["last_seen"])):  # oldest first
             request = _pending(row)
             if now - request.last_seen < self.pending_ttl_s:
                 self._add_pending(request)
@@ -355,13 +379,23 @@ class ProvisioningStore:
         return sorted(self._pending.values(), key=lambda p: (p.created_at, p.code))
 
     def pending_json(self) -> list[dict[str, Any]]:
+        """Every pending request; `candidates` counts the requests that claim its Device-Id."""
         return [
-            p.to_json(key_registered=p.serial_number in self._serial_keys) for p in self.pending()
+            {
+                **p.to_json(key_registered=p.serial_number in self._serial_keys),
+                "candidates": len(self._candidates.get(p.device_id, ())),
+            }
+            for p in self.pending()
         ]
 
     def find_pending(self, device_id: str, client_id: str) -> PendingActivation | None:
         code = self._pending_of.get((device_id, client_id))
         return self._pending.get(code) if code is not None else None
+
+    def candidates(self, device_id: str) -> list[PendingActivation]:
+        """The pending requests that claim this Device-Id, oldest first."""
+        codes = self._candidates.get(device_id, {})
+        return sorted((self._pending[c] for c in codes), key=lambda p: (p.created_at, p.code))
 
     def request_activation(
         self,
@@ -373,11 +407,11 @@ class ProvisioningStore:
         info: dict[str, Any],
     ) -> PendingActivation:
         """The pending activation of this (device, client): the same code while it polls, a new
-        one the first time. TooManyPending when the caps are reached."""
+        one the first time. TooManyPending when the address's or prefix's share is used up."""
         now = self._clock()
         existing = self.find_pending(device_id, client_id)
         if existing is not None and now - existing.last_seen < self.pending_ttl_s:
-            existing.last_seen = now
+            self.seen(existing)
             existing.remote = remote
             existing.info = info
             existing.polls += 1
@@ -388,14 +422,9 @@ class ProvisioningStore:
             return existing
         if existing is not None:
             self._remove_pending(existing.code)
-        if len(self._pending) >= self.max_pending:
-            self._expire()
-            if len(self._pending) >= self.max_pending:
-                raise TooManyPending(f"{self.max_pending} activations are pending already")
-        if self._pending_count.get(device_id, 0) >= MAX_PENDING_PER_DEVICE:
-            raise TooManyPending(
-                f"{MAX_PENDING_PER_DEVICE} activations are pending for {device_id!r} already"
-            )
+        address, prefix = partition_of(remote)
+        self._check_share(remote, address, prefix)
+        replaced = self._make_room_for_candidate(device_id, prefix) or self._make_room(prefix)
         request = PendingActivation(
             code=self._new_code(),
             device_id=device_id,
@@ -409,14 +438,32 @@ class ProvisioningStore:
         )
         self._add_pending(request)
         self._mark(request.code)
-        log.info(
-            "activation requested",
-            device_id=device_id,
-            code=request.code,
-            remote=remote,
-            board=info.get("board_type"),
-        )
+        fields: dict[str, Any] = {
+            "device_id": device_id,
+            "code": request.code,
+            "remote": remote,
+            "board": info.get("board_type"),
+            "candidates": len(self._candidates.get(device_id, ())),
+        }
+        if replaced is None:
+            log.info("activation requested", **fields)
+        else:
+            self._churn.info(
+                "activation requested in place of another",
+                replaced_device_id=replaced.device_id,
+                replaced_remote=replaced.remote,
+                **fields,
+            )
         return request
+
+    def seen(self, request: PendingActivation) -> None:
+        """The device behind `request` polled (an OTA check or an activation poll): it is the
+        most recently seen of its prefix, the last one a newcomer would replace."""
+        request.last_seen = self._clock()
+        members = self._by_prefix.get(self._partition.get(request.code, ("", ""))[1])
+        if members is not None and request.code in members:
+            del members[request.code]
+            members[request.code] = None
 
     def check_hmac(self, request: PendingActivation, body: dict[str, Any]) -> HmacCheck:
         """Check an activation body (§5.3) against the request's challenge and the serial
@@ -462,7 +509,7 @@ class ProvisioningStore:
             if not candidates:
                 raise UnknownActivation(target)
             if len(candidates) > 1:
-                raise AmbiguousActivation(device_id, len(candidates))
+                raise AmbiguousActivation(device_id, [p.remote for p in candidates])
             request = candidates[0]
         self._check_verified(request)
         return await self.approve_request(request, by=by, transport=transport)
@@ -697,23 +744,80 @@ class ProvisioningStore:
                 return code
 
     def _add_pending(self, request: PendingActivation) -> None:
+        address, prefix = partition_of(request.remote)
         self._pending[request.code] = request
         self._pending_of[(request.device_id, request.client_id)] = request.code
-        self._pending_count[request.device_id] = self._pending_count.get(request.device_id, 0) + 1
+        self._candidates.setdefault(request.device_id, {})[request.code] = None
+        self._partition[request.code] = (address, prefix)
+        self._by_address[address] = self._by_address.get(address, 0) + 1
+        self._by_prefix.setdefault(prefix, {})[request.code] = None
 
     def _remove_pending(self, code: str) -> None:
         request = self._pending.pop(code, None)
         if request is None:
             return
         self._pending_of.pop((request.device_id, request.client_id), None)
-        left = self._pending_count.get(request.device_id, 1) - 1
+        _discard(self._candidates, request.device_id, code)
+        address, prefix = self._partition.pop(code)
+        left = self._by_address.get(address, 1) - 1
         if left > 0:
-            self._pending_count[request.device_id] = left
+            self._by_address[address] = left
         else:
-            self._pending_count.pop(request.device_id, None)
+            self._by_address.pop(address, None)
+        _discard(self._by_prefix, prefix, code)
         self._dirty.discard(code)
         self._dropped.add(code)
         self._writer.wake()
+
+    def _check_share(self, ip: str | None, address: str, prefix: str) -> None:
+        """TooManyPending when this address or prefix holds its share of the table already."""
+        if ip is not None and ip in self._exempt:
+            return
+        if self._by_address.get(address, 0) >= self.per_address:
+            self._expire()
+        if self._by_address.get(address, 0) >= self.per_address:
+            raise TooManyPending(
+                f"{self.per_address} activations are pending from this address already"
+            )
+        if len(self._by_prefix.get(prefix, ())) >= self.per_prefix:
+            self._expire()
+        if len(self._by_prefix.get(prefix, ())) >= self.per_prefix:
+            raise TooManyPending(
+                f"{self.per_prefix} activations are pending from this network already"
+            )
+
+    def _make_room_for_candidate(self, device_id: str, prefix: str) -> PendingActivation | None:
+        """A Device-Id with all its candidates taken loses one, never the newcomer: the least
+        recently seen of the prefix that holds the most of them (the newcomer counted)."""
+        codes = self._candidates.get(device_id, {})
+        if len(codes) < MAX_PENDING_PER_DEVICE:
+            return None
+        groups: dict[str, list[PendingActivation]] = {}
+        for code in codes:
+            groups.setdefault(self._partition[code][1], []).append(self._pending[code])
+        largest = max(len(members) + (key == prefix) for key, members in groups.items())
+        crowded = [r for k, m in groups.items() if len(m) + (k == prefix) == largest for r in m]
+        evicted = min(crowded, key=lambda r: (r.last_seen, r.created_at, r.code))
+        self._remove_pending(evicted.code)
+        return evicted
+
+    def _make_room(self, prefix: str) -> PendingActivation | None:
+        """A full table loses the least recently seen request of the prefix that holds the most
+        (the newcomer counted): a flood from a few networks churns only itself."""
+        if len(self._pending) < self.max_pending:
+            return None
+        self._expire()
+        if len(self._pending) < self.max_pending:
+            return None
+        largest = max(len(m) + (k == prefix) for k, m in self._by_prefix.items())
+        heads = [
+            self._pending[next(iter(m))]
+            for k, m in self._by_prefix.items()
+            if m and len(m) + (k == prefix) == largest
+        ]
+        evicted = min(heads, key=lambda r: (r.last_seen, r.created_at, r.code))
+        self._remove_pending(evicted.code)
+        return evicted
 
     def _expire(self) -> None:
         cutoff = self._clock() - self.pending_ttl_s
@@ -849,6 +953,14 @@ def _enrollment(row: sqlite3.Row) -> Enrollment:
         created_at=row["created_at"],
         revoked_at=row["revoked_at"],
     )
+
+
+def _discard(index: dict[str, dict[str, None]], key: str, code: str) -> None:
+    members = index.get(key)
+    if members is not None:
+        members.pop(code, None)
+        if not members:
+            del index[key]
 
 
 def _iso(moment: float | None) -> str | None:
