@@ -51,6 +51,11 @@ PARSERS: dict[str, tuple[SearchStrategy[Any], Callable[..., None], bool]] = {
         fuzzing.check_argument_check,
         True,
     ),
+    "MQTT 3.1.1 packets (`PacketReader`, fed in 7-byte pieces)": (
+        fuzzing.mqtt_streams,
+        fuzzing.check_mqtt_stream,
+        False,
+    ),
     "firmware MCP server `McpServer.handle` (CPython)": (
         firmware_fuzzing.handle_inputs,
         firmware_fuzzing.check_handle_input,

@@ -237,3 +237,58 @@ def check_api_body(body: bytes) -> None:
     except ValidationError:
         return
     assert isinstance(request, ToolCallRequest)
+
+
+# MQTT 3.1.1 as a device (or anyone on the broker port) may send it: well-formed packets of every
+# type, the same with one byte changed or cut, and bytes with a plausible first byte.
+def _mqtt_string(text: bytes) -> bytes:
+    return len(text).to_bytes(2, "big") + text
+
+
+def _varint(size: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, size = size & 0x7F, size >> 7
+        out.append(byte | (0x80 if size else 0))
+        if not size:
+            return bytes(out)
+
+
+@st.composite
+def mqtt_packet_bytes(draw: st.DrawFn) -> bytes:
+    kind = draw(st.integers(0, 15))
+    flags = draw(st.sampled_from([0, 2, draw(st.integers(0, 15))]))
+    topic = draw(st.binary(max_size=12) | st.sampled_from([b"xiaozhi/a/up", b"#", b"a/+/b", b""]))
+    shape = draw(st.integers(0, 3))
+    if shape == 0:  # a CONNECT's variable header, any flags, a client id
+        connect_flags = draw(st.integers(0, 255))
+        client_id = _mqtt_string(draw(st.binary(max_size=8)))
+        body = _mqtt_string(b"MQTT") + bytes([4, connect_flags, 0, 60]) + client_id
+    elif shape == 1:  # a PUBLISH-shaped body
+        body = _mqtt_string(topic) + draw(st.binary(max_size=4)) + draw(st.binary(max_size=32))
+    else:
+        body = draw(st.binary(max_size=6 if shape == 2 else 64))
+    if draw(st.booleans()) and body:  # one byte changed
+        at = draw(st.integers(0, len(body) - 1))
+        body = body[:at] + bytes([draw(st.integers(0, 255))]) + body[at + 1 :]
+    data = bytes([kind << 4 | flags]) + _varint(len(body)) + body
+    cut = draw(st.integers(0, len(data)))
+    return data[:cut] if draw(st.booleans()) else data + draw(st.binary(max_size=16))
+
+
+mqtt_streams = st.lists(mqtt_packet_bytes(), min_size=1, max_size=4).map(b"".join)
+
+
+def check_mqtt_stream(data: bytes) -> None:
+    """The MQTT codec: whole packets or MalformedPacket, never another exception, and a bounded
+    buffer whatever the remaining length claims."""
+    from backend.protocol.mqtt_packets import MalformedPacket, PacketReader
+
+    reader = PacketReader(max_packet_bytes=256)
+    for at in range(0, len(data), 7):  # fed in pieces, as TCP delivers it
+        reader.feed(data[at : at + 7])
+        try:
+            list(reader.packets())
+        except MalformedPacket:
+            return
+        assert reader.buffered <= 256 + 5 + 7

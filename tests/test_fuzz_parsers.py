@@ -18,9 +18,11 @@ from simulator.fuzzing import (
     check_audio_frame,
     check_device_frame,
     check_mcp_payload,
+    check_mqtt_stream,
     check_reply_results,
     device_frames,
     mcp_payloads,
+    mqtt_streams,
     tool_arguments,
     tool_declarations,
 )
@@ -72,6 +74,12 @@ def test_admin_api_call_body(body: bytes) -> None:
 @given(tool_arguments)
 def test_tool_argument_check(case: tuple[dict[str, Any], Any]) -> None:
     check_argument_check(*case)
+
+
+@FUZZ
+@given(mqtt_streams)
+def test_mqtt_packet_reader(data: bytes) -> None:
+    check_mqtt_stream(data)
 
 
 def test_the_known_bombs_are_plain_parse_errors() -> None:
