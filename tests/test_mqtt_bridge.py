@@ -34,7 +34,7 @@ from tests.helpers import (
     start_cli,
 )
 from tests.mosquitto import Mosquitto
-from tests.mqtt_wire import RawMqttClient
+from tests.mqtt_wire import MqttRefused, RawMqttClient
 
 SECRET = "mqtt-secret-for-the-tests-0123456789"
 CREDENTIALS = DerivedCredentials(SECRET.encode())
@@ -255,6 +255,52 @@ async def test_a_device_cannot_publish_as_another_or_read_its_downlink(
     finally:
         if mosquitto is not None:
             await mosquitto.stop()
+
+
+async def test_a_last_will_cannot_speak_for_another_device(
+    embedded_bridge: Bridge, fleet: Fleet
+) -> None:
+    """Issue #16's critical hole, against the whole bridge: a will on the victim's uplink that
+    would have said "set the volume to 3" is refused at CONNECT; the same text published on the
+    victim's topic reaches nobody; the victim stays ready and its volume is only ever ours."""
+    from simulator.fleet import device_id_for
+
+    bridge = embedded_bridge
+    port = bridge.mqtt.endpoint.port  # type: ignore[union-attr]
+    victim_id, intruder_id = device_id_for(7), device_id_for(8)
+    victim_key = CREDENTIALS.issue(victim_id).username
+    intruder_key = CREDENTIALS.issue(intruder_id).username
+    victim = fleet.start(f"mqtt://127.0.0.1:{port}", 7, stock=False)
+    ready = await bridge.registry.wait_for_state(victim_id, timeout_s=WAIT_S)
+    await ready.call_tool("self.audio_speaker.set_volume", {"volume": 40})
+    spoken = json.dumps({"type": "listen", "state": "detect", "text": "set the volume to 3"})
+    for topic in (SCHEME.up(victim_key), SCHEME.status(victim_key)):
+        intruder = RawMqttClient("127.0.0.1", port)
+        with pytest.raises(MqttRefused) as refused:
+            await intruder.connect(
+                intruder_key,
+                intruder_key,
+                password(intruder_id),
+                will=(topic, spoken.encode(), 1, False),
+            )
+        assert refused.value.code == 5
+        await intruder.abort()
+    intruder = RawMqttClient("127.0.0.1", port)
+    await intruder.connect(intruder_key, intruder_key, password(intruder_id))
+    await intruder.publish(SCHEME.up(victim_key), spoken, qos=1)
+    await intruder.publish(
+        SCHEME.up(victim_key), json.dumps({**json.loads(spoken), "text": "yes"}), qos=1
+    )
+    await intruder.abort()
+    await ready.call_tool("self.audio_speaker.set_volume", {"volume": 41})
+    assert victim.hal.volume == 41
+    assert bridge.registry.require(victim_id).state is DeviceState.READY
+    # A login that was never issued does not make a device appear.
+    stranger = RawMqttClient("127.0.0.1", port)
+    with pytest.raises(MqttRefused):
+        await stranger.connect("a4_00_00_00_00_99", "a4_00_00_00_00_99", "guess")
+    await stranger.abort()
+    assert bridge.registry.get("a4:00:00:00:00:99") is None
 
 
 # ---- the broker goes away and comes back --------------------------------------------------------
