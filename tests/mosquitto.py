@@ -1,8 +1,9 @@
 """A real Mosquitto for tests: its own config, password file and ACL file, on a free loopback port.
 
 Never the broker the machine may already run on 1883: every instance gets a port of its own and a
-scratch directory. The password file is written with `mosquitto_passwd` (the real tool) and the
-ACL file by `backend.transports.mqtt_credentials`, so the tests exercise what an operator deploys.
+scratch directory. The password file is written with `mosquitto_passwd` (the real tool), the ACL
+file and `mosquitto.conf` (with its `BrokerLimits`) by `backend.transports.mqtt_credentials`, so
+the tests exercise what an operator deploys.
 """
 
 import asyncio
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from backend.transports.mqtt_credentials import (
     BridgeAccount,
+    BrokerLimits,
     mosquitto_acl,
     mosquitto_conf,
     write_mosquitto_password_file,
@@ -58,11 +60,13 @@ class Mosquitto:
         *,
         prefix: str = "xiaozhi",
         bridge: BridgeAccount | None = None,
+        limits: BrokerLimits | None = None,
     ) -> None:
         self.workdir = workdir
         self.devices = dict(devices)  # device key -> password
         self.prefix = prefix
         self.bridge = bridge or BridgeAccount()
+        self.limits = limits or BrokerLimits()
         self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path = workdir / "mosquitto.log"
@@ -77,12 +81,33 @@ class Mosquitto:
         run_as = pwd.getpwuid(os.getuid()).pw_name if os.getuid() == 0 else None
         self.conf = self.workdir / "mosquitto.conf"
         self.conf.write_text(
-            mosquitto_conf(port=self.port, password_file=passwords, acl_file=acl, run_as=run_as)
+            mosquitto_conf(
+                port=self.port,
+                password_file=passwords,
+                acl_file=acl,
+                run_as=run_as,
+                limits=self.limits,
+            )
         )
 
     @property
     def bridge_url(self) -> str:
         return f"mqtt://{self.bridge.username}:{self.bridge.password}@127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None, "not started"
+        return self.process.pid
+
+    def rss_kib(self) -> int:
+        """The broker's resident memory (Linux /proc), in KiB."""
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        raise RuntimeError("no VmRSS")
+
+    def log_lines(self) -> int:
+        return len(self.log_path.read_text(errors="replace").splitlines())
 
     @property
     def running(self) -> bool:

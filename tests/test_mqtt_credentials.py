@@ -7,11 +7,13 @@ import pytest
 
 from backend.transports.mqtt_credentials import (
     BridgeAccount,
+    BrokerLimits,
     CredentialError,
     CredentialTable,
     DerivedCredentials,
     emqx_acl,
     emqx_auto_subscribe,
+    emqx_conf,
     mosquitto_acl,
     mosquitto_conf,
     mosquitto_hash,
@@ -189,6 +191,51 @@ def test_mosquitto_conf_ties_client_ids_to_usernames(tmp_path: Path) -> None:
     assert "allow_anonymous false" in lines and "set_tcp_nodelay true" in lines
 
 
+def test_mosquitto_conf_bounds(tmp_path: Path) -> None:
+    conf = mosquitto_conf(port=1883, password_file=tmp_path / "pw", acl_file=tmp_path / "acl")
+    lines = conf.splitlines()
+    for line in [
+        "max_packet_size 66560",
+        "message_size_limit 65536",
+        "max_qos 1",
+        "max_connections 1000",
+        "max_queued_bytes 4194304",
+        "persistent_client_expiration 1h",
+        "retain_available true",
+        "connection_messages false",
+    ]:
+        assert line in lines, line
+    assert "log_type information" not in lines
+    # Listener options come after their `listener` line, global ones before it.
+    listener = lines.index("listener 1883 127.0.0.1")
+    assert lines.index("max_qos 1") > listener > lines.index("max_packet_size 66560")
+    custom = BrokerLimits(max_message_bytes=8192, retain_available=False, log_connections=True)
+    lines = mosquitto_conf(
+        port=1, password_file=tmp_path / "pw", acl_file=tmp_path / "acl", limits=custom
+    ).splitlines()
+    assert {"max_packet_size 9216", "retain_available false", "log_type information"} <= set(lines)
+    with pytest.raises(CredentialError):
+        BrokerLimits(max_keepalive_s=5)
+
+
+def test_emqx_conf_bounds() -> None:
+    conf = emqx_conf()
+    for line in [
+        "  use_username_as_clientid = true",
+        '  max_packet_size = "65KB"',
+        "  max_qos_allowed = 1",
+        "  retain_available = true",
+        '  session_expiry_interval = "1h"',
+        "  max_mqueue_len = 1000",
+        "  deny_action = disconnect",
+        "flapping_detect {",
+        "listeners.tcp.default {",
+        '  max_conn_rate = "100/s"',
+    ]:
+        assert line in conf.splitlines(), line
+    assert "retain_available = false" in emqx_conf(BrokerLimits(retain_available=False))
+
+
 def test_mosquitto_acl_text() -> None:
     text = mosquitto_acl("site/xiaozhi", "bridge")
     lines = [line for line in text.splitlines() if line and not line.startswith("#")]
@@ -213,6 +260,7 @@ def test_mosquitto_acl_text() -> None:
 def test_emqx_rules_and_auto_subscribe() -> None:
     acl = emqx_acl("xiaozhi", "bridge")
     assert '{allow, {username, "bridge"}, all, ["xiaozhi/#"]}.' in acl
+    assert "will" in acl  # says why a foreign will falls through to the final deny
     assert '{allow, all, publish, ["xiaozhi/${username}/up", "xiaozhi/${username}/status"]}.' in acl
     assert '{allow, all, subscribe, ["xiaozhi/${username}/down"]}.' in acl
     assert acl.rstrip().endswith("{deny, all}.")
