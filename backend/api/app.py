@@ -305,6 +305,8 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def bad_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
         where = ".".join(str(part) for part in first["loc"] if part != "body")
+        if first["type"] == "string_unicode":  # a lone surrogate: invalid text, as chat says
+            return _error(400, "invalid_text", f"{where}: a lone surrogate is not Unicode text")
         return _error(422, "invalid_request", f"{where}: {first['msg']}" if where else first["msg"])
 
     @app.exception_handler(StarletteHTTPException)

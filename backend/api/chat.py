@@ -11,6 +11,11 @@
 - `POST /api/chat/stream` (seed 002): Server-Sent Events `token`, `mcp_tool`
   (`started`/`completed`/`error`), `sources`, `done` with the turn's metadata.
 
+Text must be Unicode: a string with a lone surrogate (JSON `"\ud800"`, which no UTF-8 encoder
+takes) anywhere in a body is 400 `invalid_text` naming the field, as OpenAI's API refuses a body
+it cannot read, rather than silently changed (text from a device is repaired instead, see
+backend/frontends/device_chat.py).
+
 A turn may call a device's tools only if the caller's key may call that device; otherwise the
 turn goes on without them and the stream says why (an `mcp_tool` `error` event). An unknown
 device is 404 `unknown_device`, a known offline one 503 `device_offline`.
@@ -44,6 +49,7 @@ from backend.chat import (
     TurnRequest,
 )
 from backend.chat.memory import Conversation, ConversationNotFound, check_conversation_id
+from backend.chat.text import first_surrogate
 from backend.devices import DeviceRegistry
 from backend.keys import Principal, Scope
 
@@ -55,6 +61,26 @@ CONVERSATION_HEADER = "X-Conversation-Id"
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 Chatter = Annotated[Principal, Depends(needs(Scope.CHAT_USE))]
+
+
+def check_text(value: Any, where: str = "") -> None:
+    """400 `invalid_text` if any string (or key) in a parsed body holds a lone surrogate."""
+    if isinstance(value, str):
+        index = first_surrogate(value)
+        if index is not None:
+            raise ApiError(
+                400,
+                "invalid_text",
+                f"{where}: character {index} is a lone UTF-16 surrogate "
+                f"(\\u{ord(value[index]):04x}), which is not Unicode text; send valid UTF-8",
+            )
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_text(key, f"a key in {where or 'the body'}")  # a key is checked first
+            check_text(item, f"{where}.{key}" if where else str(key))
+    elif isinstance(value, list):
+        for number, item in enumerate(value):
+            check_text(item, f"{where}[{number}]")
 
 
 def unknown_model(model: str) -> ApiError:
@@ -234,6 +260,7 @@ def chat_router(chat: ChatService, registry: DeviceRegistry) -> APIRouter:
 
     @router.post("/v1/chat/completions", response_model=None)
     async def completions(body: CompletionRequest, principal: Chatter) -> Response:
+        check_text(body.model_dump())
         if body.model != MODEL_ID:
             raise unknown_model(body.model)
         request = await front.prepare(
@@ -297,6 +324,7 @@ def chat_router(chat: ChatService, registry: DeviceRegistry) -> APIRouter:
 
     @router.post("/api/chat/stream", response_model=None)
     async def stream(body: StreamRequest, principal: Chatter) -> StreamingResponse:
+        check_text(body.model_dump())
         request = await front.prepare(
             principal,
             text=body.message,

@@ -63,7 +63,7 @@ from backend.chat.search import (
     WebSearch,
     format_results,
 )
-from backend.chat.text import Language, clip
+from backend.chat.text import Language, bounded_summary, clip, replace_surrogates
 from backend.chat.tools import NoTools, ToolBox, ToolOutcome
 from backend.config import Settings
 from backend.errors import BridgeError
@@ -73,6 +73,11 @@ log = structlog.get_logger("chat")
 # A question, typed or spoken, fits in this many characters. Longer ones are refused before
 # any work: the guardrail, the intent rules and the ranking all read the whole text.
 MAX_QUERY_CHARS = 4000
+# The accumulated summary kept and sent to the model: the newest part within both bounds (the
+# token count is an over-estimate, text.estimated_tokens). Without a bound it grew by a piece
+# every turn, 160 KB in every prompt after 400 turns.
+SUMMARY_MAX_CHARS = 4000
+SUMMARY_MAX_TOKENS = 1000
 _SPOKEN_RESULT_CHARS = 200  # a confirmed call's result, as said back to the user
 
 _NO_PERMISSION = {
@@ -182,8 +187,12 @@ class ChatService:
         history_messages: int = 6,
         max_tool_rounds: int = 5,
         intent_threshold: float = 0.7,
+        summary_max_chars: int = SUMMARY_MAX_CHARS,
+        summary_max_tokens: int = SUMMARY_MAX_TOKENS,
     ) -> None:
         self.memory = memory
+        self.summary_max_chars = summary_max_chars
+        self.summary_max_tokens = summary_max_tokens
         self.llm = llm
         self.web = web
         self.knowledge = knowledge if knowledge is not None else KnowledgeBase.bundled()
@@ -201,7 +210,22 @@ class ChatService:
         from backend.chat.search import DdgsSearch
 
         web = DdgsSearch(timeout_s=settings.search_timeout_s) if settings.search_enabled else None
-        return cls(memory, make_provider(settings), web, search_results=settings.search_results)
+        return cls(
+            memory,
+            make_provider(settings),
+            web,
+            search_results=settings.search_results,
+            # Settings `chat_summary_max_chars` / `_tokens` where the settings declare them.
+            summary_max_chars=int(getattr(settings, "chat_summary_max_chars", SUMMARY_MAX_CHARS)),
+            summary_max_tokens=int(
+                getattr(settings, "chat_summary_max_tokens", SUMMARY_MAX_TOKENS)
+            ),
+        )
+
+    def bounded(self, summary: str) -> str:
+        """The summary within the service's bounds (one stored before there were any may be
+        longer: it is cut when it is read, too)."""
+        return bounded_summary(summary, self.summary_max_chars, self.summary_max_tokens)
 
     async def aclose(self) -> None:
         if self.llm is not None:
@@ -210,7 +234,10 @@ class ChatService:
     # ---- the turn ------------------------------------------------------------------------------
 
     async def run_turn(self, request: TurnRequest) -> AsyncIterator[ChatEvent]:
-        turn = _Turn(request, request.query.strip(), device_id=request.device_id)
+        # Front ends refuse (HTTP) or repair (devices) invalid text; this keeps any other caller
+        # from failing deep in the turn (SQLite, the model's client) on a lone surrogate.
+        query = replace_surrogates(request.query.strip())
+        turn = _Turn(request, query, device_id=request.device_id)
         began = time.perf_counter()
         outcome = "abandoned"  # the consumer stopped reading (a client went away)
         try:
@@ -373,7 +400,7 @@ class ChatService:
             failed = self._unavailable_event(turn, toolbox, functions, unavailable)
             if failed is not None:
                 yield failed
-        summary = turn.conversation.summary if turn.conversation is not None else ""
+        summary = self.bounded(turn.conversation.summary) if turn.conversation is not None else ""
         user = prompts.user_prompt(
             turn.language,
             turn.query,
@@ -615,7 +642,9 @@ class ChatService:
                 piece, how = reply.text.strip(), "llm"
         if not piece:
             piece = extractive_summary(answer, turn.language)
-        summary = "\n\n".join(part for part in (turn.conversation.summary, piece) if part)
+        summary = self.bounded(
+            "\n\n".join(part for part in (turn.conversation.summary, piece) if part)
+        )
         try:
             await self.memory.set_summary(turn.conversation.id, summary)
         except BridgeError as exc:

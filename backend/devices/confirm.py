@@ -6,12 +6,17 @@ that misread a sentence, or a script with the wrong device id, should not do tha
 `confirmed=True` (the admin API's `"confirm": true`, the CLI's `--confirm`, a "yes" in the next
 chat turn).
 
-Rules (setting `confirm_tools`) are `fnmatch` patterns, matched case-sensitively against the
-tool name, or `DEVICE/TOOL` pairs for one device (or a pattern of devices); a leading `!`
-exempts. The last rule that matches decides. When none matches, a tool whose MCP annotations
-say `destructiveHint: true` needs confirmation (setting `confirm_destructive_hint`).
+Rules (setting `confirm_tools`) are `fnmatch` patterns matched against the tool name, or
+`DEVICE/TOOL` pairs for one device (or a pattern of devices); a leading `!` exempts. Patterns
+and names are both compared normalized: NFKC, format and control characters (zero-width space,
+joiners, BOM, soft hyphen) and whitespace removed, case-folded. So `self.REBOOT`,
+`self.reboot\u200b` and a full-width `ｓｅｌｆ.reboot` are the same tool as `self.reboot` to the
+rules; a device cannot dodge a rule by spelling. The last rule that matches decides. When none
+matches, a tool whose MCP annotations say `destructiveHint: true` needs confirmation (setting
+`confirm_destructive_hint`).
 """
 
+import unicodedata
 from collections.abc import Iterable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -30,7 +35,21 @@ class _Rule:
     confirm: bool
 
     def matches(self, device_id: str, tool: str) -> bool:
+        """Both arguments normalized already (`normalized_name`)."""
         return fnmatchcase(tool, self.tool) and fnmatchcase(device_id, self.device)
+
+
+def normalized_name(name: str) -> str:
+    """A name as the rules compare it: NFKC, no format (Cf), control (Cc), unassigned or
+    surrogate characters, no whitespace, case-folded (then NFKC again: folding can denormalize)."""
+    text = unicodedata.normalize("NFKC", name)
+    kept = "".join(
+        char for char in text if unicodedata.category(char) not in _DROPPED and not char.isspace()
+    )
+    return unicodedata.normalize("NFKC", kept.casefold())
+
+
+_DROPPED = frozenset({"Cf", "Cc", "Cs", "Cn"})
 
 
 def parse_rule(text: str) -> _Rule:
@@ -42,7 +61,7 @@ def parse_rule(text: str) -> _Rule:
         device = "*"
     if not tool:
         raise ValueError(f"empty tool pattern in confirmation rule {text!r}")
-    return _Rule(raw, device or "*", tool, confirm)
+    return _Rule(raw, normalized_name(device or "*"), normalized_name(tool), confirm)
 
 
 class ConfirmationPolicy:
@@ -61,7 +80,7 @@ class ConfirmationPolicy:
             return self._cache[key]
         except KeyError:
             pass
-        decided = self._decide(device_id, tool.name, destructive)
+        decided = self._decide(normalized_name(device_id), normalized_name(tool.name), destructive)
         if len(self._cache) >= _CACHE_LIMIT:
             self._cache.clear()
         self._cache[key] = decided

@@ -1,9 +1,10 @@
 """Typed input from a device becomes a chat turn, answered on the device's screen.
 
 A `listen` with `state: "detect"` and `text` (what the stock firmware sends for a wake word or
-typed text) starts a turn in that device's own conversation (`device_conversation_id`, which
-survives reconnects and restarts), with that device's tools (`DeviceToolBox`, full permission:
-the device asked). The answer goes back through the conversation API, in this order:
+typed text; lone surrogates replaced by U+FFFD) starts a turn in that device's own
+conversation (`device_conversation_id`, which survives reconnects and restarts), with that
+device's tools (`DeviceToolBox`, full permission: the device asked). The answer goes back
+through the conversation API, in this order:
 
 1. `stt {text}` at once (the device shows what it heard while the turn runs);
 2. when the turn is complete: `llm {emotion}`, chosen by outcome: `sad` when a device tool
@@ -39,7 +40,7 @@ from backend.chat import (
     ToolFailed,
     TurnRequest,
 )
-from backend.chat.text import sentences
+from backend.chat.text import replace_surrogates, sentences
 from backend.devices import DeviceRegistry
 from backend.devices.conversation import Conversation as DeviceConversation
 from backend.devices.conversation import ConversationHub, Unsubscribe
@@ -124,7 +125,9 @@ class DeviceChat:
     # ---- hub handlers (plain functions: the turn runs in a task owned here) -----------------
 
     def _on_listen(self, conversation: DeviceConversation, listen: Listen) -> None:
-        text = (listen.text or "").strip()
+        # A device's text is repaired, not refused: a lone surrogate (from a JSON "\ud800"
+        # escape) becomes U+FFFD, so the echo, the memory and the model all get valid text.
+        text = replace_surrogates((listen.text or "").strip())
         if listen.state != "detect" or not text or is_wake_word(text):
             return  # a wake word is how the device says "I am listening", not a question
         device_id = conversation.device_id
