@@ -108,11 +108,13 @@ def sock(made: list[Sock], host: str, port: int) -> Sock:
 async def live_device(
     channel: UdpAudioChannel, made: list[Sock], frames: list[AudioFrame]
 ) -> tuple[UdpSession, Device]:
+    """A session whose device has sent enough of its stream for the peer to be confirmed."""
     session = channel.open_session("a4:cf:12:34:56:78", "s1", frames.append)
     device = Device(sock(made, "127.0.0.1", channel.port), session)
-    device.speak()
-    await eventually(lambda: len(frames) == 1, what="the device's first frame")
-    assert session.peer == device.sock.address
+    for _ in range(channel.limits.move_confirmations):
+        device.speak()
+    await eventually(lambda: len(frames) == len(device.sent), what="the device's first frames")
+    assert session.peer == device.sock.address and session.confirmed
     return session, device
 
 
@@ -159,7 +161,7 @@ async def test_a_blind_hijack_with_the_right_cookie_but_no_key_never_moves_the_p
         assert device_open(device.key, await device.sock.recv())[2] == b"to the device"
         assert not attacker.pending()
         device.speak()  # the forgeries did not move the device's sequence either
-        await eventually(lambda: len(frames) == 2, what="the device's next frame")
+        await eventually(lambda: len(frames) == len(device.sent), what="the device's next frame")
     finally:
         await channel.stop()
 
@@ -198,6 +200,36 @@ async def test_a_flood_with_a_known_cookie_from_elsewhere_never_cuts_the_device_
     assert device_open(device.key, await device.sock.recv())[2] == b"tts"
 
 
+async def test_a_flood_that_races_the_devices_first_packet_loses_the_session_to_the_device(
+    channel: UdpAudioChannel, sockets: list[Sock]
+) -> None:
+    frames: list[AudioFrame] = []
+    session = channel.open_session("a4:cf:12:34:56:78", "s1", frames.append)
+    device = Device(sock(sockets, "127.0.0.1", channel.port), session)
+    attacker = sock(sockets, "127.0.0.2", channel.port)
+    rng = random.Random(20)
+    # Sequences far from 1 cannot be a session's first packet ...
+    await in_rounds(channel, [forged(device, 5_000 + n, rng) for n in range(ROUND)], attacker)
+    assert session.peer is None and channel.counters["drop_late_start"] > 0
+    # ... but a guessed small one can: the attacker becomes the unconfirmed peer.
+    await in_rounds(channel, [forged(device, 1 + n, rng) for n in range(ROUND)], attacker)
+    assert session.peer == attacker.address and not session.confirmed
+    taken = len(frames)
+    assert taken <= channel.limits.unconfirmed_burst  # a device's rate at most, then dropped
+    assert channel.counters["drop_unconfirmed_rate"] > 0
+    # The device's own stream (its sequence restarts at 1; the attacker's does not count).
+    for _ in range(channel.limits.move_confirmations):
+        device.speak()
+    await eventually(lambda: session.peer == device.sock.address, what="the device takes over")
+    assert session.confirmed and [f.payload for f in frames[taken:]] == device.sent
+    channel.send(session, AudioFrame(b"tts"))
+    assert device_open(device.key, await device.sock.recv())[2] == b"tts"
+    await in_rounds(channel, [forged(device, 200 + n, rng) for n in range(ROUND)], attacker)
+    device.speak()
+    await eventually(lambda: len(frames) - taken == len(device.sent), what="the device's frame")
+    assert session.peer == device.sock.address
+
+
 async def test_nat_rebinding_moves_the_peer_after_the_confirmations_and_not_too_often(
     channel: UdpAudioChannel, clock: ManualClock, sockets: list[Sock]
 ) -> None:
@@ -215,7 +247,7 @@ async def test_nat_rebinding_moves_the_peer_after_the_confirmations_and_not_too_
 
     new = sock(sockets, "127.0.0.3", channel.port)
     await speak_from(new, confirmations - 1)
-    assert len(frames) == 1 and session.peer == old.address  # on probation: old peer kept
+    assert len(frames) == confirmations and session.peer == old.address  # old peer kept
     channel.send(session, AudioFrame(b"to the old address"))
     assert device_open(device.key, await old.recv())[2] == b"to the old address"
 
@@ -268,7 +300,9 @@ async def test_a_spray_from_many_ports_and_addresses_keeps_the_tables_bounded(
         held = _held(channel)
         for index, sprayer in enumerate(sprayers[300:340]):
             packet = OPUS_60MS + bytes([index])
-            sprayer.send(device_packet(device.key, device.nonce, packet, 2 + index))
+            sprayer.send(
+                device_packet(device.key, device.nonce, packet, device.sequence + 1 + index)
+            )
         await eventually(lambda: _held(channel) == held + 40, what="the copies")
         assert session.candidates <= 2
         assert [frame.payload for frame in frames] == device.sent
@@ -280,8 +314,10 @@ async def test_a_spray_from_many_ports_and_addresses_keeps_the_tables_bounded(
 def test_random_noise_is_rarely_a_frame_of_the_devices_stream() -> None:
     session = UdpSession("dev", "s", 1, bytes(16), lambda _frame: None)
     assert session.plausible(b"\x03\x01")  # nothing learned yet: the RFC's rules only
-    datagram = device_packet(bytes(16), session.nonce, OPUS_60MS, 1)
-    assert isinstance(session.accept(datagram, parse_header(datagram), ("127.0.0.1", 1)), list)
+    for sequence in range(1, 5):
+        datagram = device_packet(bytes(16), session.nonce, OPUS_60MS, sequence)
+        session.accept(datagram, parse_header(datagram), ("127.0.0.1", 1))
+    assert session.confirmed
     rng = random.Random(19)
     noise = [rng.randbytes(rng.randrange(1, 200)) for _ in range(100_000)]
     well_formed = sum(opus_packet_ok(sample) for sample in noise)

@@ -15,7 +15,10 @@ dropped and counted, never raised.
 Without a tag, a forged datagram with a live cookie decrypts to noise. What keeps a stranger who
 knows (or guessed) a cookie from steering a session:
 
-- the peer address (where the downlink goes) moves only after `move_confirmations` consecutive
+- the first peer is the source of a first uplink with a sequence near 1; it stays unconfirmed
+  (and limited to a device's frame rate) until it has sent a run of well-formed Opus packets
+  with one TOC byte, and another address with such a run takes it over at once;
+- a confirmed peer (where the downlink goes) moves only after `move_confirmations` consecutive
   packets from the new address whose sequence is ahead and whose decrypted payload is a
   well-formed Opus packet (RFC 6716 §3.4) with a TOC byte the device's own stream has used, with
   no valid packet from the current peer in between, and at most once per `move_interval_s`;
@@ -24,7 +27,7 @@ knows (or guessed) a cookie from steering a session:
   (which charges the device's inbound budget);
 - every datagram that fails a check is charged to its source address (IPv4 address, IPv6 /64)
   in a token bucket; a source whose bucket is empty is dropped before any decryption, except
-  from a session's current peer. The table of sources is an LRU with a cap.
+  from a session's confirmed peer. The table of sources is an LRU with a cap.
 
 See docs/mqtt.md, "UDP audio", for what this does and does not stop.
 
@@ -76,6 +79,8 @@ class DropReason(StrEnum):
     OVERSIZED = "oversized"  # payload_len above the bound
     BAD_LENGTH = "bad_length"  # datagram length != 16 + payload_len (truncated or padded)
     UNKNOWN_COOKIE = "unknown_cookie"  # no live session has this ssrc
+    LATE_START = "late_start"  # a session's first uplink with a sequence far from 1
+    UNCONFIRMED_RATE = "unconfirmed_rate"  # more than a device sends, from an unconfirmed peer
     REPLAY = "replay"  # sequence not above the last accepted one
     SEQUENCE_JUMP = "sequence_jump"  # more than MAX_SEQUENCE_JUMP above the last accepted one
     IMPLAUSIBLE = "implausible"  # from a new address, and not a frame of the device's stream
@@ -104,6 +109,9 @@ class UdpLimits:
     move_confirmations: int = 4  # consecutive valid packets from a new address before a move
     move_interval_s: float = 5.0  # at most one move per session in this long
     max_candidates: int = 4  # new addresses tracked per session at once
+    first_sequence_max: int = 64  # a hello's first uplink is sequence 1; allow for early losses
+    unconfirmed_burst: float = 16.0  # frames an unconfirmed peer may deliver at once ...
+    unconfirmed_per_s: float = 50.0  # ... and per second (a device sends ~17)
     source_failures_per_s: float = 50.0  # bad datagrams a source address may send, sustained
     source_burst: float = 200.0  # ... and in a burst
     max_sources: int = 4096  # source addresses remembered (LRU)
@@ -318,28 +326,38 @@ MAX_LEARNED_TOCS = 8  # distinct TOC bytes remembered per session (mode and band
 class _Candidate:
     """A new source address of a session, on its way to becoming the peer."""
 
-    __slots__ = ("count", "held", "last_seq")
+    __slots__ = ("count", "held", "last_seq", "toc")
 
     def __init__(self, keep: int) -> None:
         self.count = 0
         self.last_seq = 0
+        self.toc = -1
         self.held: deque[AudioFrame] = deque(maxlen=keep)  # delivered if the move happens
 
 
 class UdpSession:
     """One audio channel: key, nonce (cookie), peer address, sequence state, audio sink.
 
-    The peer is learned from the first valid uplink. After that it moves only as the module
-    docstring says; only the peer's packets advance `last_uplink_seq` or reach `on_audio`."""
+    The peer is learned from the first valid uplink (sequence near 1), and is *unconfirmed*
+    until it has sent `move_confirmations` consecutive well-formed Opus packets with one TOC
+    byte (what an encoder does and noise does not). An unconfirmed peer delivers at most a
+    device's rate, and another address that sends such a run takes over at once: whoever raced
+    the device's first packet with a guessed cookie keeps the session for a few packets only.
+    A confirmed peer moves only as the module docstring says. Only the peer's packets advance
+    `last_uplink_seq` or reach `on_audio`."""
 
     __slots__ = (
         "_candidates",
         "_ctr",
         "_limits",
         "_log",
+        "_provisional",
+        "_streak",
+        "_streak_toc",
         "_tocs",
         "accepted",
         "closed",
+        "confirmed",
         "cookie",
         "device_id",
         "downlink_seq",
@@ -377,6 +395,10 @@ class UdpSession:
         self.moves = 0
         self.moved_at = -math.inf
         self.closed = False
+        self.confirmed = False
+        self._streak = 0  # consecutive well-formed Opus packets with one TOC from the peer
+        self._streak_toc = -1
+        self._provisional = _Bucket(limits.unconfirmed_burst, -math.inf)
         self._limits = limits
         self._candidates: OrderedDict[Address, _Candidate] = OrderedDict()
         self._tocs: list[int] = []  # TOC bytes of the peer's well-formed Opus packets
@@ -393,8 +415,14 @@ class UdpSession:
     ) -> list[AudioFrame] | DropReason:
         """The frames a structurally valid datagram releases (none while a new address is on
         probation, several when its probation ends), or why it was dropped."""
-        if self.peer is None or source == self.peer:
-            return self._from_peer(datagram, header, source)
+        if self.peer is None:
+            if header.sequence > self._limits.first_sequence_max:
+                detail = f"first sequence {header.sequence}"
+                self.drops.hit(DropReason.LATE_START, detail=detail)
+                return DropReason.LATE_START
+            return self._from_peer(datagram, header, source, now)
+        if source == self.peer:
+            return self._from_peer(datagram, header, source, now)
         return self._from_candidate(datagram, header, source, now)
 
     def _sequence_drop(self, sequence: int, last: int) -> DropReason | None:
@@ -409,18 +437,49 @@ class UdpSession:
         return None
 
     def _from_peer(
-        self, datagram: bytes, header: PacketHeader, source: Address
+        self, datagram: bytes, header: PacketHeader, source: Address, now: float
     ) -> list[AudioFrame] | DropReason:
         dropped = self._sequence_drop(header.sequence, self.last_uplink_seq)
         if dropped is not None:
             return dropped
+        if not self.confirmed and not self._provisional_take(now):
+            self.drops.hit(DropReason.UNCONFIRMED_RATE, detail=f"from {source[0]}")
+            return DropReason.UNCONFIRMED_RATE
         self.last_uplink_seq = header.sequence
         self.peer = source
-        self._candidates.clear()  # the device is still here: probation starts over
+        if self.confirmed:
+            self._candidates.clear()  # the device is still here: probation starts over
         self.accepted += 1
         payload = self._ctr.xor(datagram[:HEADER_SIZE], datagram[HEADER_SIZE:])
-        self._learn(payload)
+        if self.confirmed:
+            self._learn(payload)
+        else:
+            self._confirm_by_streak(payload)
         return [AudioFrame(payload, header.timestamp)]
+
+    def _provisional_take(self, now: float) -> bool:
+        bucket, limits = self._provisional, self._limits
+        if now > bucket.stamp:
+            elapsed = now - bucket.stamp
+            bucket.tokens = min(
+                limits.unconfirmed_burst, bucket.tokens + elapsed * limits.unconfirmed_per_s
+            )
+        bucket.stamp = now
+        if bucket.tokens < 1.0:
+            return False
+        bucket.tokens -= 1.0
+        return True
+
+    def _confirm_by_streak(self, payload: bytes) -> None:
+        if not opus_packet_ok(payload):
+            self._streak = 0
+            return
+        if payload[0] != self._streak_toc:
+            self._streak, self._streak_toc = 0, payload[0]
+        self._streak += 1
+        if self._streak >= self._limits.move_confirmations:
+            self.confirmed = True
+            self._learn(payload)
 
     def _learn(self, payload: bytes) -> None:
         if not payload or payload[0] in self._tocs or not opus_packet_ok(payload):
@@ -445,12 +504,14 @@ class UdpSession:
         self, datagram: bytes, header: PacketHeader, source: Address, now: float
     ) -> list[AudioFrame] | DropReason:
         candidate = self._candidates.pop(source, None)  # any failure ends its streak
-        last = self.last_uplink_seq if candidate is None else candidate.last_seq
-        dropped = self._sequence_drop(header.sequence, max(last, self.last_uplink_seq))
+        own = 0 if candidate is None else candidate.last_seq
+        # An unconfirmed peer may be the one that raced the device: its sequence is not ours.
+        base = max(own, self.last_uplink_seq) if self.confirmed else own
+        dropped = self._sequence_drop(header.sequence, base)
         if dropped is not None:
             return dropped
         payload = self._ctr.xor(datagram[:HEADER_SIZE], datagram[HEADER_SIZE:])
-        if not self.plausible(payload):
+        if not self._candidate_plausible(payload, candidate):
             self.drops.hit(DropReason.IMPLAUSIBLE, detail=f"{len(payload)} bytes from {source[0]}")
             return DropReason.IMPLAUSIBLE
         if candidate is None:
@@ -459,13 +520,22 @@ class UdpSession:
                 self._candidates.popitem(last=False)
         candidate.count += 1
         candidate.last_seq = header.sequence
+        candidate.toc = payload[0]
         candidate.held.append(AudioFrame(payload, header.timestamp))
         self._candidates[source] = candidate
         if candidate.count < self._limits.move_confirmations:
             return []
-        if now - self.moved_at < self._limits.move_interval_s:
+        if self.confirmed and now - self.moved_at < self._limits.move_interval_s:
             return []  # moved a moment ago: stay on probation until the interval has passed
         return self._move(source, candidate, now)
+
+    def _candidate_plausible(self, payload: bytes, candidate: _Candidate | None) -> bool:
+        if self.confirmed:
+            return self.plausible(payload)
+        # Nothing learned from an unconfirmed peer: the run must keep its own TOC byte.
+        if not opus_packet_ok(payload):
+            return False
+        return candidate is None or payload[0] == candidate.toc
 
     def _move(self, source: Address, candidate: _Candidate, now: float) -> list[AudioFrame]:
         self._log.info(
@@ -478,6 +548,7 @@ class UdpSession:
         self.last_uplink_seq = candidate.last_seq
         self.moved_at = now
         self.moves += 1
+        self.confirmed = True  # the run that moved it is the confirmation
         self._candidates.clear()
         frames = list(candidate.held)
         self.accepted += len(frames)
@@ -669,7 +740,9 @@ class UdpAudioChannel:
         self.count("rx_datagrams")
         now = self._clock()
         session = self._attribute(data)
-        trusted = session is not None and (session.peer is None or session.peer == source)
+        trusted = session is not None and (
+            session.peer is None or (session.confirmed and session.peer == source)
+        )
         key = source_key(source[0])
         if not trusted and self._sources.exhausted(key, now):
             # Before any decryption or per-session log: this address has had its share.
