@@ -717,3 +717,21 @@ async def test_a_device_flooding_junk_over_mqtt_is_cut_off(
     charged, refused = transport.counters["dropped_not_utf8"], transport.counters["dropped_refused"]
     assert charged + refused == 200, transport.counters
     assert len(logs) < 40, [entry["event"] for entry in logs]
+
+
+async def test_a_retained_uplink_is_never_replayed_to_the_bridge(
+    mosquitto: BrokerUnderTest,
+) -> None:
+    """Mosquitto keeps retained messages (our firmware needs a retained will): one left on a
+    device's uplink must not be taken as a request each time the bridge subscribes again."""
+    acceptor = RecordingAcceptor()
+    async with device(mosquitto.port, DEVICE_A) as dev:
+        await dev.publish(SCHEME.up(DEVICE_A), '{"type":"listen","text":"old"}', qos=1, retain=True)
+        async with running_transport(mosquitto.bridge_url, acceptor) as transport:
+            await eventually(
+                lambda: transport.counters.get("dropped_retained_uplink", 0) == 1,
+                what="the retained uplink dropped",
+            )
+            await dev.publish(SCHEME.up(DEVICE_A), '{"type":"listen","text":"new"}', qos=1)
+            await eventually(lambda: bool(acceptor.of(ID_A)) and acceptor.latest(ID_A).texts != [])
+            assert acceptor.latest(ID_A).texts == ['{"type":"listen","text":"new"}']

@@ -467,6 +467,11 @@ class MqttTransport:
         if parsed.kind is TopicKind.STATUS:
             self._on_presence(parsed.device_key, bytes(payload))
         elif parsed.kind is TopicKind.UP:
+            if message.retain:
+                # A retained uplink is an old message the broker replays at every subscription
+                # (the bridge's reconnect): never a request the device is making now.
+                self._drop("retained_uplink", device_key=parsed.device_key)
+                return
             self._on_uplink(parsed.device_key, bytes(payload))
 
     def _on_presence(self, key: str, payload: bytes) -> None:
