@@ -183,6 +183,9 @@ class Settings(BaseSettings):
     search_enabled: bool = True
     search_timeout_s: float = Field(3.0, gt=0)
     search_results: int = Field(5, ge=1, le=20)
+    # The conversation summary kept and sent to the model (docs/chat.md, step 9).
+    chat_summary_max_chars: int = Field(4000, ge=200, le=200_000)
+    chat_summary_max_tokens: int = Field(1000, ge=50, le=50_000)
 
     # ---- provisioning (backend/provisioning, docs/provisioning.md) -------------------------------
     # The device-facing HTTP listener: the OTA/activation endpoint and firmware downloads.

@@ -153,6 +153,22 @@ async def test_a_huge_stored_summary_is_cut_before_it_reaches_the_model(
     assert len(stored) <= SUMMARY_MAX_CHARS
 
 
+async def test_the_summary_bound_is_a_setting(bridge_factory: Any, fake_llm: FakeLlm) -> None:
+    bridge: Bridge = await bridge_factory(
+        llm_provider="openai", llm_base_url=fake_llm.url, chat_summary_max_chars=600
+    )
+    fake_llm.script("summary", *(Reply(long_summary(n)) for n in range(4)))
+    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    body = {"messages": [{"role": "user", "content": QUESTION}], "chat_id": "small"}
+    async with httpx.AsyncClient(base_url=bridge.api_url, headers=headers, timeout=30) as http:
+        for _ in range(4):
+            assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+        stored = (await http.get("/v1/conversations/small")).json()["summary"]
+    # Each piece is longer than 600 characters: the newest one's end is kept.
+    assert 0 < len(stored) <= 600 and stored.startswith("…")
+    assert long_summary(3).strip().endswith(stored[1:])
+
+
 @pytest.mark.parametrize(
     "summary",
     [

@@ -215,11 +215,8 @@ class ChatService:
             make_provider(settings),
             web,
             search_results=settings.search_results,
-            # Settings `chat_summary_max_chars` / `_tokens` where the settings declare them.
-            summary_max_chars=int(getattr(settings, "chat_summary_max_chars", SUMMARY_MAX_CHARS)),
-            summary_max_tokens=int(
-                getattr(settings, "chat_summary_max_tokens", SUMMARY_MAX_TOKENS)
-            ),
+            summary_max_chars=settings.chat_summary_max_chars,
+            summary_max_tokens=settings.chat_summary_max_tokens,
         )
 
     def bounded(self, summary: str) -> str:
