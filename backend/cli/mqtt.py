@@ -59,7 +59,7 @@ def credentials(
     """Print a device's broker username/password and the Mosquitto and EMQX files for it.
 
     The password is derived from the bridge's credential secret (`mqtt_secret`, else
-    `<data-dir>/mqtt.secret`, created when missing), so the bridge's embedded broker accepts it
+    `<data-dir>/mqtt.secret`, created when missing), so the bridge's embedded endpoint accepts it
     and it can be printed again at any time.
     """
     settings = cli_settings(config, data_dir=data_dir)
