@@ -619,7 +619,8 @@ class SourceBudgets:
         self._refill(bucket, now)
         return bucket.tokens < 1.0
 
-    def charge(self, key: str, now: float) -> None:
+    def charge(self, key: str, now: float) -> bool:
+        """One failure of `key`; True when this one emptied its bucket."""
         bucket = self._buckets.get(key)
         if bucket is None:
             while len(self._buckets) >= self._cap:
@@ -629,7 +630,12 @@ class SourceBudgets:
         else:
             self._buckets.move_to_end(key)
             self._refill(bucket, now)
+        had = bucket.tokens >= 1.0
         bucket.tokens = max(0.0, bucket.tokens - 1.0)
+        return had and bucket.tokens < 1.0
+
+
+_SOURCE_BUDGET = f"drop_{DropReason.SOURCE_BUDGET}"
 
 
 class _Protocol(asyncio.DatagramProtocol):
@@ -745,9 +751,9 @@ class UdpAudioChannel:
         )
         key = source_key(source[0])
         if not trusted and self._sources.exhausted(key, now):
-            # Before any decryption or per-session log: this address has had its share.
-            self.count(f"drop_{DropReason.SOURCE_BUDGET}")
-            self._global_drops.hit(DropReason.SOURCE_BUDGET)
+            # Before any decryption, and no log line: this address has had its share (the line
+            # was written when its bucket ran out).
+            self.counters[_SOURCE_BUDGET] = self.counters.get(_SOURCE_BUDGET, 0) + 1
             return
         try:
             header = parse_header(data, self.max_payload)
@@ -762,7 +768,7 @@ class UdpAudioChannel:
         if session.moves != moves:
             self.count("peer_moves")
         if isinstance(frames, DropReason):  # the session has logged it under its device
-            self._sources.charge(key, now)
+            self._charge(key, now)
             self.count(f"drop_{frames}")
             return
         self._deliver(session, frames)
@@ -793,8 +799,12 @@ class UdpAudioChannel:
         detail: str,
         session: UdpSession | None = None,
     ) -> None:
-        self._sources.charge(key, now)
+        self._charge(key, now)
         self._drop(reason, detail, session)
+
+    def _charge(self, key: str, now: float) -> None:
+        if self._sources.charge(key, now):
+            self._global_drops.hit(DropReason.SOURCE_BUDGET, detail=f"{key} ran out of budget")
 
     def _drop(self, reason: DropReason, detail: str, session: UdpSession | None = None) -> None:
         self.count(f"drop_{reason}")
