@@ -6,18 +6,27 @@ serve` with JSON logs, well-behaved simulated devices called through the admin A
 attacker (the baseline of the same run), then the same window with the attack. The table goes to
 docs/reliability.md (and its own section of docs/benchmarks.md).
 
+The MQTT table (issue #16): the same measurement against `serve --mqtt embedded`, with simulated
+MQTT devices as the others (`simulator.hostile_mqtt.MqttSiege`) and the attacks of
+`simulator.hostile_mqtt`; each row also says whether a victim was acted for or went offline.
+`--transport websocket|mqtt` runs one table only (default: both, each written to its section).
+
 Targets (issue #7): RSS growth under 20 MB per attacker, under 100 log lines per attacker per
 minute, other devices' call p99 under 2× the no-attacker figure, `/healthz` always under 50 ms.
 """
 
+import argparse
 import sys
+from collections.abc import Awaitable, Callable
 
 from bench.common import REPO, bench_main, quiet_logging, raise_open_files, table, verdict
 from bench.report import environment, write_section
 from simulator.hostile import AttackReport
+from simulator.hostile_mqtt import MqttSiege, MqttSiegeResult, mqtt_attack
 from simulator.siege import Attack, Siege, SiegeResult
 
 NAME = "reliability"
+MQTT_NAME = "reliability-mqtt"
 RELIABILITY_DOC = REPO / "docs" / "reliability.md"
 TARGET_RSS_MB = 20.0
 TARGET_LINES_PER_MIN = 100.0
@@ -43,6 +52,30 @@ def attacks(duration_s: float) -> dict[str, Attack]:
     }
 
 
+def mqtt_attacks(duration_s: float, quick: bool) -> dict[str, Attack]:
+    """Counts are the issue's; a quick run scales the slow ones down (each is time-bounded too)."""
+    retained, churn, idle = (50, 100, 300) if quick else (1000, 2000, 5000)
+    return {
+        "will on another device's up/status topic, TCP abort": mqtt_attack(
+            "mqtt_will_impersonation", duration_s
+        ),
+        "publish on / subscribe to another device's topics and #": mqtt_attack(
+            "mqtt_foreign_topics", duration_s
+        ),
+        "one 64 MB PUBLISH (body streamed)": mqtt_attack("mqtt_big_publish", duration_s),
+        "QoS 2 hoarding (no PUBREL)": mqtt_attack("mqtt_qos2_hoard", duration_s),
+        "PUBACK/PUBREL spam, unknown ids": mqtt_attack("mqtt_ack_spam", duration_s),
+        "QoS 2 id reuse": mqtt_attack("mqtt_qos2_reuse", duration_s),
+        f"{retained:,} retained 60 KB messages": mqtt_attack("mqtt_retained_flood", retained),
+        f"{churn:,} clean_session=0 logins (one device)": mqtt_attack("mqtt_session_churn", churn),
+        f"{churn:,} parallel CONNECTs, one login": mqtt_attack("mqtt_same_login_storm", churn),
+        f"{idle:,} idle sockets, one address (+ a legit login)": mqtt_attack(
+            "mqtt_idle_sockets", idle
+        ),
+        "clean reconnect loop, one login": mqtt_attack("mqtt_reconnect_loop", duration_s),
+    }
+
+
 Row = tuple[str, SiegeResult, SiegeResult]
 
 
@@ -55,6 +88,18 @@ async def measure_all(duration_s: float, devices: int) -> list[Row]:
             attacked = await siege.measure(attack, duration_s)
         rows.append((label, baseline, attacked))
         print(f"{label}: done", file=sys.stderr, flush=True)
+    return rows
+
+
+async def measure_all_mqtt(duration_s: float, devices: int, quick: bool) -> list[Row]:
+    rows: list[Row] = []
+    baseline_s = min(duration_s, BASELINE_S)
+    for label, attack in mqtt_attacks(duration_s, quick).items():
+        async with MqttSiege(devices) as siege:
+            baseline = await siege.measure(None, baseline_s)
+            attacked = await siege.measure(attack, duration_s)
+        rows.append((label, baseline, attacked))
+        print(f"mqtt {label}: done", file=sys.stderr, flush=True)
     return rows
 
 
@@ -123,6 +168,108 @@ others' call p99 < {TARGET_P99_RATIO:g}× the no-attacker figure, `/healthz` alw
 """
 
 
+def render_mqtt(rows: list[Row], duration_s: float, quick: bool) -> str:
+    lines = []
+    missed = 0
+    for label, base, hit in rows:
+        report = hit.attack
+        assert report is not None and isinstance(hit, MqttSiegeResult)
+        minutes = max(duration_s, report.seconds) / 60
+        per_min = hit.log_lines / minutes
+        ratio = hit.call_p(99) / base.call_p(99) if base.call_ms else float("nan")
+        healthz_max = max(hit.healthz_ms, default=float("nan"))
+        legit = report.detail.get("legit_connack", 0)
+        met = (
+            hit.rss_growth_mb < TARGET_RSS_MB
+            and per_min < TARGET_LINES_PER_MIN
+            and ratio < TARGET_P99_RATIO
+            and healthz_max < TARGET_HEALTHZ_MS
+            and hit.call_errors == 0
+            and not hit.victim_affected
+            and not report.detail.get("accepted")  # a will on another's topic, taken
+            and not report.detail.get("session_present")
+            and legit == 0
+        )
+        missed += not met
+        victim = (
+            f"acted for: {hit.acted_as_victim}, offline: {hit.victim_disconnects}"
+            if hit.victim_affected
+            else "no"
+        )
+        lines.append(
+            [
+                label,
+                _sent(report),
+                f"{hit.rss_growth_mb:.1f}",
+                f"{hit.log_lines} ({per_min:.0f}/min)",
+                f"{hit.call_p(99):.1f} / {base.call_p(99):.1f} = {ratio:.2f}",
+                f"{hit.healthz_p(99):.1f} (max {healthz_max:.1f})",
+                str(hit.call_errors),
+                victim,
+                _answered(report),
+                verdict(met),
+            ]
+        )
+    headers = [
+        "attack",
+        "sent",
+        "RSS growth MB",
+        "log lines",
+        "others' call p99 ms: attack / none",
+        "/healthz p99 ms",
+        "failed calls",
+        "victim affected",
+        "the bridge's answer",
+        "targets",
+    ]
+    quick_note = " — **quick run**" if quick else ""
+    return f"""## Reliability over MQTT: one hostile device against the embedded endpoint
+
+{environment()}{quick_note}. `python -m bench.reliability --transport mqtt`.
+
+As the WebSocket table, against `esp32-bridge serve --mqtt embedded` (the bridge's own MQTT
+endpoint, loopback, `rate_limit_exempt = []` so loopback is limited like the LAN, shared-mode
+derived broker logins) with 4 simulated MQTT devices (`esp32-bridge simulate --transport mqtt`)
+as the others: `set_volume` called on them through the admin API every 50 ms, `/healthz` probed
+every 50 ms, a {min(duration_s, BASELINE_S):g} s baseline, then a {duration_s:g} s window with
+the attack. The attacker is an approved device logged in with its own broker login (or, for the
+idle sockets, no login), connecting from 127.0.0.2; the legitimate login during the idle
+sockets comes from 127.0.0.3. "Victim affected": an audit entry by `device:<victim>` (a forged
+turn calling a tool as the victim) or a victim's "device disconnected" line during the window.
+"The bridge's answer": CONNACK return codes (0 accepted, 3 server unavailable: a rate limit,
+5 not authorized; "dropped": closed at accept by a per-address bound) and what else it reports.
+
+{table(headers, lines)}
+
+Targets: as above, plus no victim acted for or taken offline, no will on another device's topic
+accepted, no session kept, the legitimate login accepted: {_overall(missed, len(rows))}.
+"""
+
+
+def _answered(report: AttackReport) -> str:
+    detail = report.detail
+    parts = []
+    connacks = detail.get("connacks")
+    if connacks:
+        codes = ", ".join(f"{code}: {count:,}" for code, count in sorted(connacks.items()))
+        parts.append(f"CONNACK {codes}")
+    for name in ("accepted", "session_present", "still_open", "closed_by_bridge"):
+        if name in detail:
+            parts.append(f"{name.replace('_', ' ')} {detail[name]:,}")
+    if "legit_connack" in detail:
+        parts.append(f"legit CONNACK {detail['legit_connack']} in {detail['legit_login_ms']} ms")
+    if "body_bytes_sent" in detail:
+        parts.append(f"body bytes taken before the cut {detail['body_bytes_sent']:,}")
+    received = detail.get("received")
+    if received:
+        names = {"2": "CONNACK", "4": "PUBACK", "5": "PUBREC", "7": "PUBCOMP", "9": "SUBACK"}
+        got = ", ".join(f"{names.get(str(k), k)} {v:,}" for k, v in sorted(received.items()))
+        parts.append(f"got back {got}")
+    if report.close_code is not None:
+        parts.append("cut off")
+    return "; ".join(parts) or "-"
+
+
 def _sent(report: AttackReport) -> str:
     """What the attacker sent; for a persistent one, over how many links and refusals."""
     text = f"{report.sent:,} in {report.seconds:.1f} s"
@@ -157,8 +304,28 @@ async def run(quick: bool) -> str:
     return markdown
 
 
+async def run_mqtt(quick: bool) -> str:
+    quiet_logging()
+    raise_open_files(12_000)  # the idle-socket attacker inherits it
+    duration_s = 2.0 if quick else ATTACK_S
+    rows = await measure_all_mqtt(duration_s, 4, quick)
+    markdown = render_mqtt(rows, duration_s, quick)
+    if not quick:
+        write_section(MQTT_NAME, markdown, RELIABILITY_DOC)
+    return markdown
+
+
 def main(argv: list[str] | None = None) -> None:
-    bench_main(NAME, __doc__ or NAME, run, argv)
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--transport", choices=("all", "websocket", "mqtt"), default="all")
+    args, rest = parser.parse_known_args(argv if argv is not None else sys.argv[1:])
+    runs: list[tuple[str, Callable[[bool], Awaitable[str]]]] = []
+    if args.transport in ("all", "websocket"):
+        runs.append((NAME, run))
+    if args.transport in ("all", "mqtt"):
+        runs.append((MQTT_NAME, run_mqtt))
+    for name, runner in runs:
+        bench_main(name, __doc__ or name, runner, rest)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,9 @@ Used by tests/test_hostile.py (each attack against a live bridge, with its bound
 bench/reliability.py (the figures in docs/reliability.md). Every attack speaks real WebSocket to
 the bridge like a stock device, then misbehaves; it runs for `duration_s` or until the bridge
 cuts it off, and reports what it sent and how its link ended.
+
+The MQTT attacks (against the bridge's embedded endpoint) are in `simulator.hostile_mqtt`, with
+the same `AttackReport`; `python -m simulator.hostile_mqtt` runs one of them.
 """
 
 import asyncio
