@@ -12,6 +12,10 @@
    on a veth pair between two network namespaces when the kernel offers netem; on loopback with
    the same impairment applied in the sending process otherwise (labelled as such). Frames
    delivered, dropped by the sequence rule (late or duplicated), and no crash.
+4. A flood with known cookies from another address (127.0.0.2): the channel in a process of its
+   own, 20 devices streaming, an attacker process sending forged datagrams with their cookies
+   as fast as it can. The devices' delivered-frame ratio and the channel process's RSS growth,
+   against the same run without the attacker (interleaved, same machine state).
 
 Payloads are 160 bytes: a 60 ms, 16 kHz Opus frame at about 21 kbit/s.
 """
@@ -374,6 +378,103 @@ async def impaired_netem(seconds: float) -> dict[str, Any]:
     }
 
 
+# ---- 4. flood with known cookies ----------------------------------------------------------------
+
+FLOOD_DEVICES = 20
+FLOOD_FROM = "127.0.0.2"
+
+
+async def flood_run(seconds: float, attack: bool) -> dict[str, Any]:
+    """Devices stream to a receiver process for `seconds`, with or without the attacker."""
+    import psutil
+
+    async with _config(server=["127.0.0.1", 0], sessions=FLOOD_DEVICES) as receiver_config:
+        receiver = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "bench.udp_peer", "receiver", str(receiver_config)),
+            cwd=REPO,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        assert receiver.stdout is not None and receiver.stdin is not None
+        ready = await _ready(receiver.stdout)
+        memory = psutil.Process(receiver.pid)
+        overflows = _rcvbuf_errors()
+        rss_before = memory.memory_info().rss
+        server = ["127.0.0.1", ready["port"]]
+        common = {"server": server, "sessions": ready["sessions"], "payload": PAYLOAD}
+        async with (
+            _config(**common, interval_ms=INTERVAL_MS, seconds=seconds) as devices,
+            _config(**common, bind=[FLOOD_FROM], seconds=seconds) as attacker,
+        ):
+            runs = [_peer("streams", devices)] + ([_peer("flood", attacker)] if attack else [])
+            peers = await asyncio.gather(*runs)
+        await asyncio.sleep(0.5)  # let the receiver drain its socket
+        rss_after = memory.memory_info().rss
+        overflows = _rcvbuf_errors() - overflows
+        receiver.stdin.close()
+        result = json.loads((await receiver.stdout.read()).decode().strip().splitlines()[-1])
+        await receiver.wait()
+    return {
+        "sent": peers[0]["sent"],
+        "delivered": result["delivered"],
+        "foreign": result["foreign"],
+        "flood_sent": peers[1]["sent"] if attack else 0,
+        "counters": result["counters"],
+        "rss_growth": rss_after - rss_before,
+        "rcvbuf_errors": overflows,
+    }
+
+
+async def _ready(stdout: asyncio.StreamReader) -> dict[str, Any]:
+    """The receiver's ready line (log lines may come first)."""
+    while True:
+        line = (await asyncio.wait_for(stdout.readline(), 30)).decode()
+        if not line:
+            raise RuntimeError("udp receiver exited before it was ready")
+        if line.startswith('{"ready"'):
+            ready: dict[str, Any] = json.loads(line)
+            return ready
+
+
+def _rcvbuf_errors() -> int:
+    """The kernel's count of UDP datagrams dropped for a full receive buffer (-1 if unknown)."""
+    try:
+        lines = [line.split() for line in Path("/proc/net/snmp").read_text().splitlines()]
+    except OSError:
+        return -1
+    names, values = [line for line in lines if line and line[0] == "Udp:"][:2]
+    return int(values[names.index("RcvbufErrors")])
+
+
+def _flood_rows(base: dict[str, Any], flood: dict[str, Any]) -> list[list[Any]]:
+    def row(name: str, run: dict[str, Any]) -> list[Any]:
+        counters = run["counters"]
+        return [
+            name,
+            f"{run['flood_sent']:,}",
+            f"{run['delivered']:,} / {run['sent']:,} ({run['delivered'] / run['sent']:.2%})",
+            str(run["foreign"]),
+            str(counters.get("peer_moves", 0)),
+            f"{counters.get('drop_source_budget', 0):,}",
+            f"{run['rss_growth'] / 2**20:+.2f}",
+        ]
+
+    share = (flood["delivered"] / flood["sent"]) / (base["delivered"] / base["sent"])
+    return [
+        row("devices only (baseline)", base),
+        row(f"devices + flood from {FLOOD_FROM}", flood),
+        [
+            "flood / baseline",
+            "-",
+            f"{share:.3f}",
+            "-",
+            "-",
+            "-",
+            f"{(flood['rss_growth'] - base['rss_growth']) / 2**20:+.2f} MB",
+        ],
+    ]
+
+
 # ---- report --------------------------------------------------------------------------------------
 
 
@@ -477,6 +578,10 @@ async def run(quick: bool) -> str:
         finally:
             await asyncio.to_thread(netem_teardown)
 
+    flood_s = 3.0 if quick else 20.0
+    flood_base = await flood_run(flood_s, attack=False)
+    flood = await flood_run(flood_s, attack=True)
+
     label = "quick run" if quick else "full run"
     parts = [
         "## UDP audio channel (MQTT transport)",
@@ -554,7 +659,46 @@ async def run(quick: bool) -> str:
     ]
     if loopback["delivered_out_of_order"] or (netem and netem["delivered_out_of_order"]):
         parts[-1] = "**Frames were delivered out of order: see the table.**"
+    parts += _flood_section(flood_s, flood_base, flood)
     return "\n".join(parts)
+
+
+def _flood_section(seconds: float, base: dict[str, Any], flood: dict[str, Any]) -> list[str]:
+    counters = flood["counters"]
+    held = flood["foreign"] == 0 and counters.get("peer_moves", 0) == 0
+    sent_all = flood["sent"] + flood["flood_sent"]
+    received = counters.get("rx_datagrams", 0)
+    return [
+        "",
+        f"### Flood with known cookies from another address, {seconds:g} s",
+        "",
+        f"The channel in a process of its own; {FLOOD_DEVICES} devices stream one {PAYLOAD}-byte "
+        f"frame per {INTERVAL_MS} ms from 127.0.0.1; the attacker, from {FLOOD_FROM}, sends "
+        "datagrams with their cookies, sequences ahead of theirs and random ciphertext (no key) "
+        "as fast as one process can. Delivered = frames that reached the devices' sessions; "
+        "foreign = delivered frames that were not a device's; RSS growth of the channel process "
+        "from ready to the end of the run. Same run, interleaved: baseline first.",
+        "",
+        table(
+            [
+                "run",
+                "forged datagrams sent",
+                "device frames delivered",
+                "foreign",
+                "peer moves",
+                "dropped by the source budget",
+                "RSS growth (MB)",
+            ],
+            _flood_rows(base, flood),
+        ),
+        "",
+        f"No forged frame delivered and no peer moved: {verdict(held)}. "
+        f"Datagrams sent in the flood run (devices + attacker): {sent_all:,}; received by the "
+        f"channel: {received:,}; UDP receive-buffer overflows counted by the kernel during the "
+        f"run (`RcvbufErrors`, whole machine): {flood['rcvbuf_errors']:,} (baseline run: "
+        f"{base['rcvbuf_errors']:,}). Device frames that reach the channel from their own "
+        "address are refused only as replays or sequence jumps.",
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:

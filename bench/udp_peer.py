@@ -10,9 +10,12 @@ The role prints one JSON line with what it did and exits.
   downlink datagrams that come back and checks their sequence numbers.
 - `impaired`: like `streams`, but each uplink datagram is lost with `loss`, duplicated with
   `duplicate`, and delayed by a normal(`delay_ms`, `jitter_ms`) draw (so some overtake others).
+- `flood`: an attacker who knows every session's cookie but no key: from sockets bound to the
+  addresses in `bind`, forged datagrams (random ciphertext, sequences ahead of the devices') as
+  fast as it can for `seconds`.
 - `receiver`: a `UdpAudioChannel` on `server` with `sessions` sessions; prints their keys and
   nonces, runs until stdin closes, then prints its counters and what was delivered (the netem
-  run puts it in a network namespace of its own).
+  run puts it in a network namespace of its own; the flood run measures its RSS).
 """
 
 import asyncio
@@ -150,22 +153,59 @@ async def streams(config: dict[str, Any], impaired: bool = False) -> dict[str, A
     }
 
 
+async def flood(config: dict[str, Any]) -> dict[str, Any]:
+    server = (config["server"][0], int(config["server"][1]))
+    cookies = [bytes.fromhex(s["nonce"])[:8] for s in config["sessions"]]
+    sockets = []
+    for host in config["bind"]:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.bind((host, 0))
+        sock.connect(server)
+        sock.setblocking(False)
+        sockets.append(sock)
+    rng = random.Random(config.get("seed", 16))
+    bodies = [rng.randbytes(config["payload"]) for _ in range(64)]
+    length = struct.pack(">H", config["payload"])
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + config["seconds"]
+    sent = refused = 0
+    sequence = 40_000  # ahead of every device: charged to a device, it would block its uplink
+    while loop.time() < deadline:
+        for _ in range(64):
+            sequence += 1
+            cookie = cookies[sequence % len(cookies)]
+            header = cookie[0:2] + length + cookie[4:8] + struct.pack(">II", 0, sequence)
+            try:
+                sockets[sequence % len(sockets)].send(header + bodies[sequence % 64])
+                sent += 1
+            except (BlockingIOError, ConnectionRefusedError):
+                refused += 1
+        await asyncio.sleep(0)
+    for sock in sockets:
+        sock.close()
+    return {"sent": sent, "refused": refused}
+
+
 async def receiver(config: dict[str, Any]) -> dict[str, Any]:
     from backend.protocol.audio import AudioFrame
     from backend.transports.udp import UdpAudioChannel
+    from bench.common import quiet_logging
+
+    quiet_logging()  # warnings only: log I/O would distort the figures
 
     channel = UdpAudioChannel(config["server"][0], int(config["server"][1]))
     await channel.start()
     counts = [0] * config["sessions"]
-    out_of_order = 0
+    out_of_order = foreign = 0
     specs = []
     for index in range(config["sessions"]):
         last = [0]
 
         def sink(frame: AudioFrame, slot: int = index, last: list[int] = last) -> None:
-            nonlocal out_of_order
+            nonlocal out_of_order, foreign
             counts[slot] += 1
             (sequence,) = struct.unpack_from(">I", frame.payload, 0)
+            foreign += sequence > 1 << 20  # devices' payloads start with their small sequence
             out_of_order += sequence <= last[0]
             last[0] = sequence
 
@@ -177,7 +217,8 @@ async def receiver(config: dict[str, Any]) -> dict[str, Any]:
     return {
         "delivered": sum(counts),
         "delivered_out_of_order": out_of_order,
-        "counters": channel.counters,
+        "foreign": foreign,
+        "counters": channel.stats(),
     }
 
 
@@ -188,6 +229,7 @@ def main() -> None:
         "blast": lambda: blast(config),
         "streams": lambda: streams(config),
         "impaired": lambda: streams(config, impaired=True),
+        "flood": lambda: flood(config),
         "receiver": lambda: receiver(config),
     }
     print(json.dumps(asyncio.run(runners[role]())), flush=True)
