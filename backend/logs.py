@@ -195,16 +195,60 @@ class LogBudget:
             self._last_summary.pop(oldest, None)
 
 
+class LineRate:
+    """At most `burst` lines at once and `per_minute` a minute per key (a device): for lines
+    a device earns just by connecting (ready, disconnected), which a reconnect loop would
+    otherwise turn into unbounded volume. `allow(key)` is None for a line to leave out, else the
+    number left out since the last one written (for its `suppressed` field). At most
+    `max_keys` keys are kept, the least recently used go."""
+
+    __slots__ = ("_burst", "_clock", "_keys", "_max_keys", "_per_s")
+
+    def __init__(
+        self,
+        *,
+        burst: int = 10,
+        per_minute: float = 10.0,
+        max_keys: int = 10_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._burst = float(burst)
+        self._per_s = per_minute / 60.0
+        self._max_keys = max_keys
+        self._clock = clock
+        self._keys: OrderedDict[str, list[float]] = OrderedDict()  # key -> [tokens, at, left out]
+
+    def allow(self, key: str) -> int | None:
+        now = self._clock()
+        state = self._keys.pop(key, None)
+        if state is None:
+            state = [self._burst, now, 0.0]
+            while len(self._keys) >= self._max_keys:
+                self._keys.popitem(last=False)
+        self._keys[key] = state
+        state[0] = min(self._burst, state[0] + (now - state[1]) * self._per_s)
+        state[1] = now
+        if state[0] < 1.0:
+            state[2] += 1
+            return None
+        state[0] -= 1.0
+        left_out, state[2] = int(state[2]), 0.0
+        return left_out
+
+
 class DeviceBudgets:
     """A `LogBudget` per device that outlives its links: a device that reconnects carries on
     with its budget instead of starting a fresh burst, so reconnecting does not buy it more
     lines. Budgets are made on first use; the `max_devices` most recently used are kept."""
 
-    __slots__ = ("_budgets", "_burst", "_interval_s", "_max_devices")
+    __slots__ = ("_budgets", "_burst", "_interval_s", "_max_devices", "lifecycle")
 
     def __init__(
         self, *, burst: int = 5, interval_s: float = 60.0, max_devices: int = 1024
     ) -> None:
+        # Lines a device earns by connecting (ready, disconnected): a rate, not a burst, since a
+        # stock WebSocket device connects anew for every conversation.
+        self.lifecycle = LineRate()
         self._burst = burst
         self._interval_s = interval_s
         self._max_devices = max_devices

@@ -3,7 +3,7 @@
 import logging
 from typing import Any
 
-from backend.logs import DeviceBudgets, LibraryNoiseFilter, LogBudget
+from backend.logs import DeviceBudgets, LibraryNoiseFilter, LineRate, LogBudget
 from tests.helpers import ManualClock
 
 
@@ -86,3 +86,17 @@ def test_library_noise_is_a_burst_per_kind_and_distinct_messages_share_one_budge
     assert len(noise._seen) == LibraryNoiseFilter.MAX_KINDS + 1  # and one "other" kind
     assert distinct.count(True) == LibraryNoiseFilter.MAX_KINDS - 1 + 3
     assert noise.filter(_record("myapp", "not a library")) is True  # ours are never filtered
+
+
+def test_line_rate_lets_a_burst_then_a_few_a_minute_through_and_counts_the_rest() -> None:
+    clock = ManualClock()
+    rate = LineRate(burst=3, per_minute=6.0, clock=clock)
+    assert [rate.allow("dev") for _ in range(5)] == [0, 0, 0, None, None]
+    assert rate.allow("other") == 0  # per key
+    clock.advance(10.0)  # one line's worth at 6 a minute
+    assert rate.allow("dev") == 2  # written, carrying the two left out
+    assert rate.allow("dev") is None
+    bounded = LineRate(max_keys=2, clock=clock)
+    for key in ("a", "b", "c"):
+        bounded.allow(key)
+    assert len(bounded._keys) == 2

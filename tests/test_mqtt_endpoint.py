@@ -7,16 +7,22 @@ import asyncio
 import contextlib
 import struct
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
+from backend.devices.conversation import ConversationHub
+from backend.devices.gateway import DeviceGateway
+from backend.devices.registry import DeviceRegistry
 from backend.protocol import mqtt_packets as mp
 from backend.transports.admission import Admission
-from backend.transports.base import LinkClosed
+from backend.transports.base import LinkAcceptor, LinkClosed
 from backend.transports.mqtt_endpoint import DeviceLogin, EndpointSettings, MqttEndpoint
 from backend.transports.throttle import ConnectionGuard, ExemptNetworks, KeyedLimiter
 from backend.transports.udp import UdpAudioChannel
+from tests.helpers import make_settings
 from tests.mosquitto import free_port
 from tests.mqtt_helpers import (
     DEVICE_A,
@@ -37,7 +43,7 @@ PUBREC, PUBREL, PUBCOMP, PINGRESP = 5, 6, 7, 13
 
 @contextlib.asynccontextmanager
 async def endpoint(
-    acceptor: RecordingAcceptor,
+    acceptor: LinkAcceptor,
     *,
     exempt: tuple[str, ...] = ("127.0.0.1/32",),
     guard_cap: int = 1000,
@@ -365,3 +371,25 @@ async def test_mqtt_3_1_and_5_are_answered_unacceptable_protocol() -> None:
             assert answer == mp.connack(mp.UNACCEPTABLE_PROTOCOL)
             writer.close()
         assert acceptor.handlers == []
+
+
+# ---- the real session behind the endpoint: a reconnect loop writes a few lines, not thousands ---
+
+
+async def test_a_reconnect_loop_writes_a_bounded_number_of_log_lines(tmp_path: Path) -> None:
+    settings = make_settings(tmp_path / "data")
+    registry = DeviceRegistry()
+    gateway = DeviceGateway(registry, ConversationHub(registry), settings)
+    with capture_logs() as logs:
+        async with endpoint(gateway) as server:
+            for _ in range(40):
+                client = RawMqttClient("127.0.0.1", server.port)
+                await client.connect(DEVICE_A, DEVICE_A, PASSWORDS[DEVICE_A])
+                await client.disconnect()
+            await eventually(lambda: server.counters.get("links_closed", 0) == 40)
+    assert server.counters["links_opened"] == 40
+    lifecycle = [e for e in logs if e["event"] in ("device ready", "device disconnected")]
+    disconnected = [e for e in lifecycle if e["event"] == "device disconnected"]
+    # 40 connections: the first ten lines in full, the rest only counted (LineRate per device).
+    assert len(disconnected) >= 1 and len(lifecycle) <= 12, [e["event"] for e in lifecycle]
+    assert len(logs) < 60, sorted({e["event"] for e in logs})

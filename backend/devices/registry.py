@@ -39,6 +39,7 @@ from backend.devices.errors import (
     UnknownTool,
 )
 from backend.devices.validation import argument_error
+from backend.logs import LineRate
 from backend.mcp_session import CallResult, McpClient, Tool
 from backend.transports.base import DeviceIdentity
 
@@ -405,6 +406,7 @@ class DeviceRegistry:
         self._live: dict[str, Device] = {}
         self._known: dict[str, DeviceRecord] = {}
         self._listeners: list[Listener] = []
+        self._replacement_lines = LineRate()  # a device replacing its own link in a loop
 
     # ---- reading ----------------------------------------------------------------------------
 
@@ -489,9 +491,13 @@ class DeviceRegistry:
         """A new link for `identity.device_id`; a previous live link for it is replaced."""
         previous = self._live.get(identity.device_id)
         if previous is not None:
-            log.info(
-                "same device id reconnected; closing the old link", device_id=previous.device_id
-            )
+            left_out = self._replacement_lines.allow(previous.device_id)
+            if left_out is not None:
+                log.info(
+                    "same device id reconnected; closing the old link",
+                    device_id=previous.device_id,
+                    **({"suppressed": left_out} if left_out else {}),
+                )
             self._go_offline(previous, REPLACED)
             previous.connection.disconnect(REPLACED, NORMAL_CLOSURE)
         device = Device(identity, connection, self)

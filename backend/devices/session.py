@@ -228,7 +228,7 @@ class DeviceSession:
             else:
                 self._log_budgets.flush(self.link.identity.device_id)
         identity = self.link.identity
-        self._log.info(
+        self._lifecycle(
             "device disconnected",
             reason=reason,
             transport=identity.transport,
@@ -351,7 +351,7 @@ class DeviceSession:
             return
         self._last_relist = time.monotonic()
         identity = self.link.identity
-        self._log.info(
+        self._lifecycle(
             "device ready", tools=len(tools), transport=identity.transport, remote=identity.remote
         )
         self._registry.ready(self.device, result.server_info, tools)
@@ -428,6 +428,17 @@ class DeviceSession:
 
     def _dropped(self, event: str, **fields: Any) -> None:
         self._budget().warning(event, **fields)
+
+    def _lifecycle(self, event: str, **fields: Any) -> None:
+        """A line the device earns by connecting, within the device's `LineRate` (shared by its
+        links, so a reconnect loop writes a few lines a minute, not two per connection)."""
+        budgets = self._log_budgets
+        left_out = 0 if budgets is None else budgets.lifecycle.allow(self.link.identity.device_id)
+        if left_out is None:
+            return
+        if left_out:
+            fields["suppressed"] = left_out
+        self._log.info(event, **fields)
 
     def _chatter(self, event: str, **fields: Any) -> None:
         """What a device says in a conversation, logged within the same per-link budget."""
