@@ -9,8 +9,7 @@ loopback.
 import asyncio
 import random
 import socket
-import struct
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import structlog
@@ -21,7 +20,6 @@ from hypothesis import strategies as st
 from backend.logs import EventBudget
 from backend.protocol.audio import AudioFrame
 from backend.transports.udp import (
-    HEADER_SIZE,
     CtrKeystream,
     DropReason,
     PacketError,
@@ -35,46 +33,10 @@ from backend.transports.udp import (
     parse_header,
     seal,
 )
+from tests.mqtt_helpers import eventually
+from tests.udp_helpers import OPUS_60MS, device_header, device_open, device_packet
 
-
-async def eventually(check: Callable[[], bool], timeout_s: float = 10.0, what: str = "") -> None:
-    """Poll `check` until it holds; fails with `what` after the deadline (a hang guard, not a
-    performance threshold). Here, not in tests.mqtt_helpers, so no broker is imported."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            while not check():  # noqa: ASYNC110 - nothing to wait on but the condition
-                await asyncio.sleep(0.01)
-    except TimeoutError:
-        raise AssertionError(f"not within {timeout_s:g} s: {what}") from None
-
-
-# ---- the device's side, written from the protocol reference ------------------------------------
-
-OPUS_60MS = bytes([11 << 3]) + bytes(40)  # TOC: SILK wideband 60 ms, mono, one frame (code 0)
-
-
-def device_header(nonce: bytes, payload_len: int, timestamp: int, sequence: int) -> bytes:
-    header = bytearray(nonce)
-    header[2:4] = struct.pack(">H", payload_len)
-    header[8:12] = struct.pack(">I", timestamp)
-    header[12:16] = struct.pack(">I", sequence)
-    return bytes(header)
-
-
-def device_packet(key: bytes, nonce: bytes, payload: bytes, sequence: int, ts: int = 0) -> bytes:
-    header = device_header(nonce, len(payload), ts, sequence)
-    encryptor = Cipher(algorithms.AES(key), modes.CTR(header)).encryptor()
-    return header + encryptor.update(payload) + encryptor.finalize()
-
-
-def device_open(key: bytes, datagram: bytes) -> tuple[int, int, bytes]:
-    """What firmware ≥2.4 accepts: type 0x01 and exact length; returns (sequence, ts, payload)."""
-    assert datagram[0] == 0x01
-    (payload_len,) = struct.unpack_from(">H", datagram, 2)
-    assert len(datagram) == HEADER_SIZE + payload_len
-    timestamp, sequence = struct.unpack_from(">II", datagram, 8)
-    decryptor = Cipher(algorithms.AES(key), modes.CTR(datagram[:16])).decryptor()
-    return sequence, timestamp, decryptor.update(datagram[16:]) + decryptor.finalize()
+# The device's side, written from the protocol reference, lives in tests/udp_helpers.py.
 
 
 class DeviceSocket:

@@ -23,7 +23,8 @@ from backend.transports.udp import (
     parse_header,
 )
 from tests.helpers import ManualClock
-from tests.test_udp import OPUS_60MS, device_open, device_packet, eventually
+from tests.mqtt_helpers import eventually
+from tests.udp_helpers import OPUS_60MS, device_open, device_packet
 
 ROUND = 100  # datagrams per round, then wait until all arrived: no kernel buffer overflow
 
