@@ -1,7 +1,7 @@
 """Benchmark: the MQTT + UDP transport end to end.
 
 1. `tools/call` round trip (`Device.call_tool` in the bridge, to the device's MCP server and back)
-   over MQTT through a real Mosquitto and through the embedded broker, against the WebSocket
+   over MQTT through a real Mosquitto and through the embedded endpoint, against the WebSocket
    path in the same run. Every device is a simulated device (the firmware's own app loop, MCP
    server and transport modules) started the way a user starts one, `esp32-bridge simulate`, in
    a process of its own; the bridges run in this process. The three paths take turns in rounds
@@ -163,13 +163,13 @@ async def round_trips(quick: bool) -> tuple[dict[str, Stats], dict[str, int]]:
         ):
             # The WebSocket and the Mosquitto device share the bridge `external`: two indexes.
             paths = {"websocket": external, "mqtt via mosquitto": external}
-            paths["mqtt via embedded broker"] = embedded
+            paths["mqtt via the embedded endpoint"] = embedded
             ids = {"websocket": device_id_for(2), "mqtt via mosquitto": device_id}
-            ids["mqtt via embedded broker"] = device_id
+            ids["mqtt via the embedded endpoint"] = device_id
             for name, running in paths.items():
                 await wait_ready(running, ids[name])
             transports = {"websocket": "websocket", "mqtt via mosquitto": "mqtt"}
-            transports["mqtt via embedded broker"] = "mqtt"
+            transports["mqtt via the embedded endpoint"] = "mqtt"
             samples: dict[str, list[int]] = {name: [] for name in paths}
             # Warm-up, then interleaved rounds.
             for name, running in paths.items():
@@ -288,7 +288,7 @@ async def run(quick: bool) -> str:
 `Device.call_tool("{VOLUME_TOOL}")` in the bridge to a simulated device (`esp32-bridge simulate`,
 the firmware's own modules, in its own process) and back; {meta["calls"]} calls per path in
 interleaved rounds of {ROUND}, after a warm-up. Mosquitto 2.0 with the generated config
-(`set_tcp_nodelay true`); the embedded broker runs in the bridge's process.
+(`set_tcp_nodelay true`); the embedded endpoint is the bridge itself (no broker hop).
 
 {table(["path", "p50 ms", "p99 ms", "mean ms", "p50 / WebSocket", "calls"], rows)}
 

@@ -182,9 +182,9 @@ class EndpointLink:
         raise LinkClosed("no free packet id")  # unreachable while max_unacked < 65535
 
     async def write(self, data: bytes) -> None:
-        if self.closed:
-            raise LinkClosed("link closed")
         writer = self._writer
+        if self.closed or writer.transport.is_closing():
+            raise LinkClosed("link closed")
         writer.write(data)
         transport = writer.transport
         if transport.get_write_buffer_size() <= transport.get_write_buffer_limits()[1]:
