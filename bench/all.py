@@ -5,9 +5,9 @@ import sys
 
 from bench.common import REPO, parse_args
 
-# The bridge-core benchmarks, the UDP audio channel, the MQTT transport end to end, the OTA
-# endpoint, reliability under attack, fuzzing, then the firmware's heap benchmark (needs the
-# MicroPython unix port).
+# The bridge-core benchmarks, the UDP audio channel, the MQTT transport end to end and its
+# reconnect loop, the OTA endpoint, reliability under attack (WebSocket and MQTT), fuzzing, then
+# the firmware's heap benchmark (needs the MicroPython unix port).
 BENCHMARKS = (
     "tool_call",
     "sdk_compare",
@@ -19,6 +19,7 @@ BENCHMARKS = (
     "reliability",
     "fuzz",
     "mqtt",
+    "mqtt_churn",
     "ota",
     "firmware_memory",
 )

@@ -234,8 +234,9 @@ as the others: `set_volume` called on them through the admin API every 50 ms, `/
 every 50 ms, a {min(duration_s, BASELINE_S):g} s baseline, then a {duration_s:g} s window with
 the attack. The attacker is an approved device logged in with its own broker login (or, for the
 idle sockets, no login), connecting from 127.0.0.2; the legitimate login during the idle
-sockets comes from 127.0.0.3. "Victim affected": an audit entry by `device:<victim>` (a forged
-turn calling a tool as the victim) or a victim's "device disconnected" line during the window.
+sockets comes from 127.0.0.3. "Victim affected": a `listen` or `device turn` line in a victim's
+name (the victims never type), an audit entry by `device:<victim>`, or a victim's "device
+disconnected" line during the window.
 "The bridge's answer": CONNACK return codes (0 accepted, 3 server unavailable: a rate limit,
 5 not authorized; "dropped": closed at accept by a per-address bound) and what else it reports.
 
@@ -262,7 +263,8 @@ def _answered(report: AttackReport) -> str:
         parts.append(f"body bytes taken before the cut {detail['body_bytes_sent']:,}")
     received = detail.get("received")
     if received:
-        names = {"2": "CONNACK", "4": "PUBACK", "5": "PUBREC", "7": "PUBCOMP", "9": "SUBACK"}
+        names = {"3": "PUBLISH (its own downlink)", "4": "PUBACK", "5": "PUBREC"}
+        names.update({"7": "PUBCOMP", "9": "SUBACK"})
         got = ", ".join(f"{names.get(str(k), k)} {v:,}" for k, v in sorted(received.items()))
         parts.append(f"got back {got}")
     if report.close_code is not None:
