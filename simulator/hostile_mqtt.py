@@ -432,18 +432,25 @@ async def same_login_storm(target: Target, count: float) -> AttackReport:
         else:
             _tally(report, link)
     await asyncio.sleep(2.0)
-    report.detail["still_open"] = sum(
-        1
-        for link in links
-        if link is not None
-        and link.code == 0
-        and not link.writer.is_closing()
-        and not link.reader.at_eof()
-    )
+    accepted = [link for link in links if link is not None and link.code == 0]
+    report.detail["still_open"] = sum(await asyncio.gather(*map(_still_open, accepted)))
     await asyncio.gather(*(link.abort() for link in links if link is not None))
     report.sent = total
     report.seconds = time.monotonic() - started
     return report
+
+
+async def _still_open(link: Link) -> bool:
+    """Whether the bridge still holds this link: a read sees neither the end nor an error."""
+    try:
+        async with asyncio.timeout(0.3):
+            while True:
+                if not await link.reader.read(65_536):
+                    return False
+    except TimeoutError:
+        return True
+    except (ConnectionError, asyncio.IncompleteReadError):
+        return False
 
 
 async def idle_sockets(target: Target, count: float, hold_s: float = 5.0) -> AttackReport:
