@@ -30,7 +30,7 @@ import contextlib
 import json
 import socket
 import time
-from collections.abc import Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 
 import structlog
@@ -292,8 +292,10 @@ class MqttEndpoint:
             family=socket.AF_INET6 if ":" in settings.host else socket.AF_INET,
             backlog=settings.backlog,
         )
-        self._server = await asyncio.start_server(
-            self._accept, sock=listener, limit=_READ_CHUNK, backlog=64
+        # At most 64 accepts per loop wakeup (a connection storm cannot hold the loop), over a
+        # deep kernel queue (a fleet reconnecting at once); as on the WebSocket listener.
+        self._server = await asyncio.get_running_loop().create_server(
+            self._protocol, sock=listener, backlog=64
         )
         listener.listen(settings.backlog)
         self._watchdog = asyncio.create_task(self._keepalive_watchdog(), name="mqtt-keepalive")
@@ -320,19 +322,24 @@ class MqttEndpoint:
 
     # ---- one connection -------------------------------------------------------------------------
 
+    def _protocol(self) -> asyncio.BaseProtocol:
+        return _GuardedStream(self, asyncio.StreamReader(limit=_READ_CHUNK), self._accept)
+
+    def admit(self, transport: asyncio.BaseTransport) -> bool:
+        """The guard's decision at accept time, before a task or a byte of the connection."""
+        if self.guard.admit(transport, _address(transport.get_extra_info("peername"))):
+            return True
+        self.count("connections_dropped")
+        return False
+
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
         peer = writer.get_extra_info("peername")
-        address = str(peer[0]) if isinstance(peer, tuple) and peer else None
+        address = _address(peer)
         remote = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else None
-        token: Hashable = object()
-        if not self.guard.admit(token, address):
-            self.count("connections_dropped")
-            writer.transport.abort()
-            self._tasks.discard(task)
-            return
+        token: Hashable = writer.transport  # what `admit` was given
         _nodelay(writer)
         link: EndpointLink | None = None
         try:
@@ -638,6 +645,37 @@ def _claim_matches(device_id: str, text: str) -> bool:
         return False
     normalized = claimed.strip().lower() if ":" in claimed else claimed.strip()
     return normalized == device_id or normalized.replace("_", ":") == device_id
+
+
+class _GuardedStream(asyncio.StreamReaderProtocol):
+    """A stream protocol whose connection is first put to the endpoint's `ConnectionGuard`:
+    a dropped one costs no StreamWriter, no task and no read (a storm of thousands is cheap)."""
+
+    def __init__(
+        self,
+        endpoint: MqttEndpoint,
+        reader: asyncio.StreamReader,
+        accept: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+    ) -> None:
+        super().__init__(reader, accept)
+        self._endpoint = endpoint
+        self._refused = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if not self._endpoint.admit(transport):
+            self._refused = True
+            if isinstance(transport, asyncio.Transport):
+                transport.abort()
+            return
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self._refused:
+            super().connection_lost(exc)
+
+
+def _address(peer: object) -> str | None:
+    return str(peer[0]) if isinstance(peer, tuple) and peer else None
 
 
 def _nodelay(writer: asyncio.StreamWriter) -> None:
