@@ -245,17 +245,10 @@ def _mqtt_string(text: bytes) -> bytes:
     return len(text).to_bytes(2, "big") + text
 
 
-def _varint(size: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, size = size & 0x7F, size >> 7
-        out.append(byte | (0x80 if size else 0))
-        if not size:
-            return bytes(out)
-
-
 @st.composite
 def mqtt_packet_bytes(draw: st.DrawFn) -> bytes:
+    from backend.protocol.mqtt_packets import remaining_length
+
     kind = draw(st.integers(0, 15))
     flags = draw(st.sampled_from([0, 2, draw(st.integers(0, 15))]))
     topic = draw(st.binary(max_size=12) | st.sampled_from([b"xiaozhi/a/up", b"#", b"a/+/b", b""]))
@@ -271,7 +264,7 @@ def mqtt_packet_bytes(draw: st.DrawFn) -> bytes:
     if draw(st.booleans()) and body:  # one byte changed
         at = draw(st.integers(0, len(body) - 1))
         body = body[:at] + bytes([draw(st.integers(0, 255))]) + body[at + 1 :]
-    data = bytes([kind << 4 | flags]) + _varint(len(body)) + body
+    data = bytes([kind << 4 | flags]) + remaining_length(len(body)) + body
     cut = draw(st.integers(0, len(data)))
     return data[:cut] if draw(st.booleans()) else data + draw(st.binary(max_size=16))
 

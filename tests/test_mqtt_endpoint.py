@@ -276,7 +276,7 @@ async def test_an_oversized_publish_is_refused_from_its_header_and_others_go_on(
         await eventually(lambda: len(acceptor.handlers) == 2, what="both online")
         topic = SCHEME.up(DEVICE_A).encode()
         # A 64 MB PUBLISH header, then only a little of its body: the body is never awaited.
-        header = bytes([PUBLISH << 4]) + mp._remaining_length(64 * 1024 * 1024)
+        header = bytes([PUBLISH << 4]) + mp.remaining_length(64 * 1024 * 1024)
         await attacker.send_raw(header + struct.pack(">H", len(topic)) + topic + b"x" * 1000)
         await asyncio.wait_for(attacker.closed.wait(), 5)
         await eventually(lambda: acceptor.latest(ID_A).closed != [], what="attacker cut off")

@@ -150,3 +150,14 @@ def test_presence_payloads() -> None:
     for bad in (b"", b"maybe", b"{}", b'{"state":"away"}', b"\xff\xfe"):
         with pytest.raises(TopicError):
             parse_presence(bad)
+
+
+def test_a_message_claiming_another_device_is_told_apart_from_its_own_spellings() -> None:
+    from backend.transports.mqtt_topics import claims_another_device
+
+    me = "a4:cf:12:34:56:78"
+    for own in ('{"device_id":"a4:cf:12:34:56:78"}', '{"device_id":"A4:CF:12:34:56:78"}',
+                '{"device_id":"a4_cf_12_34_56_78"}', '{"type":"hello"}', "not json"):  # fmt: skip
+        assert not claims_another_device(own, me), own
+    for other in ('{"device_id":"a4:cf:12:34:56:79"}', '{"device_id":42}', '{"device_id":""}'):
+        assert claims_another_device(other, me), other

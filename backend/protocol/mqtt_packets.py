@@ -327,7 +327,8 @@ _PARSERS: dict[int, _Parser] = {
 # ---- encoding -------------------------------------------------------------------------------
 
 
-def _remaining_length(size: int) -> bytes:
+def remaining_length(size: int) -> bytes:
+    """The variable-length encoding of a packet's remaining length (§2.2.3)."""
     out = bytearray()
     while True:
         byte, size = size & 0x7F, size >> 7
@@ -337,7 +338,7 @@ def _remaining_length(size: int) -> bytes:
 
 
 def _packet(kind_flags: int, body: bytes) -> bytes:
-    return bytes([kind_flags]) + _remaining_length(len(body)) + body
+    return bytes([kind_flags]) + remaining_length(len(body)) + body
 
 
 def _string(value: str) -> bytes:

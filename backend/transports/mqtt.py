@@ -29,7 +29,6 @@ and jitter, forever, until `stop`.
 """
 
 import asyncio
-import json
 import random
 import socket
 import ssl
@@ -59,6 +58,8 @@ from backend.transports.mqtt_topics import (
     TopicError,
     TopicKind,
     TopicScheme,
+    claimed_device_id,
+    claims_another_device,
     device_id_from_key,
     parse_presence,
 )
@@ -531,7 +532,9 @@ class MqttTransport:
             self._drop("not_utf8", device_key=key)
             self._discarded(device, len(payload))
             return
-        if '"device_id"' in text and not self._claim_matches(key, text):
+        if claims_another_device(text, device.link.identity.device_id):
+            claimed = claimed_device_id(text)
+            self._drop("claims_other_device", device_key=key, claimed=str(claimed)[:64])
             self._discarded(device, len(payload))
             return
         try:
@@ -549,20 +552,6 @@ class MqttTransport:
             device.link.handler.on_discarded(size)
         except Exception as exc:  # the session's bug must not stop the dispatcher
             self._drop("handler_error", device_key=device.key, detail=f"{exc!r}"[:200])
-
-    def _claim_matches(self, key: str, text: str) -> bool:
-        """A message naming a device id must name the topic's device (the topic is who sent it)."""
-        try:
-            message = json.loads(text)
-        except ValueError:
-            return True  # the session decides what to do with unparsable text
-        claimed = message.get("device_id") if isinstance(message, dict) else None
-        if claimed is None:
-            return True
-        if isinstance(claimed, str) and _same_device(claimed, device_id_from_key(key)):
-            return True
-        self._drop("claims_other_device", device_key=key, claimed=str(claimed)[:64])
-        return False
 
     def _drop(self, reason: str, **fields: object) -> None:
         self.count(f"dropped_{reason}")
@@ -692,11 +681,6 @@ class MqttTransport:
                 if not device.presence and now - device.last_seen > timeout:
                     self.count("silence_timeouts")
                     self._close_device(device, f"no message for {timeout:g} s", drain=True)
-
-
-def _same_device(claimed: str, device_id: str) -> bool:
-    normalized = claimed.strip().lower() if ":" in claimed else claimed.strip()
-    return normalized == device_id or normalized.replace("_", ":") == device_id
 
 
 if TYPE_CHECKING:  # the seam, checked by mypy: these classes satisfy the core's protocols

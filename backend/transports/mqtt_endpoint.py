@@ -27,7 +27,6 @@ Downlink messages go out at QoS 1; audio rides on UDP (`mqtt_audio.LinkAudio`).
 
 import asyncio
 import contextlib
-import json
 import socket
 import time
 from collections.abc import Awaitable, Callable, Hashable
@@ -47,6 +46,7 @@ from backend.transports.mqtt_topics import (
     TopicError,
     TopicKind,
     TopicScheme,
+    claims_another_device,
     device_id_from_key,
     device_key,
     is_stock_client_id,
@@ -574,7 +574,7 @@ class MqttEndpoint:
             except UnicodeDecodeError:
                 self._drop(link, handler, "not_utf8", len(payload))
                 return
-            if '"device_id"' in text and not _claim_matches(link.identity.device_id, text):
+            if claims_another_device(text, link.identity.device_id):
                 self._drop(link, handler, "claims_other_device", len(payload))
                 return
             self.count("received")
@@ -630,21 +630,6 @@ def _client_uuid(client_id: str, key: str) -> str | None:
     if client_id != key:
         raise _Refused(mp.IDENTIFIER_REJECTED, "client id names another device")
     return None
-
-
-def _claim_matches(device_id: str, text: str) -> bool:
-    """A message naming a device id must name the login's device."""
-    try:
-        message = json.loads(text)
-    except ValueError:
-        return True  # the session decides what to do with unparsable text
-    claimed = message.get("device_id") if isinstance(message, dict) else None
-    if claimed is None:
-        return True
-    if not isinstance(claimed, str):
-        return False
-    normalized = claimed.strip().lower() if ":" in claimed else claimed.strip()
-    return normalized == device_id or normalized.replace("_", ":") == device_id
 
 
 class _GuardedStream(asyncio.StreamReaderProtocol):

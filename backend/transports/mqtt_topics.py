@@ -235,6 +235,30 @@ def parse_presence(payload: bytes) -> Presence:
     raise TopicError(f"unknown presence payload {_clip(text)!r}")
 
 
+def claimed_device_id(text: str) -> object | None:
+    """The `device_id` a JSON message claims, if any (None for unparsable text: the session
+    decides what to do with that). The transports compare it with the sender they know."""
+    if '"device_id"' not in text:
+        return None
+    try:
+        message = json.loads(text)
+    except ValueError:
+        return None
+    return message.get("device_id") if isinstance(message, dict) else None
+
+
+def claims_another_device(text: str, device_id: str) -> bool:
+    """True when `text` names a `device_id` that is not `device_id` (MAC spellings with `_`
+    or in upper case are the same device)."""
+    claimed = claimed_device_id(text)
+    if claimed is None:
+        return False
+    if not isinstance(claimed, str):
+        return True
+    normalized = claimed.strip().lower() if ":" in claimed else claimed.strip()
+    return normalized != device_id and normalized.replace("_", ":") != device_id
+
+
 def _clip(value: object, limit: int = 80) -> str:
     text = value if isinstance(value, str) else repr(value)
     return text if len(text) <= limit else text[:limit] + "…"
