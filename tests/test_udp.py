@@ -6,9 +6,7 @@ encrypts with `cryptography` directly. Everything that crosses a socket crosses 
 loopback.
 """
 
-import asyncio
 import random
-import socket
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -34,36 +32,15 @@ from backend.transports.udp import (
     seal,
 )
 from tests.mqtt_helpers import eventually
-from tests.udp_helpers import OPUS_60MS, device_header, device_open, device_packet
+from tests.udp_helpers import (
+    OPUS_60MS,
+    DeviceSocket,
+    device_header,
+    device_open,
+    device_packet,
+)
 
 # The device's side, written from the protocol reference, lives in tests/udp_helpers.py.
-
-
-class DeviceSocket:
-    """A device's UDP socket, "connected" to the server as the firmware's is."""
-
-    def __init__(self, port: int) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.connect(("127.0.0.1", port))
-        self.sock.setblocking(False)
-
-    def send(self, datagram: bytes) -> None:
-        self.sock.send(datagram)
-
-    async def recv(self, timeout_s: float = 5.0) -> bytes:
-        loop = asyncio.get_running_loop()
-        return await asyncio.wait_for(loop.sock_recv(self.sock, 65536), timeout_s)
-
-    def pending(self) -> bool:
-        try:
-            self.sock.recv(65536, socket.MSG_PEEK)
-        except BlockingIOError:
-            return False
-        return True
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 @pytest.fixture

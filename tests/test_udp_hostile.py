@@ -7,9 +7,7 @@ The clock of the channel is a `ManualClock`, so budgets and move intervals are e
 depends on how fast this machine is.
 """
 
-import asyncio
 import random
-import socket
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -24,43 +22,15 @@ from backend.transports.udp import (
 )
 from tests.helpers import ManualClock
 from tests.mqtt_helpers import eventually
-from tests.udp_helpers import OPUS_60MS, device_open, device_packet
+from tests.udp_helpers import OPUS_60MS, DeviceSocket, device_open, device_packet
 
 ROUND = 100  # datagrams per round, then wait until all arrived: no kernel buffer overflow
-
-
-class Sock:
-    """A UDP socket bound to `host` (any port), "connected" to the channel."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind((host, 0))
-        self.sock.connect(("127.0.0.1", port))
-        self.sock.setblocking(False)
-        self.address: tuple[str, int] = self.sock.getsockname()
-
-    def send(self, datagram: bytes) -> None:
-        self.sock.send(datagram)
-
-    async def recv(self, timeout_s: float = 5.0) -> bytes:
-        loop = asyncio.get_running_loop()
-        return await asyncio.wait_for(loop.sock_recv(self.sock, 65536), timeout_s)
-
-    def pending(self) -> bool:
-        try:
-            self.sock.recv(65536, socket.MSG_PEEK)
-        except BlockingIOError:
-            return False
-        return True
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 class Device:
     """The victim: streams well-formed 60 ms Opus packets from its socket."""
 
-    def __init__(self, sock: Sock, session: UdpSession) -> None:
+    def __init__(self, sock: DeviceSocket, session: UdpSession) -> None:
         block = session.hello_block("127.0.0.1", 1)
         self.key, self.nonce = bytes.fromhex(str(block["key"])), bytes.fromhex(str(block["nonce"]))
         self.sock = sock
@@ -81,8 +51,8 @@ def clock() -> ManualClock:
 
 
 @pytest.fixture
-def sockets() -> Iterator[list[Sock]]:
-    made: list[Sock] = []
+def sockets() -> Iterator[list[DeviceSocket]]:
+    made: list[DeviceSocket] = []
     yield made
     for sock in made:
         sock.close()
@@ -101,13 +71,13 @@ async def channel(clock: ManualClock) -> AsyncIterator[UdpAudioChannel]:
     await udp.stop()
 
 
-def sock(made: list[Sock], host: str, port: int) -> Sock:
-    made.append(Sock(host, port))
+def sock(made: list[DeviceSocket], host: str, port: int) -> DeviceSocket:
+    made.append(DeviceSocket(port, host))
     return made[-1]
 
 
 async def live_device(
-    channel: UdpAudioChannel, made: list[Sock], frames: list[AudioFrame]
+    channel: UdpAudioChannel, made: list[DeviceSocket], frames: list[AudioFrame]
 ) -> tuple[UdpSession, Device]:
     """A session whose device has sent enough of its stream for the peer to be confirmed."""
     session = channel.open_session("a4:cf:12:34:56:78", "s1", frames.append)
@@ -126,7 +96,7 @@ def forged(device: Device, sequence: int, rng: random.Random) -> bytes:
 
 
 async def in_rounds(
-    channel: UdpAudioChannel, datagrams: list[bytes], attacker: Sock, between: object = None
+    channel: UdpAudioChannel, datagrams: list[bytes], attacker: DeviceSocket, between: object = None
 ) -> None:
     for start in range(0, len(datagrams), ROUND):
         expected = channel.counters.get("rx_datagrams", 0) + len(datagrams[start : start + ROUND])
@@ -141,7 +111,7 @@ async def in_rounds(
 
 
 async def test_a_blind_hijack_with_the_right_cookie_but_no_key_never_moves_the_peer(
-    clock: ManualClock, sockets: list[Sock]
+    clock: ManualClock, sockets: list[DeviceSocket]
 ) -> None:
     # A budget that never runs out: every forgery is decrypted and judged by its content.
     channel = await started(clock, source_burst=1e9)
@@ -168,7 +138,7 @@ async def test_a_blind_hijack_with_the_right_cookie_but_no_key_never_moves_the_p
 
 
 async def test_a_flood_with_a_known_cookie_from_elsewhere_never_cuts_the_device_off(
-    channel: UdpAudioChannel, sockets: list[Sock]
+    channel: UdpAudioChannel, sockets: list[DeviceSocket]
 ) -> None:
     frames: list[AudioFrame] = []
     session, device = await live_device(channel, sockets, frames)
@@ -202,7 +172,7 @@ async def test_a_flood_with_a_known_cookie_from_elsewhere_never_cuts_the_device_
 
 
 async def test_a_flood_that_races_the_devices_first_packet_loses_the_session_to_the_device(
-    channel: UdpAudioChannel, sockets: list[Sock]
+    channel: UdpAudioChannel, sockets: list[DeviceSocket]
 ) -> None:
     frames: list[AudioFrame] = []
     session = channel.open_session("a4:cf:12:34:56:78", "s1", frames.append)
@@ -232,14 +202,14 @@ async def test_a_flood_that_races_the_devices_first_packet_loses_the_session_to_
 
 
 async def test_nat_rebinding_moves_the_peer_after_the_confirmations_and_not_too_often(
-    channel: UdpAudioChannel, clock: ManualClock, sockets: list[Sock]
+    channel: UdpAudioChannel, clock: ManualClock, sockets: list[DeviceSocket]
 ) -> None:
     frames: list[AudioFrame] = []
     session, device = await live_device(channel, sockets, frames)
     old = device.sock
     confirmations = channel.limits.move_confirmations
 
-    async def speak_from(new: Sock, packets: int) -> None:
+    async def speak_from(new: DeviceSocket, packets: int) -> None:
         device.sock = new
         held = _held(channel) + packets
         for _ in range(packets):
@@ -277,7 +247,7 @@ def _held(channel: UdpAudioChannel) -> int:
 
 
 async def test_a_spray_from_many_ports_and_addresses_keeps_the_tables_bounded(
-    clock: ManualClock, sockets: list[Sock]
+    clock: ManualClock, sockets: list[DeviceSocket]
 ) -> None:
     channel = await started(clock, max_sources=32, max_candidates=2, source_burst=4)
     try:

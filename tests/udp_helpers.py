@@ -2,6 +2,8 @@
 `backend.transports.udp`): the header from the hello's nonce exactly as the firmware builds it
 (bytes 2-3, 8-11, 12-15 overwritten), encrypted with `cryptography` directly."""
 
+import asyncio
+import socket
 import struct
 
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -33,3 +35,32 @@ def device_open(key: bytes, datagram: bytes) -> tuple[int, int, bytes]:
     timestamp, sequence = struct.unpack_from(">II", datagram, 8)
     decryptor = Cipher(algorithms.AES(key), modes.CTR(datagram[:16])).decryptor()
     return sequence, timestamp, decryptor.update(datagram[16:]) + decryptor.finalize()
+
+
+class DeviceSocket:
+    """A device's UDP socket bound to `host` (another loopback address plays another host),
+    "connected" to the server as the firmware's is."""
+
+    def __init__(self, port: int, host: str = "127.0.0.1") -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind((host, 0))
+        self.sock.connect(("127.0.0.1", port))
+        self.sock.setblocking(False)
+        self.address: tuple[str, int] = self.sock.getsockname()
+
+    def send(self, datagram: bytes) -> None:
+        self.sock.send(datagram)
+
+    async def recv(self, timeout_s: float = 5.0) -> bytes:
+        loop = asyncio.get_running_loop()
+        return await asyncio.wait_for(loop.sock_recv(self.sock, 65536), timeout_s)
+
+    def pending(self) -> bool:
+        try:
+            self.sock.recv(65536, socket.MSG_PEEK)
+        except BlockingIOError:
+            return False
+        return True
+
+    def close(self) -> None:
+        self.sock.close()
