@@ -393,3 +393,20 @@ async def test_a_reconnect_loop_writes_a_bounded_number_of_log_lines(tmp_path: P
     # 40 connections: the first ten lines in full, the rest only counted (LineRate per device).
     assert len(disconnected) >= 1 and len(lifecycle) <= 12, [e["event"] for e in lifecycle]
     assert len(logs) < 60, sorted({e["event"] for e in logs})
+
+
+async def test_packets_sent_with_the_connect_are_not_left_waiting() -> None:
+    """A client that does not wait for CONNACK: the PUBLISH in the CONNECT's segment is read."""
+    acceptor = RecordingAcceptor()
+    async with endpoint(acceptor) as server:
+        key, password = DEVICE_A.encode(), PASSWORDS[DEVICE_A].encode()
+        fields = b"".join(struct.pack(">H", len(v)) + v for v in (key, key, password))
+        connect = packet(1, 0, b"\x00\x04MQTT\x04\xc2\x00\x3c" + fields)
+        topic = SCHEME.up(DEVICE_A).encode()
+        publish = packet(PUBLISH, 0, struct.pack(">H", len(topic)) + topic + b'{"early":1}')
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(connect + publish)
+        assert await asyncio.wait_for(reader.readexactly(4), 5) == mp.connack(mp.ACCEPTED)
+        await eventually(lambda: acceptor.of(ID_A) != [] and acceptor.latest(ID_A).texts != [])
+        assert acceptor.latest(ID_A).texts == ['{"early":1}']
+        writer.close()

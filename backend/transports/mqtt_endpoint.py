@@ -462,16 +462,19 @@ class MqttEndpoint:
         assert handler is not None
         link.task = asyncio.current_task()
         try:
+            # Packets that came in the CONNECT's read (a client that does not wait for CONNACK)
+            # first, then whatever arrives.
             while not link.closed:
-                data = await reader.read(_READ_CHUNK)
-                if not data:
-                    break
-                link.last_packet = time.monotonic()
-                packets.feed(data)
                 for packet in packets.packets():
                     await self._on_packet(link, handler, packet)
                     if link.closed:
                         break
+                else:
+                    data = await reader.read(_READ_CHUNK)
+                    if not data:
+                        break
+                    link.last_packet = time.monotonic()
+                    packets.feed(data)
         except mp.PacketTooLarge as exc:
             self._violation(link, "packet_too_large", str(exc))
         except mp.MalformedPacket as exc:
