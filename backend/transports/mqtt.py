@@ -33,7 +33,6 @@ import random
 import socket
 import ssl
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
@@ -53,6 +52,7 @@ from backend.transports.base import (
     LinkHandler,
     Transport,
 )
+from backend.transports.mqtt_audio import LinkAudio
 from backend.transports.mqtt_topics import (
     DEFAULT_PREFIX,
     TopicError,
@@ -63,7 +63,7 @@ from backend.transports.mqtt_topics import (
     device_id_from_key,
     parse_presence,
 )
-from backend.transports.udp import DEFAULT_MAX_PAYLOAD, UdpAudioChannel, UdpError, UdpSession
+from backend.transports.udp import DEFAULT_MAX_PAYLOAD, UdpAudioChannel
 
 POLICY_VIOLATION = 1008  # a revoked device, or one cut off for breaking a bound
 log = structlog.get_logger("transport.mqtt")
@@ -184,7 +184,9 @@ class MqttLink:
         self.device_key = key
         self.down_topic = transport.scheme.down(key)
         self.handler: LinkHandler | None = None
-        self.udp: UdpSession | None = None
+        self.audio = LinkAudio(
+            transport.udp, transport.udp_public_host, identity.device_id, self._on_audio
+        )
         self.closed = False
         self.closed_reason = "closed"
         self.log = log.bind(device_id=identity.device_id)
@@ -207,52 +209,30 @@ class MqttLink:
     async def send_audio(self, frame: AudioFrame) -> None:
         if self.closed:
             raise LinkClosed("link closed")
-        udp = self.udp
-        if udp is None:
+        if not self.audio.send(frame):
             self._transport.count("udp_no_session")
-            return
-        try:
-            self._transport.udp.send(udp, frame)
-        except UdpError as exc:
-            raise LinkClosed(str(exc)) from None
 
     def hello_fields(self, session_id: str) -> dict[str, object]:
         """Open a fresh UDP session (replacing any earlier one) and describe it for the hello."""
         if self.closed:
             raise LinkClosed("link closed")
-        channel = self._transport.udp
-        if self.udp is not None:
-            channel.close_session(self.udp)
-        self.udp = channel.open_session(self._identity.device_id, session_id, self._on_audio)
-        block = self.udp.hello_block(self._transport.udp_public_host, channel.port)
-        return {"transport": "udp", "udp": block}
+        return self.audio.open(session_id)
 
     def conversation_ended(self, session_id: str) -> None:
-        udp = self.udp
-        if udp is not None and udp.session_id == session_id:
-            self._transport.udp.close_session(udp)
-            self.udp = None
+        self.audio.ended(session_id)
 
     async def close(self, code: int = 1000, reason: str = "") -> None:
         """Forget the device until it shows up again; on a policy close (revoked, cut off for
-        flooding) the broker is asked to drop its connection too, where it can."""
+        flooding) its next link waits like a WebSocket device's (the broker's files decide
+        whether it may stay connected to the broker)."""
         self._transport.close_link(self, reason or f"closed by the bridge ({code})")
-        if code != POLICY_VIOLATION:
-            return
-        self._transport.admission.cut_off(self._identity.device_id)
-        drop = self._transport.drop_client
-        if drop is not None:
-            await drop(self.device_key)
+        if code == POLICY_VIOLATION:
+            self._transport.admission.cut_off(self._identity.device_id)
 
     def _on_audio(self, frame: AudioFrame) -> None:
         handler = self.handler
         if handler is not None and not self.closed:
             handler.on_audio(frame)
-
-    def _release_udp(self) -> None:
-        if self.udp is not None:
-            self._transport.udp.close_session(self.udp)
-            self.udp = None
 
 
 class _Device:
@@ -282,13 +262,9 @@ class MqttTransport:
         admission: Admission,
         *,
         udp: UdpAudioChannel | None = None,
-        drop_client: Callable[[str], Awaitable[bool]] | None = None,
     ) -> None:
         self.settings = settings
         self.admission = admission
-        # Asks the broker to disconnect a device, where it offers a way (an external one is
-        # told through its ACLs and password files instead).
-        self.drop_client = drop_client
         self.address = settings.address()
         self.scheme = TopicScheme(settings.topic_prefix)
         self.udp = udp or UdpAudioChannel(
@@ -621,7 +597,7 @@ class MqttTransport:
             self._close_device(device, reason, drain=False)
         elif not link.closed:
             link.closed = True
-            link._release_udp()
+            link.audio.release()
 
     def _close_device(self, device: _Device, reason: str, *, drain: bool) -> None:
         """Forget the device; `on_closed` after its queued messages (drain) or right now.
@@ -634,7 +610,7 @@ class MqttTransport:
         device.closing = True
         if self._devices.get(device.key) is device:
             del self._devices[device.key]
-        device.link._release_udp()
+        device.link.audio.release()
         device.link.closed_reason = reason
         worker = device.worker
         if drain and worker is not None and not worker.done():
