@@ -33,9 +33,6 @@ from backend.transports.mqtt_credentials import (
 from backend.transports.mqtt_endpoint import DeviceLogin, EndpointSettings, MqttEndpoint
 from backend.transports.throttle import (
     ConnectionGuard,
-    ExemptNetworks,
-    KeyedLimiter,
-    handshake_cap,
 )
 from backend.transports.udp import UdpAudioChannel
 
@@ -148,14 +145,6 @@ class MqttService:
 
     def _endpoint(self) -> MqttEndpoint:
         settings = self.settings
-        rate = settings.rate_limits["connection_ip"]
-        guard = ConnectionGuard(
-            handshake_cap(settings.max_pending_handshakes),
-            KeyedLimiter(rate.per_s, rate.burst),
-            exempt=ExemptNetworks(settings.rate_limit_exempt),
-            max_pending_per_address=settings.max_pending_handshakes_per_address,
-            logger=log,
-        )
         return MqttEndpoint(
             EndpointSettings(
                 host=settings.mqtt_host,
@@ -167,7 +156,7 @@ class MqttService:
                 udp_public_host=self._udp_public_host(),
             ),
             Admission(DeviceLogin(self._logins), self._handshake_limits),
-            guard,
+            ConnectionGuard.for_listener(settings, log),
             udp=UdpAudioChannel(settings.udp_host, settings.udp_port),
         )
 

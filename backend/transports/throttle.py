@@ -10,11 +10,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Self
 
 import structlog
 
 from backend.logs import LogBudget
+
+if TYPE_CHECKING:
+    from backend.config import Settings
 
 log = structlog.get_logger("transport.throttle")
 
@@ -140,6 +143,18 @@ class ConnectionGuard:
         self._penalty_s = penalty_s
         self._refusals = KeyedLimiter(penalty_refusals / penalty_s, penalty_refusals)
         self._blocked_until: dict[str, float] = {}
+
+    @classmethod
+    def for_listener(cls, settings: "Settings", logger: Any = None) -> Self:
+        """The guard of a device listener (WebSocket, MQTT), from the shared settings."""
+        rate = settings.rate_limits["connection_ip"]
+        return cls(
+            handshake_cap(settings.max_pending_handshakes),
+            KeyedLimiter(rate.per_s, rate.burst),
+            exempt=ExemptNetworks(settings.rate_limit_exempt),
+            logger=logger,
+            max_pending_per_address=settings.max_pending_handshakes_per_address,
+        )
 
     def admit(self, connection: Hashable, address: str | None) -> bool:
         if address is not None and self._is_blocked(address):

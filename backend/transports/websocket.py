@@ -31,9 +31,6 @@ from backend.transports.admission import Admission, HandshakeRefused, HandshakeR
 from backend.transports.base import DeviceIdentity, LinkAcceptor, LinkClosed
 from backend.transports.throttle import (
     ConnectionGuard,
-    ExemptNetworks,
-    KeyedLimiter,
-    handshake_cap,
 )
 
 log = structlog.get_logger("transport.websocket")
@@ -155,16 +152,7 @@ class WebSocketTransport:
         self._limits = LinkLimits(settings.max_message_bytes, settings.write_timeout_s)
         # Refusals are logged a few at a time, then counted: a refused client may retry fast.
         self._refusals = LogBudget(log, burst=5)
-        self.handshakes = HandshakeGuard(
-            handshake_cap(settings.max_pending_handshakes),
-            KeyedLimiter(
-                settings.rate_limits["connection_ip"].per_s,
-                settings.rate_limits["connection_ip"].burst,
-            ),
-            exempt=ExemptNetworks(settings.rate_limit_exempt),
-            logger=log,
-            max_pending_per_address=settings.max_pending_handshakes_per_address,
-        )
+        self.handshakes = HandshakeGuard.for_listener(settings, log)
 
     @property
     def port(self) -> int:
