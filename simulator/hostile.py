@@ -331,19 +331,24 @@ async def idle_sockets(url: str, count: int, duration_s: float) -> AttackReport:
         opened.append(sock)
     report.sent = len(opened)
     await asyncio.sleep(max(0.0, duration_s - (time.monotonic() - started)))
-    closed_by_bridge = 0
-    for sock in opened:
+    report.detail["closed_by_bridge"] = close_counting_peer_closes(opened)
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def close_counting_peer_closes(sockets: list[socket.socket]) -> int:
+    """Close idle non-blocking sockets; how many the other side had already closed."""
+    closed = 0
+    for sock in sockets:
         try:
             if sock.recv(1) == b"":
-                closed_by_bridge += 1
+                closed += 1
         except BlockingIOError:
             pass
         except OSError:
-            closed_by_bridge += 1
+            closed += 1
         sock.close()
-    report.detail["closed_by_bridge"] = closed_by_bridge
-    report.seconds = time.monotonic() - started
-    return report
+    return closed
 
 
 async def same_id_storm(url: str, token: str, device_id: str, count: int) -> AttackReport:

@@ -16,11 +16,9 @@ tests/test_hostile_mqtt.py.
 import asyncio
 import contextlib
 import json
-import os
 import socket
 import struct
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
@@ -31,9 +29,8 @@ from urllib.parse import urlsplit
 from backend.transports.mqtt_credentials import DerivedCredentials
 from backend.transports.mqtt_topics import TopicScheme, device_key
 from simulator.fleet import device_id_for
-from simulator.hostile import AttackReport
-from simulator.processes import WatchedProcess
-from simulator.siege import ADMIN_TOKEN, DEVICE_TOKEN, EVIL_DEVICE, Attack, Siege, SiegeResult
+from simulator.hostile import AttackReport, close_counting_peer_closes
+from simulator.siege import EVIL_DEVICE, Attack, Siege, SiegeResult
 
 SECRET = "siege-mqtt-secret-0123456789abcdef"  # the bridge's credential secret in a siege
 ATTACKER_HOST = "127.0.0.2"  # not the victims' 127.0.0.1: the per-address bounds hit only it
@@ -484,17 +481,7 @@ async def idle_sockets(target: Target, count: float, hold_s: float = 5.0) -> Att
     except OSError as exc:
         report.detail["legit_connack"] = f"connect failed: {exc}"
     await asyncio.sleep(max(0.0, hold_s - (time.monotonic() - started)))
-    closed_by_bridge = 0
-    for sock in opened:
-        try:
-            if sock.recv(1) == b"":
-                closed_by_bridge += 1
-        except BlockingIOError:
-            pass
-        except OSError:
-            closed_by_bridge += 1
-        sock.close()
-    report.detail["closed_by_bridge"] = closed_by_bridge
+    report.detail["closed_by_bridge"] = close_counting_peer_closes(opened)
     report.seconds = time.monotonic() - started
     return report
 
@@ -642,45 +629,24 @@ class MqttSiege(Siege):
         super().__init__(devices, **options)
         self.mqtt_url = ""
 
-    async def __aenter__(self) -> "MqttSiege":
-        self._folder = tempfile.TemporaryDirectory(prefix="siege-mqtt-")
-        data_dir = Path(self._folder.name)
-        env = {
-            **os.environ,
-            "BRIDGE_ADMIN_TOKEN": ADMIN_TOKEN,
-            "BRIDGE_DEVICE_TOKEN": DEVICE_TOKEN,
-            "BRIDGE_LOG_FORMAT": "json",
-            "BRIDGE_RATE_LIMIT_EXEMPT": "[]",  # loopback limited as if it were the LAN
-            "BRIDGE_DEVICE_AUTH": "shared",  # derived broker logins: any device id may log in
-            "BRIDGE_MQTT_SECRET": SECRET,
+    _folder_prefix = "siege-mqtt-"
+
+    def _bridge_env(self) -> dict[str, str]:
+        return {
+            "BRIDGE_MQTT_SECRET": SECRET,  # derived broker logins: any device id may log in
             "BRIDGE_MQTT_HOST": "127.0.0.1",
             "BRIDGE_UDP_HOST": "127.0.0.1",
             "BRIDGE_UDP_PORT": "0",
-            **self.extra_env,
         }
-        argv = [sys.executable, "-m", "backend.cli", "serve", "--data-dir", str(data_dir)]
-        argv += ["--ws-port", "0", "--http-port", "0", "--device-http-port", "0"]
-        argv += ["--mqtt", "embedded", "--mqtt-port", "0", *self.serve_args]
-        self.bridge = WatchedProcess(argv, env)
-        await self.bridge.start()
-        runtime = data_dir / "bridge.json"
-        await self.bridge.wait_for(runtime.exists, "the runtime file")
-        info = json.loads(runtime.read_text())
-        self.ws_url, self.api_url = info["ws_url"], info["api_url"]
-        self.mqtt_url = info["endpoints"]["mqtt"]
-        import httpx
 
-        headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-        self._api = httpx.AsyncClient(base_url=self.api_url, headers=headers, timeout=30)
-        if self.devices:
-            self.fleet = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "backend.cli", "simulate", "--transport", "mqtt",
-                "--mqtt", self.mqtt_url, "--devices", str(self.devices), "--workers", "1",
-                "--data-dir", str(data_dir), env=env,
-                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-            )  # fmt: skip
-            await self._wait_ready()
-        return self
+    def _transport_args(self) -> list[str]:
+        return ["--mqtt", "embedded", "--mqtt-port", "0"]
+
+    def _started(self, runtime: dict[str, Any]) -> None:
+        self.mqtt_url = runtime["endpoints"]["mqtt"]
+
+    def _simulate_args(self, data_dir: Path) -> list[str]:
+        return ["--transport", "mqtt", "--mqtt", self.mqtt_url, "--data-dir", str(data_dir)]
 
     @property
     def victims(self) -> list[str]:

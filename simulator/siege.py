@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Any, Self
 
 import httpx
 import psutil
@@ -105,8 +106,8 @@ class Siege:
         assert self.bridge is not None and self.bridge.process is not None
         return self.bridge.process.pid
 
-    async def __aenter__(self) -> "Siege":
-        self._folder = tempfile.TemporaryDirectory(prefix="siege-")
+    async def __aenter__(self) -> Self:
+        self._folder = tempfile.TemporaryDirectory(prefix=self._folder_prefix)
         data_dir = Path(self._folder.name)
         env = {
             **os.environ,
@@ -117,25 +118,44 @@ class Siege:
             "BRIDGE_RATE_LIMIT_EXEMPT": "[]",
             # One shared token (development mode): an attacker holding "the device token".
             "BRIDGE_DEVICE_AUTH": "shared",
+            **self._bridge_env(),
             **self.extra_env,
         }
         argv = [sys.executable, "-m", "backend.cli", "serve", "--data-dir", str(data_dir)]
-        argv += ["--ws-port", "0", "--http-port", "0", "--device-http-port", "0", *self.serve_args]
+        argv += ["--ws-port", "0", "--http-port", "0", "--device-http-port", "0"]
+        argv += [*self._transport_args(), *self.serve_args]
         self.bridge = WatchedProcess(argv, env)
         await self.bridge.start()
         runtime = data_dir / "bridge.json"
         await self.bridge.wait_for(runtime.exists, "the runtime file")
         info = json.loads(runtime.read_text())
         self.ws_url, self.api_url = info["ws_url"], info["api_url"]
+        self._started(info)
         headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
         self._api = httpx.AsyncClient(base_url=self.api_url, headers=headers, timeout=30)
-        self.fleet = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "backend.cli", "simulate", "--url", self.ws_url,
-            "--devices", str(self.devices), "--workers", "1", env=env,
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-        )  # fmt: skip
-        await self._wait_ready()
+        if self.devices:
+            self.fleet = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "backend.cli", "simulate", *self._simulate_args(data_dir),
+                "--devices", str(self.devices), "--workers", "1", env=env,
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+            )  # fmt: skip
+            await self._wait_ready()
         return self
+
+    # What a siege over another transport changes (`hostile_mqtt.MqttSiege`).
+    _folder_prefix = "siege-"
+
+    def _bridge_env(self) -> dict[str, str]:
+        return {}
+
+    def _transport_args(self) -> list[str]:
+        return []
+
+    def _started(self, runtime: dict[str, Any]) -> None:
+        """The bridge wrote its runtime file (its endpoints)."""
+
+    def _simulate_args(self, data_dir: Path) -> list[str]:
+        return ["--url", self.ws_url]
 
     async def __aexit__(
         self, _t: type[BaseException] | None, _v: BaseException | None, _tb: TracebackType | None
