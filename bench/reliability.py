@@ -103,38 +103,44 @@ async def measure_all_mqtt(duration_s: float, devices: int, quick: bool) -> list
     return rows
 
 
+def _shared_figures(
+    base: SiegeResult, hit: SiegeResult, duration_s: float
+) -> tuple[list[str], bool]:
+    """The cells every table has (sent, RSS, log lines, others' p99, /healthz, failed calls)
+    and whether those figures meet the shared targets."""
+    report = hit.attack
+    assert report is not None
+    minutes = max(duration_s, report.seconds) / 60
+    per_min = hit.log_lines / minutes
+    ratio = hit.call_p(99) / base.call_p(99) if base.call_ms else float("nan")
+    healthz_max = max(hit.healthz_ms, default=float("nan"))
+    met = (
+        hit.rss_growth_mb < TARGET_RSS_MB
+        and per_min < TARGET_LINES_PER_MIN
+        and ratio < TARGET_P99_RATIO
+        and healthz_max < TARGET_HEALTHZ_MS
+        and hit.call_errors == 0
+    )
+    cells = [
+        _sent(report),
+        f"{hit.rss_growth_mb:.1f}",
+        f"{hit.log_lines} ({per_min:.0f}/min)",
+        f"{hit.call_p(99):.1f} / {base.call_p(99):.1f} = {ratio:.2f}",
+        f"{hit.healthz_p(99):.1f} (max {healthz_max:.1f})",
+        str(hit.call_errors),
+    ]
+    return cells, met
+
+
 def render(rows: list[Row], duration_s: float, quick: bool) -> str:
     lines = []
     missed = 0
     for label, base, hit in rows:
         report = hit.attack
         assert report is not None
-        minutes = max(duration_s, report.seconds) / 60
-        per_min = hit.log_lines / minutes
-        ratio = hit.call_p(99) / base.call_p(99) if base.call_ms else float("nan")
-        healthz_max = max(hit.healthz_ms, default=float("nan"))
-        met = (
-            hit.rss_growth_mb < TARGET_RSS_MB
-            and per_min < TARGET_LINES_PER_MIN
-            and ratio < TARGET_P99_RATIO
-            and healthz_max < TARGET_HEALTHZ_MS
-            and hit.call_errors == 0
-        )
+        cells, met = _shared_figures(base, hit, duration_s)
         missed += not met
-        cut = _cut_off(report, hit.events)
-        lines.append(
-            [
-                label,
-                _sent(report),
-                f"{hit.rss_growth_mb:.1f}",
-                f"{hit.log_lines} ({per_min:.0f}/min)",
-                f"{hit.call_p(99):.1f} / {base.call_p(99):.1f} = {ratio:.2f}",
-                f"{hit.healthz_p(99):.1f} (max {healthz_max:.1f})",
-                str(hit.call_errors),
-                cut,
-                verdict(met),
-            ]
-        )
+        lines.append([label, *cells, _cut_off(report, hit.events), verdict(met)])
     headers = [
         "attack",
         "sent",
@@ -174,17 +180,10 @@ def render_mqtt(rows: list[Row], duration_s: float, quick: bool) -> str:
     for label, base, hit in rows:
         report = hit.attack
         assert report is not None and isinstance(hit, MqttSiegeResult)
-        minutes = max(duration_s, report.seconds) / 60
-        per_min = hit.log_lines / minutes
-        ratio = hit.call_p(99) / base.call_p(99) if base.call_ms else float("nan")
-        healthz_max = max(hit.healthz_ms, default=float("nan"))
+        cells, met = _shared_figures(base, hit, duration_s)
         legit = report.detail.get("legit_connack", 0)
         met = (
-            hit.rss_growth_mb < TARGET_RSS_MB
-            and per_min < TARGET_LINES_PER_MIN
-            and ratio < TARGET_P99_RATIO
-            and healthz_max < TARGET_HEALTHZ_MS
-            and hit.call_errors == 0
+            met
             and not hit.victim_affected
             and not report.detail.get("accepted")  # a will on another's topic, taken
             and not report.detail.get("session_present")
@@ -196,20 +195,7 @@ def render_mqtt(rows: list[Row], duration_s: float, quick: bool) -> str:
             if hit.victim_affected
             else "no"
         )
-        lines.append(
-            [
-                label,
-                _sent(report),
-                f"{hit.rss_growth_mb:.1f}",
-                f"{hit.log_lines} ({per_min:.0f}/min)",
-                f"{hit.call_p(99):.1f} / {base.call_p(99):.1f} = {ratio:.2f}",
-                f"{hit.healthz_p(99):.1f} (max {healthz_max:.1f})",
-                str(hit.call_errors),
-                victim,
-                _answered(report),
-                verdict(met),
-            ]
-        )
+        lines.append([label, *cells, victim, _answered(report), verdict(met)])
     headers = [
         "attack",
         "sent",
