@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from backend.protocol.mqtt_packets import remaining_length
 from backend.transports.mqtt_credentials import DerivedCredentials
 from backend.transports.mqtt_topics import TopicScheme, device_key
 from simulator.fleet import device_id_for
@@ -85,17 +86,8 @@ def _string(value: str | bytes) -> bytes:
     return struct.pack(">H", len(data)) + data
 
 
-def _length(size: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, size = size % 128, size // 128
-        out.append(byte | (0x80 if size else 0))
-        if not size:
-            return bytes(out)
-
-
 def packet(kind: int, flags: int, body: bytes) -> bytes:
-    return bytes([kind << 4 | flags]) + _length(len(body)) + body
+    return bytes([kind << 4 | flags]) + remaining_length(len(body)) + body
 
 
 def connect_packet(
@@ -310,7 +302,7 @@ async def big_publish(target: Target, duration_s: float) -> AttackReport:
         return report
     link.read_in_background()
     topic = target.scheme.up(target.key)
-    head = bytes([PUBLISH << 4]) + _length(size) + _string(topic)
+    head = bytes([PUBLISH << 4]) + remaining_length(size) + _string(topic)
     chunk = b"x" * 65_536
     sent = 0
     try:
