@@ -4,6 +4,7 @@ another test module)."""
 import asyncio
 import json
 import os
+import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +34,16 @@ class ManualClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+
+def can_bind(address: str) -> bool:
+    """Whether this machine has `address` (another loopback address plays another host)."""
+    with socket.socket() as probe:
+        try:
+            probe.bind((address, 0))
+        except OSError:
+            return False
+    return True
 
 
 def make_settings(data_dir: Path, **overrides: Any) -> Settings:

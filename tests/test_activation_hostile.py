@@ -9,7 +9,6 @@ Other addresses are other loopback addresses (Linux routes all of 127.0.0.0/8 to
 any other network.
 """
 
-import socket
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack
@@ -21,24 +20,15 @@ import pytest
 from backend.provisioning.store import MAX_PENDING_PER_DEVICE
 from backend.server import Bridge
 from simulator.stock_ota import stock_headers, system_info
-from tests.helpers import ADMIN_TOKEN, ManualClock, run_cli
+from tests.helpers import ADMIN_TOKEN, ManualClock, can_bind, run_cli
 
 VICTIM = "a4:cf:12:34:56:78"
 VICTIM_CLIENT = "7d2e0c9b-1a44-4c3e-9a55-0f8e2c611b7a"
 VICTIM_ADDRESS = "127.0.1.2"  # another /24 than the strangers' 127.0.0.x
 
 
-def _can_bind(address: str) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind((address, 0))
-        except OSError:
-            return False
-    return True
-
-
 pytestmark = pytest.mark.skipif(
-    not (_can_bind("127.0.0.2") and _can_bind(VICTIM_ADDRESS)),
+    not (can_bind("127.0.0.2") and can_bind(VICTIM_ADDRESS)),
     reason="needs several loopback addresses (Linux routes 127.0.0.0/8 to lo)",
 )
 

@@ -6,7 +6,6 @@ import asyncio
 import hashlib
 import hmac
 import re
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from tests.helpers import (
     ADMIN_TOKEN,
     DEVICE_TOKEN,
     ManualClock,
+    can_bind,
     eventually,
     make_settings,
     run_cli,
@@ -39,16 +39,7 @@ OTHER_CLIENT = "0f8e2c61-1b7a-4c3e-9a55-7d2e0c9b1a44"
 OTHER_ADDRESS = "127.0.0.2"
 
 
-def _can_bind(address: str) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind((address, 0))
-        except OSError:
-            return False
-    return True
-
-
-HAVE_OTHER_ADDRESS = _can_bind(OTHER_ADDRESS)
+HAVE_OTHER_ADDRESS = can_bind(OTHER_ADDRESS)
 
 
 # A stock device's §5.1 request, by default of the device MAC/CLIENT_ID.
