@@ -651,10 +651,13 @@ class MqttSiege(Siege):
         first_line = len(self.bridge.lines)
         result = await super().measure(attack, duration_s, settle_s=settle_s)
         victims = set(self.victims)
-        lines = [line for line in self.bridge.lines[first_line:] if _device_of(line) in victims]
-        disconnects = sum(_event_of(line) == "device disconnected" for line in lines)
+        parsed = [(line, _entry(line)) for line in self.bridge.lines[first_line:]]
+        mine = [(line, entry) for line, entry in parsed if _field(entry, "device_id") in victims]
+        lines = [line for line, _ in mine]
+        events = [_field(entry, "event") for _, entry in mine]
+        disconnects = sum(event == "device disconnected" for event in events)
         # A victim never types: a listen or a turn in its name is someone speaking as it.
-        acted = sum(_event_of(line) in SPOKE_AS for line in lines)
+        acted = sum(event in SPOKE_AS for event in events)
         for victim in victims:
             page = await self._api.get(
                 "/api/audit", params={"device_id": victim, "actor": f"device:{victim}"}
@@ -668,38 +671,26 @@ class MqttSiege(Siege):
             victim_lines=[line[:300] for line in lines[:20]],
         )
 
-    async def _attack(self, attack: Attack) -> AttackReport:
-        """The attack in its own process, against the MQTT endpoint, the first victim named."""
+    def _attack_argv(self, attack: Attack) -> list[str]:
+        """Against the MQTT endpoint, the first victim named."""
         argv = [sys.executable, "-m", "simulator.hostile_mqtt", attack.name, self.mqtt_url]
         argv += [SECRET, attack.device_id, self.victims[0] if self.devices else LEGIT_DEVICE]
-        argv += [str(attack.amount)]
-        process = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE)
-        out, _ = await process.communicate()
-        if process.returncode != 0:
-            raise RuntimeError(f"attack {attack.name} failed with status {process.returncode}")
-        fields = json.loads(out.decode().strip().splitlines()[-1])
-        return AttackReport(**fields)
+        return [*argv, str(attack.amount)]
 
 
 SPOKE_AS = ("listen", "device turn")
 
 
-def _event_of(line: str) -> str | None:
-    try:
-        entry = json.loads(line)
-    except ValueError:
-        return None
-    event = entry.get("event") if isinstance(entry, dict) else None
-    return event if isinstance(event, str) else None
+def _field(entry: object, name: str) -> str | None:
+    value = entry.get(name) if isinstance(entry, dict) else None
+    return value if isinstance(value, str) else None
 
 
-def _device_of(line: str) -> str | None:
+def _entry(line: str) -> object:
     try:
-        entry = json.loads(line)
+        return json.loads(line)
     except ValueError:
         return None
-    device = entry.get("device_id") if isinstance(entry, dict) else None
-    return device if isinstance(device, str) else None
 
 
 def mqtt_attack(name: str, amount: float) -> Attack:

@@ -219,10 +219,14 @@ class Siege:
         result.errors = escaped_errors(lines)
         return result
 
+    def _attack_argv(self, attack: Attack) -> list[str]:
+        """The command line of the attack's process."""
+        argv = [sys.executable, "-m", "simulator.hostile", attack.name, self.ws_url]
+        return [*argv, DEVICE_TOKEN, attack.device_id, str(attack.amount)]
+
     async def _attack(self, attack: Attack) -> AttackReport:
         """The attack in its own process: its bursts must not slow this measuring one."""
-        argv = [sys.executable, "-m", "simulator.hostile", attack.name, self.ws_url]
-        argv += [DEVICE_TOKEN, attack.device_id, str(attack.amount)]
+        argv = self._attack_argv(attack)
         process = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE)
         out, _ = await process.communicate()
         if process.returncode != 0:
