@@ -95,9 +95,40 @@ class Settings(BaseSettings):
     # Sent to devices in initialize as capabilities.vision (used by self.camera.take_photo).
     vision_url: str | None = None
     vision_token: SecretStr | None = None
-    # Downlink audio parameters announced in the server hello.
-    audio_sample_rate: int = 24000
+    # Downlink audio parameters announced in the server hello (Opus devices; a device whose
+    # hello says `format: "pcm16"` gets PCM16 at 16 kHz, or the rate its hello asks for).
+    audio_sample_rate: int = Field(24000, ge=8000, le=48000)
     audio_frame_duration: int = 60
+
+    # ---- voice (backend/voice, docs/voice.md) -------------------------------------------------
+    voice_enabled: bool = True  # off, or without the voice packages: devices get text only
+    # Speech recognition: the embedded pocketsphinx (English), an OpenAI-compatible
+    # /v1/audio/transcriptions server (the only way to Vietnamese speech), or none.
+    asr_provider: Literal["embedded", "openai", "none"] = "embedded"
+    asr_base_url: str = "http://localhost:8000"
+    asr_api_key: SecretStr | None = None
+    asr_model: str = "whisper-1"
+    asr_language: str | None = None  # "vi", "en"; None lets the server detect it
+    asr_timeout_s: float = Field(10.0, gt=0)
+    # Speech synthesis: the embedded eSpeak NG (Vietnamese and English), or an OpenAI-compatible
+    # /v1/audio/speech server (response_format "pcm"); eSpeak stays its fallback.
+    tts_provider: Literal["embedded", "openai", "none"] = "embedded"
+    tts_base_url: str = "http://localhost:8000"
+    tts_api_key: SecretStr | None = None
+    tts_model: str = "tts-1"
+    tts_voice: str = "alloy"
+    tts_speed: float = Field(1.0, ge=0.25, le=4.0)
+    tts_timeout_s: float = Field(10.0, gt=0)
+    # Turn taking: silence that ends an utterance (auto and realtime modes), the longest
+    # utterance kept, and how long a listening channel may hear nothing before a goodbye.
+    voice_silence_ms: int = Field(600, ge=100, le=5000)
+    voice_max_utterance_s: float = Field(20.0, gt=1, le=120)
+    voice_idle_close_s: float = Field(30.0, gt=0)
+    # Pacing: frames sent ahead of the playout clock (the stock device buffers 40), and the
+    # wait after the last frame is due before `tts stop` (the device resets its decoder on it).
+    voice_lead_frames: int = Field(2, ge=0, le=30)
+    voice_stop_margin_ms: int = Field(180, ge=0, le=5000)
+    voice_max_sessions: int = Field(512, ge=1)  # talking devices at once; more hear an apology
     log_level: str = "info"
     log_format: str = Field("auto", pattern="^(auto|json|console)$")
     # ---- MQTT + UDP transport (docs/mqtt.md): off unless mqtt_url is set. "embedded" runs the
