@@ -49,6 +49,9 @@ class ConversationOutbox(Protocol):
     @property
     def device_hello(self) -> DeviceHello | None: ...
 
+    @property
+    def downlink_audio(self) -> AudioParams: ...
+
     async def send_message(self, message: ServerMessage) -> None: ...
 
     async def send_audio(self, frame: AudioFrame) -> None: ...
@@ -75,6 +78,11 @@ class Conversation:
         """The device's microphone audio parameters from its hello (None before any hello)."""
         hello = self._outbox.device_hello
         return hello.audio_params if hello is not None else None
+
+    @property
+    def downlink_audio(self) -> AudioParams:
+        """The downlink format and rate the server hello announced to this device."""
+        return self._outbox.downlink_audio
 
     async def send_stt(self, text: str) -> None:
         """What the device heard (shown on its screen)."""

@@ -38,6 +38,7 @@ from backend.protocol import (
     ServerGoodbye,
     ServerHello,
     ServerMessage,
+    downlink_params,
 )
 from backend.protocol.messages import decode_device_message, device_message, mcp_envelope
 from backend.transports.base import DeviceLink
@@ -157,6 +158,13 @@ class DeviceSession:
     @property
     def device_hello(self) -> DeviceHello | None:
         return self.hello
+
+    @property
+    def downlink_audio(self) -> AudioParams:
+        """What the server hello announced for the downlink (computed: nothing stored)."""
+        uplink = self.hello.audio_params if self.hello is not None else AudioParams()
+        frame_duration = self._settings.audio_frame_duration
+        return downlink_params(uplink, self._settings.audio_sample_rate, frame_duration)
 
     # ---- inbound, called by the transport ------------------------------------------------------
 
@@ -305,10 +313,7 @@ class DeviceSession:
             self._registry.ready(self.device, None, ())
 
     def _server_hello(self) -> str:
-        params = AudioParams(
-            sample_rate=self._settings.audio_sample_rate,
-            frame_duration=self._settings.audio_frame_duration,
-        )
+        params = self.downlink_audio
         fields = self.link.hello_fields(self._session_id)
         return ServerHello(session_id=self._session_id, audio_params=params, **fields).to_json()
 

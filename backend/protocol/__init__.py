@@ -18,6 +18,7 @@ from backend.protocol.messages import (
     Stt,
     System,
     Tts,
+    downlink_params,
     parse_device_message,
 )
 
@@ -41,6 +42,7 @@ __all__ = [
     "System",
     "Tts",
     "decode_audio",
+    "downlink_params",
     "encode_audio",
     "parse_device_message",
 ]

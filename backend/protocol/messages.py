@@ -34,6 +34,26 @@ class AudioParams(BaseModel):
     frame_duration: int = 60
 
 
+OPUS_DOWNLINK_RATES = (8000, 12000, 16000, 24000, 48000)
+PCM_DOWNLINK_RATE = 16000
+
+
+def downlink_params(uplink: AudioParams, opus_rate: int, frame_duration: int) -> AudioParams:
+    """What the server hello announces to a device with these hello `audio_params`.
+
+    Opus devices get `opus_rate` (24 kHz by default) unless their hello asks for another Opus
+    rate with the bridge's `downlink_sample_rate` extension. A PCM16 device (MicroPython has no
+    Opus decoder) gets PCM16 at 16 kHz, or the rate it asks for.
+    """
+    asked = getattr(uplink, "downlink_sample_rate", None)
+    asked = asked if isinstance(asked, int) and not isinstance(asked, bool) else None
+    if uplink.format == "pcm16":
+        rate = asked if asked in (8000, 16000, 24000) else PCM_DOWNLINK_RATE
+        return AudioParams(format="pcm16", sample_rate=rate, frame_duration=frame_duration)
+    rate = asked if asked in OPUS_DOWNLINK_RATES else opus_rate
+    return AudioParams(format="opus", sample_rate=rate, frame_duration=frame_duration)
+
+
 class Features(BaseModel):
     model_config = ConfigDict(extra="allow")
 
