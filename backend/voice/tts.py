@@ -8,14 +8,24 @@ and data inside, no apt step) through ctypes.
 """
 
 import asyncio
+import contextlib
 import ctypes
+import re
+import struct
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
+import httpx
+import structlog
+
+from backend.config import Settings
 from backend.voice.audio import SAMPLE_BYTES, Clip
-from backend.voice.errors import VoiceUnavailable
+from backend.voice.errors import SpeechFailed, VoiceUnavailable
+
+log = structlog.get_logger("voice.tts")
 
 
 class Synthesizer(Protocol):
@@ -61,7 +71,7 @@ class _Espeak:
 
     def _load(self) -> Any:
         try:
-            import espeakng_loader  # type: ignore[import-untyped]
+            import espeakng_loader  # type: ignore[import-untyped,unused-ignore]
         except ImportError:
             raise VoiceUnavailable(
                 "speech synthesis needs the 'espeakng-loader' package (pip install "
@@ -135,7 +145,7 @@ class _Resampler:
         self._stream: Any = None
         if rate != source_rate:
             import numpy  # noqa: F401  (soxr needs it; imported here so a missing one says so)
-            import soxr  # type: ignore[import-untyped]
+            import soxr  # type: ignore[import-untyped,unused-ignore]
 
             self._stream = soxr.ResampleStream(source_rate, rate, 1, dtype="int16", quality="HQ")
 
@@ -208,7 +218,8 @@ class EspeakSynthesizer:
         resampler = _Resampler(sample_rate)
 
         def hand_over(item: bytes | BaseException | None) -> None:
-            loop.call_soon_threadsafe(chunks.put_nowait, item)
+            with contextlib.suppress(RuntimeError):  # the loop closed while we synthesized
+                loop.call_soon_threadsafe(chunks.put_nowait, item)
 
         def produce(pcm: bytes) -> bool:
             if stop.is_set():
@@ -237,3 +248,317 @@ class EspeakSynthesizer:
 
     async def aclose(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+# ---- OpenAI-compatible /v1/audio/speech -----------------------------------------------------
+
+OPENAI_PCM_RATE = 24000  # `response_format: "pcm"` is raw s16le mono at 24 kHz
+
+
+class _WavHeader:
+    """Skips a streamed WAV body's header (RIFF, `fmt `, any other chunks) and reads its rate.
+
+    Streaming servers write a placeholder data size, so the `data` chunk runs to the end of the
+    body whatever its header says."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self.sample_rate: int | None = None
+        self.done = False
+
+    def feed(self, data: bytes) -> bytes:
+        """Header bytes are swallowed; returns what follows the start of `data`, once found."""
+        self._buffer += data
+        if len(self._buffer) < 12:
+            return b""
+        if self._buffer[:4] != b"RIFF" or self._buffer[8:12] != b"WAVE":
+            raise SpeechFailed("the speech server's WAV body has no RIFF/WAVE header")
+        position = 12
+        while len(self._buffer) >= position + 8:
+            kind, size = struct.unpack_from("<4sI", self._buffer, position)
+            body_start = position + 8
+            if kind == b"data":
+                if self.sample_rate is None:
+                    raise SpeechFailed("the speech server's WAV body has no fmt chunk")
+                self.done = True
+                rest, self._buffer = self._buffer[body_start:], b""
+                return rest
+            if len(self._buffer) < body_start + size:
+                return b""  # the rest of this chunk has not arrived yet
+            if kind == b"fmt ":
+                self._read_format(self._buffer[body_start : body_start + size])
+            position = body_start + size + (size & 1)  # chunks are padded to even sizes
+        return b""
+
+    def _read_format(self, fmt: bytes) -> None:
+        if len(fmt) < 16:
+            raise SpeechFailed("the speech server's WAV fmt chunk is truncated")
+        _codec, channels, rate, _byte_rate, _align, bits = struct.unpack_from("<HHIIHH", fmt)
+        if channels != 1 or bits != 16:
+            raise SpeechFailed(f"the speech server sent {channels}-channel {bits}-bit WAV")
+        self.sample_rate = rate
+
+
+class _PcmBody:
+    """Turns the body's pieces (any sizes, odd ones included) into whole samples at `rate`."""
+
+    def __init__(self, rate: int, wav: bool) -> None:
+        self._rate = rate
+        self._header = _WavHeader() if wav else None
+        self._resampler: _Resampler | None = None if wav else _Resampler(rate, OPENAI_PCM_RATE)
+        self._carry = b""  # an odd trailing byte waits for its partner
+
+    def feed(self, data: bytes) -> bytes:
+        if self._header is not None and not self._header.done:
+            data = self._header.feed(data)
+            if not self._header.done:
+                return b""
+            self._resampler = _Resampler(self._rate, self._header.sample_rate or self._rate)
+        data = self._carry + data
+        whole = len(data) - len(data) % SAMPLE_BYTES
+        self._carry = data[whole:]
+        if not whole or self._resampler is None:
+            return b""
+        return self._resampler.feed(data[:whole])
+
+    def finish(self) -> bytes:
+        return self._resampler.feed(b"", last=True) if self._resampler is not None else b""
+
+
+class OpenAISpeech:
+    """`POST {base}/v1/audio/speech` (OpenAI, speaches, LocalAI, Kokoro/Piper servers), with
+    `response_format: "pcm"`, streamed: each piece of the body is yielded as it arrives.
+
+    `timeout_s` bounds the connection and every wait for the next piece of the body. Raises
+    `SpeechFailed` (never with the API key in it); the caller decides what speaks instead.
+    """
+
+    name = "openai"
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        model: str = "tts-1",
+        voice: str = "alloy",
+        speed: float = 1.0,
+        timeout_s: float = 10.0,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.voice = voice
+        self.speed = speed
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(timeout_s))
+
+    @property
+    def url(self) -> str:
+        base = self.base_url
+        return f"{base}/audio/speech" if base.endswith("/v1") else f"{base}/v1/audio/speech"
+
+    def body(self, text: str) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "input": text,
+            "voice": self.voice,
+            "response_format": "pcm",
+            "speed": self.speed,
+        }
+
+    async def synthesize(self, text: str, language: str, sample_rate: int) -> AsyncIterator[bytes]:
+        # The API has no language field: the voice (or the server's model) reads the text as is.
+        try:
+            async with self._client.stream("POST", self.url, json=self.body(text)) as response:
+                if response.status_code >= 400:
+                    await response.aread()
+                    raise SpeechFailed(
+                        f"{self.name} speech answered HTTP {response.status_code}: "
+                        f"{_clip(response.text)}"
+                    )
+                pcm = _PcmBody(sample_rate, wav=_is_wav(response))
+                async for piece in response.aiter_raw():
+                    if out := pcm.feed(piece):
+                        yield out
+                if tail := pcm.finish():
+                    yield tail
+        except httpx.HTTPError as exc:
+            kind = type(exc).__name__
+            raise SpeechFailed(
+                f"{self.name} speech at {self.base_url} failed ({kind}: {exc})"
+            ) from None
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+def _is_wav(response: httpx.Response) -> bool:
+    kind = response.headers.get("content-type", "").split(";")[0].strip().lower()
+    return kind in {"audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave"}
+
+
+def _clip(text: str, limit: int = 160) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+# ---- fallback -------------------------------------------------------------------------------
+
+
+class FallbackSynthesizer:
+    """The primary (a remote provider) speaks; when it fails before its first audio, the
+    fallback (eSpeak) speaks that sentence instead.
+
+    The log says why once per outage (the first failure) and once when the primary is back,
+    never per sentence. During an outage the primary is retried at most every `retry_after_s`,
+    so a dead or slow server costs one timeout, not one per sentence. A failure after audio
+    started ends that sentence where it broke (repeating it from the start would be worse)."""
+
+    def __init__(
+        self,
+        primary: Synthesizer,
+        fallback: Synthesizer,
+        *,
+        retry_after_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.primary = primary
+        self.fallback = fallback
+        self.name = f"{primary.name}+{fallback.name}"
+        self.retry_after_s = retry_after_s
+        self._clock = clock
+        self._down_since: float | None = None  # when the current outage began
+        self._last_failure = 0.0
+        self._failed_sentences = 0
+
+    @property
+    def primary_down(self) -> bool:
+        return self._down_since is not None
+
+    async def synthesize(self, text: str, language: str, sample_rate: int) -> AsyncIterator[bytes]:
+        if self._skip_primary():
+            self._failed_sentences += 1
+        else:
+            started = False
+            try:
+                async for chunk in self.primary.synthesize(text, language, sample_rate):
+                    started = True
+                    yield chunk
+            except SpeechFailed as exc:
+                self._failed(str(exc), mid_sentence=started)
+                if started:
+                    return
+            else:
+                self._recovered()
+                return
+        async for chunk in self.fallback.synthesize(text, language, sample_rate):
+            yield chunk
+
+    def _skip_primary(self) -> bool:
+        if self._down_since is None:
+            return False
+        return self._clock() - self._last_failure < self.retry_after_s
+
+    def _failed(self, reason: str, *, mid_sentence: bool) -> None:
+        self._failed_sentences += 1
+        self._last_failure = self._clock()
+        if self._down_since is not None:
+            return
+        self._down_since = self._last_failure
+        log.warning(
+            "tts.provider_failed",
+            provider=self.primary.name,
+            fallback=self.fallback.name,
+            reason=reason,
+            mid_sentence=mid_sentence,
+            retry_after_s=self.retry_after_s,
+        )
+
+    def _recovered(self) -> None:
+        if self._down_since is None:
+            return
+        log.info(
+            "tts.provider_recovered",
+            provider=self.primary.name,
+            outage_s=round(self._clock() - self._down_since, 1),
+            sentences_by_fallback=self._failed_sentences,
+        )
+        self._down_since = None
+        self._failed_sentences = 0
+
+    async def aclose(self) -> None:
+        await self.primary.aclose()
+        await self.fallback.aclose()
+
+
+# ---- configuration --------------------------------------------------------------------------
+
+
+def synthesizer_from_settings(settings: Settings) -> Synthesizer | None:
+    """The synthesizer `BRIDGE_TTS_PROVIDER` names: "embedded" (eSpeak), "openai" (the remote
+    server with eSpeak as its fallback) or None for "none".
+
+    Raises:
+        VoiceUnavailable: espeakng-loader (or soxr/numpy) is not installed.
+    """
+    kind = settings.tts_provider
+    if kind == "none":
+        return None
+    espeak = EspeakSynthesizer()
+    if kind == "embedded":
+        return espeak
+    key = settings.tts_api_key.get_secret_value() if settings.tts_api_key else None
+    remote = OpenAISpeech(
+        settings.tts_base_url,
+        api_key=key or None,
+        model=settings.tts_model,
+        voice=settings.tts_voice,
+        speed=settings.tts_speed,
+        timeout_s=settings.tts_timeout_s,
+    )
+    return FallbackSynthesizer(remote, espeak)
+
+
+# ---- what is read aloud ---------------------------------------------------------------------
+
+_URL = r"(?:https?://|www\.)[^\s<>()\[\]]+[^\s<>()\[\].,;:!?'\"]"
+_RULES: list[tuple[re.Pattern[str], str]] = [
+    (re.compile(r"```[^\n]*"), " "),  # code fences (their content is kept)
+    (re.compile(r"!?\[([^\]]*)\]\((?:[^()\s]|\([^()\s]*\))*\)"), r"\1"),  # [text](url) -> text
+    (re.compile(r"<(?:https?://|www\.)[^>]*>"), " "),  # <https://...> autolinks
+    (re.compile(_URL), " "),  # bare URLs
+    (re.compile(r"\[\^?\d+(?:\s*[,–-]\s*\d+)*\]"), ""),  # citations [1], [2, 3], [^4]
+    (re.compile(r"</?[A-Za-z][^>]*>"), " "),  # stray HTML tags
+    (re.compile(r"^\s*(?:[-*_]\s*){3,}$", re.MULTILINE), " "),  # horizontal rules
+    (re.compile(r"(\*\*|__|~~)(?=\S)(.+?)(?<=\S)\1"), r"\2"),  # bold, strikethrough
+    (re.compile(r"(?<![\w*])[*_](?=\S)(.+?)(?<=\S)[*_](?![\w*])"), r"\1"),  # italics
+    (re.compile(r"`+"), ""),  # inline code marks
+    (re.compile(r"\s*\|\s*"), ", "),  # table cells
+    (re.compile(r"\(\s*\)|\[\s*\]"), " "),  # brackets emptied by the rules above
+]
+
+
+_BLOCK_MARKER = re.compile(r"^\s{0,3}(?:#{1,6}|>+|[-*+]|\d+[.)])\s+")
+
+
+def speakable(text: str) -> str:
+    """`text` as it should be read aloud: no URLs, no Markdown marks, no citation numbers
+    like `[1]`, whitespace collapsed. Sources are never read; the chat sends them apart.
+
+    A heading or list item becomes a phrase of its own (a period is added), so the voice pauses
+    between items instead of running them together."""
+    lines = []
+    for line in text.splitlines():
+        if marked := _BLOCK_MARKER.match(line):
+            line = line[marked.end() :].rstrip()
+            if line and line[-1] not in ".!?:;,":
+                line += "."
+        lines.append(line)
+    text = "\n".join(lines)
+    for pattern, replacement in _RULES:
+        text = pattern.sub(replacement, text)
+    text = re.sub(r"\s+", " ", text)
+    text = re.sub(r"\s+([.,;:!?])", r"\1", text)  # "see . Then" left by a removed link
+    text = re.sub(r"[,;:]+(?=[.!?])", "", text)  # "More:." once the URL is gone
+    text = re.sub(r"([,;:])[,;:]+", r"\1", text)
+    return text.strip(" ,;:")
