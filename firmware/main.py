@@ -103,6 +103,21 @@ def check_config(config):
             raise ConfigError('"' + key + '" must be a string')
     if not isinstance(config.get("pins", {}), dict):
         raise ConfigError('"pins" must be an object like {"led": 2}')
+    check_voice_config(config.get("voice"), config.get("audio"))
+
+
+def check_voice_config(voice, audio):
+    """The "voice" object (mode, queue_frames) and the fake HAL's "audio" object."""
+    if voice is not None:
+        if not isinstance(voice, dict):
+            raise ConfigError('"voice" must be an object like {"mode": "auto"}')
+        if voice.get("mode", "auto") not in ("auto", "manual", "realtime", "off"):
+            raise ConfigError('"voice.mode" must be "auto", "manual", "realtime" or "off"')
+        frames = voice.get("queue_frames", 40)
+        if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1:
+            raise ConfigError('"voice.queue_frames" must be a positive number of frames')
+    if audio is not None and not isinstance(audio, dict):
+        raise ConfigError('"audio" must be an object like {"mic_wav": "question.wav"}')
 
 
 def check_mqtt_config(mqtt, needs_url=True):
@@ -214,6 +229,7 @@ async def make_hal(config, client_id):
             on_change=print_change,
             mac=device_id,
             client_id=client_id,
+            audio=config.get("audio"),
         )
         return hal, device_id
     if not config.get("ssid"):
@@ -253,6 +269,7 @@ async def main(config, path):
         "protocol_version": config.get("protocol_version") or 1,
         "reconnect_min_s": config.get("reconnect_min_s", 1),
         "reconnect_max_s": config.get("reconnect_max_s", 30),
+        "voice": config.get("voice"),
     }
     print("device " + device_id + " (client " + client_id + ") -> " + app_config["url"])
     if mqtt:

@@ -8,8 +8,12 @@ Incoming messages (protocol reference §3.2): `mcp` payloads go to the MCP serve
 back in an envelope with the session id; async tool calls run in their own task (a slow tool
 never blocks the link) and a `notifications/cancelled` for one cancels it without a reply;
 `stt`, `tts` sentence_start and `alert` texts and the `llm` emotion are shown on the HAL; `system`
-reboot reboots. Anything else (bad JSON, unknown types) is logged in one line and dropped;
-binary frames (audio is not implemented yet) are counted and only the first one is logged.
+reboot reboots. Anything else (bad JSON, unknown types) is logged in one line and dropped.
+
+Voice (voice.py), when the HAL has a microphone or a speaker: the hello announces PCM16 (no Opus
+here), `tts` start/stop drive the turn, binary frames (framed by the protocol version) go to
+the speaker while speaking; those that arrive outside speaking are counted and the first one
+is logged.
 """
 
 import asyncio
@@ -17,7 +21,9 @@ import gc
 import random
 
 import protocol
+from audio import QUEUE_FRAMES
 from compat import const
+from voice import Voice
 
 HELLO_TIMEOUT_S = 10
 _LARGE_MESSAGE = const(4096)  # collect garbage after messages this big (parsed JSON is ~2-3x)
@@ -51,6 +57,7 @@ class App:
         self.connections = 0  # successful WebSocket upgrades
         self.last_error = None  # why the last session ended or failed, e.g. "rejected: HTTP 401"
         self.ignored_binary = 0
+        self.voice = _make_voice(config.get("voice") or {}, hal, self, log)
         self._transport = None
         self._calls = {}  # JSON-RPC id -> task of a running async tool call
         self._stopping = False
@@ -126,14 +133,20 @@ class App:
 
     async def _open_session(self, transport) -> bool:
         """Say hello and wait for the server's (a persistent link overrides this: app_mqtt)."""
-        await transport.send(protocol.device_hello(self.protocol_version))
-        await self._await_hello(transport)
+        await transport.send(
+            protocol.device_hello(self.protocol_version, audio_params=protocol.PCM16_PARAMS)
+        )
+        hello = await self._await_hello(transport)
         self.log("link: session " + self.session_id + " ready")
+        if self.voice is not None:
+            self.voice.open(*protocol.downlink_audio(hello))
         return True
 
     async def _end_session(self, transport):
         self.connected = False
         self.ready_event.clear()
+        if self.voice is not None:
+            self.voice.close()
         calls, self._calls = self._calls, {}
         for task in calls.values():
             task.cancel()  # their replies could only go to a dead link
@@ -152,6 +165,7 @@ class App:
         session_id = hello.get("session_id")
         self.session_id = session_id if isinstance(session_id, str) else ""
         self.ready_event.set()
+        return hello
 
     async def _read_hello(self, transport):
         while True:
@@ -188,7 +202,7 @@ class App:
 
     async def _dispatch(self, transport, message):
         if not isinstance(message, str):
-            self._ignore_binary(message)
+            self._on_audio(protocol.unpack_audio(self.protocol_version, message), message)
             return
         msg = protocol.parse(message)
         if msg is None:
@@ -211,8 +225,11 @@ class App:
         if kind == "stt":
             self._show("user", msg.get("text"))
         elif kind == "tts":
-            if msg.get("state") == "sentence_start":
+            state = msg.get("state")
+            if state == "sentence_start":
                 self._show("assistant", msg.get("text"))
+            elif self.voice is not None:
+                self.voice.on_tts(state)
         elif kind == "alert":
             status, text = msg.get("status"), msg.get("message")
             if isinstance(status, str) and isinstance(text, str):
@@ -296,12 +313,31 @@ class App:
     def _ignore(self, what, message):
         self.log("link: ignored " + what + ": " + repr(message[:_PREVIEW]))
 
-    def _ignore_binary(self, data):
+    def _on_audio(self, payload, message):
+        """One downlink audio payload (None: its header was wrong)."""
+        voice = self.voice
+        if payload is not None and voice is not None and voice.accept_audio(payload):
+            return
         if not self.ignored_binary:
-            self.log(
-                "link: ignoring binary frames (no audio support yet), first: %d bytes" % len(data)
-            )
+            why = "outside speaking" if payload is not None else "with a bad header"
+            self.log("link: ignoring binary frames " + why + ", first: %d bytes" % len(message))
         self.ignored_binary += 1
+
+    # ---- the voice link (voice.py) -----------------------------------------------------------
+
+    async def voice_send(self, text):
+        """Send a listen/abort message of the voice turn; OSError without a session."""
+        transport = self._transport
+        if transport is None or not self.ready_event.is_set():
+            raise OSError("no session")
+        await transport.send(text)
+
+    async def voice_audio(self, pcm):
+        """Send one microphone frame, framed for the protocol version."""
+        transport = self._transport
+        if transport is None or not self.ready_event.is_set():
+            raise OSError("no session")
+        await transport.send(protocol.pack_audio(self.protocol_version, pcm))
 
     # ---- text input -------------------------------------------------------------------------
 
@@ -332,6 +368,15 @@ async def console_input(app, reader):
             continue
         if text:
             await app.send_text(text)
+
+
+def _make_voice(config, hal, link, log):
+    """The voice turn if the HAL has a microphone or a speaker and voice is not "off"."""
+    mode = config.get("mode") or "auto"
+    has_audio = getattr(hal, "microphone", None) or getattr(hal, "speaker", None)
+    if mode == "off" or not has_audio:
+        return None
+    return Voice(hal, link, mode, int(config.get("queue_frames") or QUEUE_FRAMES), log)
 
 
 def _error_reply(request_id, message) -> dict:

@@ -56,3 +56,58 @@ def _alias_micropython_modules():
 
 
 _alias_micropython_modules()
+
+
+# ---- @micropython.viper / @micropython.native on CPython ---------------------------------------
+# The viper kernels (audio_native.py) run unchanged here: a pointer-typed argument becomes a
+# memoryview of the buffer with the pointer's item size, which indexes like the pointer does.
+
+
+class _Pointer:
+    """A viper pointer type as an annotation; the shim passes a memoryview in its place."""
+
+    typecode = "B"
+
+    def __getitem__(self, index: int) -> int:
+        raise TypeError("a viper pointer type is only an annotation")
+
+    def __setitem__(self, index: int, value: int) -> None:
+        raise TypeError("a viper pointer type is only an annotation")
+
+
+class ptr8(_Pointer):  # noqa: N801  (the viper type names)
+    typecode = "B"
+
+
+class ptr16(_Pointer):  # noqa: N801
+    typecode = "H"
+
+
+class ptr32(_Pointer):  # noqa: N801
+    typecode = "I"
+
+
+def _viper(function):
+    annotations = getattr(function, "__annotations__", {})
+    names = function.__code__.co_varnames[: function.__code__.co_argcount]
+    casts = [getattr(annotations.get(name), "typecode", None) for name in names]
+
+    def call(*args):
+        views = [
+            memoryview(arg).cast(code) if code is not None else arg
+            for arg, code in zip(args, casts)
+        ]
+        return function(*views)
+
+    call.__name__ = function.__name__
+    return call
+
+
+class _MicroPythonShim:
+    """The decorators of the `micropython` module, for code shared with the device."""
+
+    viper = staticmethod(_viper)
+    native = staticmethod(lambda function: function)
+
+
+micropython = _MicroPythonShim()

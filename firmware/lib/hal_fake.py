@@ -5,8 +5,20 @@ Same duck-typed interface as hal_esp32.HalEsp32. Every state change is appended 
 values the MCP layer should never pass (ValueError), so a contract slip shows up in tests.
 `changes` and `shown` keep the latest HISTORY entries: on the unix port main.py runs this HAL for
 as long as the device runs, and an unbounded list ran a 175 KB heap out of memory.
+
+Audio (config "audio", all optional): `mic_wav` is a 16 kHz PCM16 mono WAV file the microphone
+reads (60 ms frames at `mic_speed` x real time, 0 = as fast as the app reads; silence after its
+end, in real time); `speaker_wav` is the WAV file the speaker writes what it plays, after the
+volume (`speaker_speed` paces it likewise; default 0); `events` is a JSON lines file that gets
+every text shown (stt, llm, tts sentences); `button` is a script of [seconds, action] pairs,
+action "press", "release" or "abort", timed from the first voice session.
 """
 
+import asyncio
+import json
+
+from audio import SAMPLE_RATE, WavReader, WavWriter
+from compat import ticks_diff, ticks_ms
 from protocol import wifi_signal
 
 ALL_FEATURES = ("speaker", "backlight", "theme", "led")
@@ -39,6 +51,7 @@ class HalFake:
         rssi=-52,
         chip_temperature=41.5,
         free_memory=None,
+        audio=None,
     ):
         self.board_name = board_name
         self.firmware_version = firmware_version
@@ -58,6 +71,22 @@ class HalFake:
         self.led_brightness = 100
         self.reboots = 0
         self.shown = []
+        self.microphone = self.speaker = self.button = self._events = None
+        if audio:
+            self._attach_audio(audio)
+
+    def _attach_audio(self, audio):
+        if audio.get("mic_wav"):
+            self.microphone = FakeMicrophone(audio["mic_wav"], float(audio.get("mic_speed", 1)))
+        if "speaker_wav" in audio:  # null: played audio kept in memory
+            self.speaker = FakeSpeaker(audio["speaker_wav"], float(audio.get("speaker_speed", 0)))
+        if audio.get("button"):
+            self.button = ScriptedButton(audio["button"])
+        self._events = audio.get("events")
+
+    def software_volume(self) -> int:
+        """The volume the audio path applies to what it plays (percent)."""
+        return self.volume
 
     def has(self, feature) -> bool:
         return feature in self.features
@@ -142,3 +171,131 @@ class HalFake:
             raise ValueError("unknown display role: " + repr(role))
         _keep(self.shown, (role, text))
         self._record("show", (role, text))
+        if self._events:
+            with open(self._events, "a") as events:
+                events.write(json.dumps({"role": role, "text": text}) + "\n")
+
+
+def _duration_ms(size, sample_rate):
+    return size * 500 / sample_rate  # PCM16 mono: 2 bytes a sample
+
+
+def _pad(buf, start):
+    for i in range(start, len(buf)):
+        buf[i] = 0
+
+
+class _Pacer:
+    """Sleeps so successive steps happen `interval_ms` apart (0: just yields)."""
+
+    def __init__(self):
+        self._start = ticks_ms()
+        self._due_ms = 0
+
+    def restart(self):
+        self._start = ticks_ms()
+        self._due_ms = 0
+
+    async def step(self, interval_ms):
+        if interval_ms <= 0:
+            await asyncio.sleep(0)
+            return
+        self._due_ms += interval_ms
+        ahead_ms = self._due_ms - ticks_diff(ticks_ms(), self._start)
+        await asyncio.sleep(max(0, ahead_ms) / 1000)
+
+
+class FakeMicrophone:
+    """A WAV file as the microphone; read() returns one frame of PCM16 per call."""
+
+    def __init__(self, path, speed=1.0):
+        self.path = path
+        self.speed = speed
+        self.frames = 0  # frames delivered
+        self.capturing = False
+        self._wav = None
+        self._ended = False
+        self._pacer = _Pacer()
+
+    def start(self):
+        if self.capturing:
+            return
+        self.capturing = True
+        if self._wav is None and not self._ended:
+            self._wav = WavReader(self.path)
+            if self._wav.sample_rate != SAMPLE_RATE:
+                self._wav.close()
+                raise ValueError("mic_wav must be 16000 Hz, not %d" % self._wav.sample_rate)
+        self._pacer.restart()
+
+    def stop(self):
+        self.capturing = False
+
+    async def read(self, buf) -> int:
+        count = self._wav.readinto(buf) if self._wav is not None else 0
+        if count < len(buf):
+            _pad(buf, count)
+            if self._wav is not None:
+                self._wav.close()
+                self._wav, self._ended = None, True
+        speed = self.speed if count else 1  # silence after the file: real time, never a flood
+        await self._pacer.step(_duration_ms(len(buf), SAMPLE_RATE) / speed if speed > 0 else 0)
+        self.frames += 1
+        return len(buf)
+
+
+class FakeSpeaker:
+    """Writes what it plays to a WAV file (or keeps it in `data` when path is None)."""
+
+    def __init__(self, path=None, speed=0.0):
+        self.path = path
+        self.speed = speed
+        self.frames = 0
+        self.sample_rate = None
+        self.data = bytearray() if path is None else None
+        self._wav = None
+        self._pacer = _Pacer()
+
+    def start(self, sample_rate):
+        if self.sample_rate is None:
+            self.sample_rate = sample_rate
+            if self.path is not None:
+                self._wav = WavWriter(self.path, sample_rate)
+        self._pacer.restart()
+
+    async def write(self, buf):
+        if self._wav is not None:
+            self._wav.write(buf)
+        elif self.data is not None:
+            self.data += buf
+        self.frames += 1
+        duration = _duration_ms(len(buf), self.sample_rate or SAMPLE_RATE)
+        await self._pacer.step(duration / self.speed if self.speed > 0 else 0)
+
+    async def drain(self):
+        if self._wav is not None:
+            self._wav.flush()
+
+    def close(self):
+        if self._wav is not None:
+            self._wav.close()
+            self._wav = None
+
+
+class ScriptedButton:
+    """Push-to-talk from a script: [[seconds, "press"|"release"|"abort"], ...]."""
+
+    def __init__(self, script):
+        self.script = [(float(at), action) for at, action in script]
+        self._next = 0
+        self._start = None
+
+    async def next_action(self):
+        if self._start is None:
+            self._start = ticks_ms()
+        if self._next >= len(self.script):
+            return None
+        at, action = self.script[self._next]
+        self._next += 1
+        await asyncio.sleep(max(0, at * 1000 - ticks_diff(ticks_ms(), self._start)) / 1000)
+        return action

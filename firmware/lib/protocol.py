@@ -5,11 +5,15 @@ stock firmware every string is JSON-escaped, so odd session ids or wake words st
 """
 
 import json
+import struct
 
 LISTEN_MODES = ("auto", "manual", "realtime")
 
 # Uplink audio parameters the stock firmware announces; the backend's codec setup keys off them.
 AUDIO_PARAMS = {"format": "opus", "sample_rate": 16000, "channels": 1, "frame_duration": 60}
+# What this firmware announces: it has no Opus codec, so it sends and plays raw PCM16 LE mono.
+PCM16_PARAMS = {"format": "pcm16", "sample_rate": 16000, "channels": 1, "frame_duration": 60}
+DEFAULT_DOWNLINK_RATE = 24000  # stock default when the server hello names no sample_rate
 
 _COMPACT = (",", ":")
 
@@ -19,14 +23,14 @@ def encode(message) -> str:
     return json.dumps(message, separators=_COMPACT)
 
 
-def device_hello(version=1, transport="websocket", mcp=True) -> str:
+def device_hello(version=1, transport="websocket", mcp=True, audio_params=AUDIO_PARAMS) -> str:
     return encode(
         {
             "type": "hello",
             "version": version,
             "features": {"mcp": mcp},
             "transport": transport,
-            "audio_params": AUDIO_PARAMS,
+            "audio_params": audio_params,
         }
     )
 
@@ -54,6 +58,40 @@ def abort(session_id, reason=None) -> str:
     if reason is not None:
         message["reason"] = reason
     return encode(message)
+
+
+def pack_audio(version, payload, timestamp=0) -> bytes:
+    """One binary audio message in protocol version 1 (raw), 2 or 3 (reference §1.3)."""
+    if version == 2:
+        return struct.pack(">HHIII", 2, 0, 0, timestamp & 0xFFFFFFFF, len(payload)) + payload
+    if version == 3:
+        return struct.pack(">BBH", 0, 0, len(payload)) + payload
+    return bytes(payload)
+
+
+def unpack_audio(version, data):
+    """The audio payload of a binary message, or None if its header does not fit its size."""
+    if version == 2:
+        if len(data) < 16 or struct.unpack_from(">I", data, 12)[0] != len(data) - 16:
+            return None
+        return data[16:]
+    if version == 3:
+        if len(data) < 4 or struct.unpack_from(">H", data, 2)[0] != len(data) - 4:
+            return None
+        return data[4:]
+    return data
+
+
+def downlink_audio(hello):
+    """(format, sample_rate) the server hello announces for the downlink (stock defaults)."""
+    params = hello.get("audio_params") if isinstance(hello, dict) else None
+    if not isinstance(params, dict):
+        params = {}
+    fmt = params.get("format")
+    rate = params.get("sample_rate")
+    if isinstance(rate, bool) or not isinstance(rate, int) or not 8000 <= rate <= 48000:
+        rate = DEFAULT_DOWNLINK_RATE
+    return (fmt if isinstance(fmt, str) else "opus"), rate
 
 
 def parse(text):

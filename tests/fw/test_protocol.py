@@ -153,3 +153,43 @@ class WifiSignalTest(TestCase):
         cases += ((-71, "weak"), (-95, "weak"))
         for rssi, label in cases:
             self.assertEqual(protocol.wifi_signal(rssi), label, rssi)
+
+
+class AudioFramingTest(TestCase):
+    PCM = bytes(range(256)) * 7 + b"\x01\x02"
+
+    def test_pcm16_hello(self):
+        hello = json.loads(protocol.device_hello(3, audio_params=protocol.PCM16_PARAMS))
+        self.assertEqual(
+            hello["audio_params"],
+            {"format": "pcm16", "sample_rate": 16000, "channels": 1, "frame_duration": 60},
+        )
+
+    def test_version_1_is_the_raw_payload(self):
+        self.assertEqual(protocol.pack_audio(1, self.PCM), self.PCM)
+        self.assertEqual(protocol.unpack_audio(1, self.PCM), self.PCM)
+
+    def test_version_2_header(self):
+        packed = protocol.pack_audio(2, self.PCM, 1234)
+        header = b"\x00\x02\x00\x00\x00\x00\x00\x00\x00\x00\x04\xd2\x00\x00\x07\x02"
+        self.assertEqual(packed, header + self.PCM)
+        self.assertEqual(protocol.unpack_audio(2, packed), self.PCM)
+
+    def test_version_3_header(self):
+        packed = protocol.pack_audio(3, self.PCM)
+        self.assertEqual(packed, b"\x00\x00\x07\x02" + self.PCM)
+        self.assertEqual(protocol.unpack_audio(3, packed), self.PCM)
+
+    def test_a_size_that_does_not_match_gives_none(self):
+        for version in (2, 3):
+            packed = protocol.pack_audio(version, self.PCM)
+            self.assertIsNone(protocol.unpack_audio(version, packed[:-1]), version)
+            self.assertIsNone(protocol.unpack_audio(version, packed + b"x"), version)
+            self.assertIsNone(protocol.unpack_audio(version, b"\x00\x00"), version)
+
+    def test_downlink_audio_of_a_server_hello(self):
+        pcm = {"audio_params": {"format": "pcm16", "sample_rate": 16000}}
+        self.assertEqual(protocol.downlink_audio(pcm), ("pcm16", 16000))
+        self.assertEqual(protocol.downlink_audio({}), ("opus", 24000))
+        odd = {"audio_params": {"format": 3, "sample_rate": "fast"}}
+        self.assertEqual(protocol.downlink_audio(odd), ("opus", 24000))
