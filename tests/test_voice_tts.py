@@ -4,6 +4,7 @@ fallback when that provider is down, slow or broken, and the text hygiene before
 
 import asyncio
 import socket
+import sys
 from collections.abc import AsyncIterator, Iterator
 
 import numpy
@@ -11,6 +12,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from backend.config import Settings
+from backend.voice import tts
 from backend.voice.audio import Clip
 from backend.voice.errors import SpeechFailed, VoiceUnavailable
 from backend.voice.tts import (
@@ -133,6 +135,12 @@ def test_an_unknown_voice_is_a_clear_error():
         render("hello", "en", 16000, voice="xx-nope")
 
 
+def test_a_missing_espeakng_loader_is_named(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setitem(sys.modules, "espeakng_loader", None)  # import fails as if absent
+    with pytest.raises(VoiceUnavailable, match="espeakng-loader"):
+        tts._Espeak().ensure_loaded()
+
+
 async def test_a_long_sentence_streams_in_many_chunks(espeak: EspeakSynthesizer):
     chunks = await collect(espeak, LONG, "en", 24000)
     whole = b"".join(chunks)
@@ -179,6 +187,13 @@ async def test_stopping_early_aborts_and_the_next_sentence_is_whole(espeak: Espe
     after = b"".join(await collect(espeak, ENGLISH, "en", 16000))
     solo = render(ENGLISH, "en", 16000)
     assert len(after) / 2 / 16000 == pytest.approx(solo.duration_ms / 1000, rel=0.03)
+
+
+async def test_a_closed_synthesizer_says_so():
+    espeak = EspeakSynthesizer()
+    await espeak.aclose()
+    with pytest.raises(VoiceUnavailable, match="closed"):
+        await collect(espeak, "Hello.", "en", 16000)
 
 
 # ---- OpenAI-compatible provider --------------------------------------------------------------
@@ -276,9 +291,13 @@ class Clock:
         return self.now
 
 
-def fallback_to_espeak(url: str, timeout_s: float = 5.0, clock: Clock | None = None):
+def fallback_to_espeak(
+    url: str, timeout_s: float = 5.0, clock: Clock | None = None, retry_after_s: float = 30.0
+) -> FallbackSynthesizer:
     remote = OpenAISpeech(url, api_key=KEY, timeout_s=timeout_s)
-    return FallbackSynthesizer(remote, EspeakSynthesizer(), clock=clock or Clock())
+    return FallbackSynthesizer(
+        remote, EspeakSynthesizer(), clock=clock or Clock(), retry_after_s=retry_after_s
+    )
 
 
 def failures(logs: list[dict]) -> list[dict]:
@@ -293,11 +312,13 @@ async def assert_espeak_spoke(synthesizer: FallbackSynthesizer, text: str = ENGL
 
 
 async def test_connection_refused_falls_back_to_espeak_and_logs_once():
-    synthesizer = fallback_to_espeak(closed_port_url())
+    # retry_after_s=0: every sentence asks the dead server again; still one log line.
+    synthesizer = fallback_to_espeak(closed_port_url(), retry_after_s=0)
     try:
         with capture_logs() as logs:
             await assert_espeak_spoke(synthesizer)
             await assert_espeak_spoke(synthesizer, "And a second sentence.")
+            await assert_espeak_spoke(synthesizer, "And a third one.")
     finally:
         await synthesizer.aclose()
     (failure,) = failures(logs)

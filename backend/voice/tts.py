@@ -195,13 +195,14 @@ def render(
 class EspeakSynthesizer:
     """eSpeak NG in-process: the offline default, and the fallback of the remote providers.
 
-    Synthesis runs in one dedicated worker thread, not inline on the event loop. Measured here
-    (tests/test_voice_tts.py, bench numbers in docs/voice.md): a 20-word sentence costs ~4 ms of
-    C time, but a long sentence costs proportionally more and 50 devices answering at once would
-    add up to tens of milliseconds of stalled loop, which the pacer's 10 ms jitter budget cannot
-    absorb; a hop to the thread costs ~0.1 ms. The executor has a single thread because the
-    library is serialized by its lock anyway: queued work waits in the executor instead of
-    occupying the default pool's threads that other blocking calls need.
+    Synthesis runs in one dedicated worker thread, not inline on the event loop. Measured on
+    this 2-core machine: a 21-word sentence (5.1 s of speech) takes 6-12 ms to synthesize and
+    resample (60 words: ~35 ms), more than voice.md's 4 ms, and all of it would stall every
+    device's pacer (jitter budget 10 ms), once per sentence per talking device. The hop to the
+    thread costs ~0.08 ms and the first chunk reaches the loop ~1 ms after the call; with 50
+    syntheses at once the loop's longest stall stayed under 10 ms. The executor has one thread
+    because the library is serialized by its lock anyway: queued sentences wait there instead
+    of occupying the default pool's threads that other blocking calls need.
     """
 
     name = "espeak"
@@ -237,7 +238,14 @@ class EspeakSynthesizer:
             except BaseException as exc:  # handed to the consumer, which re-raises it
                 hand_over(exc)
 
-        loop.run_in_executor(self._executor, work)
+        def closed(future: "asyncio.Future[None]") -> None:
+            if future.cancelled():  # aclose() dropped it before it ran
+                chunks.put_nowait(VoiceUnavailable("the eSpeak synthesizer is closed"))
+
+        try:
+            loop.run_in_executor(self._executor, work).add_done_callback(closed)
+        except RuntimeError:  # the executor is shut down
+            raise VoiceUnavailable("the eSpeak synthesizer is closed") from None
         try:
             while (item := await chunks.get()) is not None:
                 if isinstance(item, BaseException):
@@ -441,9 +449,10 @@ class FallbackSynthesizer:
         else:
             started = False
             try:
-                async for chunk in self.primary.synthesize(text, language, sample_rate):
-                    started = True
-                    yield chunk
+                async with _closing(self.primary.synthesize(text, language, sample_rate)) as chunks:
+                    async for chunk in chunks:
+                        started = True
+                        yield chunk
             except SpeechFailed as exc:
                 self._failed(str(exc), mid_sentence=started)
                 if started:
@@ -451,8 +460,9 @@ class FallbackSynthesizer:
             else:
                 self._recovered()
                 return
-        async for chunk in self.fallback.synthesize(text, language, sample_rate):
-            yield chunk
+        async with _closing(self.fallback.synthesize(text, language, sample_rate)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     def _skip_primary(self) -> bool:
         if self._down_since is None:
@@ -489,6 +499,17 @@ class FallbackSynthesizer:
     async def aclose(self) -> None:
         await self.primary.aclose()
         await self.fallback.aclose()
+
+
+@contextlib.asynccontextmanager
+async def _closing(stream: AsyncIterator[bytes]) -> AsyncIterator[AsyncIterator[bytes]]:
+    """Close an engine's stream as soon as its consumer stops (a barge-in), so an HTTP body or
+    an eSpeak synthesis ends now rather than when the garbage collector finds it."""
+    try:
+        yield stream
+    finally:
+        if (aclose := getattr(stream, "aclose", None)) is not None:
+            await aclose()
 
 
 # ---- configuration --------------------------------------------------------------------------
