@@ -189,6 +189,17 @@ async def test_stopping_early_aborts_and_the_next_sentence_is_whole(espeak: Espe
     assert len(after) / 2 / 16000 == pytest.approx(solo.duration_ms / 1000, rel=0.03)
 
 
+async def test_a_synthesizer_with_another_voice():
+    female = EspeakSynthesizer(voices={"en": "en-us+f3"})
+    try:
+        pcm = b"".join(await collect(female, ENGLISH, "en", 16000))
+    finally:
+        await female.aclose()
+    streamed = Clip(pcm, 16000)
+    assert spectral_distance(streamed, render(ENGLISH, "en", 16000, voice="en-us+f3")) < 0.15
+    assert spectral_distance(streamed, render(ENGLISH, "en", 16000)) > 0.25
+
+
 async def test_a_closed_synthesizer_says_so():
     espeak = EspeakSynthesizer()
     await espeak.aclose()

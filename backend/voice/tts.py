@@ -14,7 +14,7 @@ import re
 import struct
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -207,8 +207,12 @@ class EspeakSynthesizer:
 
     name = "espeak"
 
-    def __init__(self, words_per_minute: int | None = None) -> None:
+    def __init__(
+        self, words_per_minute: int | None = None, voices: Mapping[str, str] | None = None
+    ) -> None:
+        """`voices` overrides the voice of a language, e.g. {"en": "en-us+f3"}."""
         self.words_per_minute = words_per_minute
+        self.voices = dict(voices or {})
         _ESPEAK.ensure_loaded()  # fail at startup, not at the first sentence
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="espeak")
 
@@ -231,7 +235,8 @@ class EspeakSynthesizer:
 
         def work() -> None:
             try:
-                _ESPEAK.speak(text, espeak_voice(language), self.words_per_minute, produce)
+                voice = self.voices.get(language) or espeak_voice(language)
+                _ESPEAK.speak(text, voice, self.words_per_minute, produce)
                 if not stop.is_set() and (tail := resampler.feed(b"", last=True)):
                     hand_over(tail)
                 hand_over(None)
