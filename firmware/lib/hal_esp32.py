@@ -6,6 +6,13 @@ Device only: imports machine and network. Pins come from config.json "pins":
   which registers self.audio_speaker.set_volume on every board.
 - "backlight": PWM pin of the screen backlight (brightness 0..100).
 - "led": PWM pin of a status LED.
+- "mic": I2S microphone {"sck", "ws", "sd", "bits"}: read at 16 kHz mono; "bits" 32 for
+  INMP441-style microphones (24-bit samples in 32-bit slots: the top 16 bits are kept), 16 for
+  microphones that deliver 16-bit samples.
+- "speaker": I2S amplifier (MAX98357-style) {"sck", "ws", "sd"}: 16-bit mono at the rate the
+  server hello announces, with the software volume applied (viper, audio.apply_volume) unless a
+  "speaker_gain" pin sets the volume in hardware.
+- "button": push-to-talk GPIO, active low with the internal pull-up.
 There is no display driver yet, so the theme is not supported and show() prints to the console.
 """
 
@@ -15,12 +22,17 @@ import os
 
 import machine
 import network
+from audio import FRAME_SAMPLES, SAMPLE_RATE, pcm32_to_pcm16
 from protocol import wifi_signal
 
 PWM_FREQ = 1000
 REBOOT_DELAY_S = 1  # stock reboots ~1 s after answering, so the tool's reply still goes out
 _WIFI_WAIT_STEPS = 100  # x 0.1 s per attempt
 _WIFI_MAX_BACKOFF_S = 30
+MIC_I2S_ID = 0
+SPEAKER_I2S_ID = 1
+I2S_IBUF = 8192  # bytes of DMA buffer per direction (~250 ms at 16 kHz)
+BUTTON_POLL_MS = 20
 
 
 def mac_address() -> str:
@@ -81,6 +93,9 @@ class HalEsp32:
         self._backlight = _pwm(pins["backlight"]) if pins.get("backlight") is not None else None
         self._led = _pwm(pins["led"]) if pins.get("led") is not None else None
         self._reboot_task = None
+        self.microphone = I2sMicrophone(pins["mic"]) if pins.get("mic") else None
+        self.speaker = I2sSpeaker(pins["speaker"]) if pins.get("speaker") else None
+        self.button = GpioButton(pins["button"]) if pins.get("button") is not None else None
         self.set_volume(self.volume)
         self.set_brightness(self.brightness)
 
@@ -102,6 +117,10 @@ class HalEsp32:
         self.volume = v
         if self._gain is not None:
             self._gain.duty_u16(_percent_to_duty(v))
+
+    def software_volume(self) -> int:
+        """The volume the audio path applies: all of it, unless an amplifier gain pin does."""
+        return 100 if self._gain is not None else self.volume
 
     def get_brightness(self) -> int:
         return self.brightness
@@ -186,6 +205,119 @@ class HalEsp32:
 
     def show(self, role, text):
         print("[" + role + "] " + text)
+
+
+# ---- audio ------------------------------------------------------------------------------------
+
+
+def _i2s(i2s_id, pins, mode, bits, rate):
+    return machine.I2S(
+        i2s_id,
+        sck=machine.Pin(pins["sck"]),
+        ws=machine.Pin(pins["ws"]),
+        sd=machine.Pin(pins["sd"]),
+        mode=mode,
+        bits=bits,
+        format=machine.I2S.MONO,
+        rate=rate,
+        ibuf=I2S_IBUF,
+    )
+
+
+async def _read_exactly(reader, buf):
+    view = memoryview(buf)
+    got = 0
+    while got < len(buf):
+        got += await reader.readinto(view[got:])
+
+
+class I2sMicrophone:
+    """16 kHz mono capture into PCM16 frames; the I2S peripheral runs only while capturing."""
+
+    def __init__(self, pins):
+        self.pins = pins
+        self.bits = int(pins.get("bits", 32))
+        if self.bits not in (16, 32):
+            raise ValueError("mic bits must be 16 or 32")
+        self._raw = bytearray(FRAME_SAMPLES * 4) if self.bits == 32 else None
+        self._i2s = None
+        self._reader = None
+
+    def start(self):
+        if self._i2s is None:
+            self._i2s = _i2s(MIC_I2S_ID, self.pins, machine.I2S.RX, self.bits, SAMPLE_RATE)
+            self._reader = asyncio.StreamReader(self._i2s)
+
+    def stop(self):
+        i2s, self._i2s, self._reader = self._i2s, None, None
+        if i2s is not None:
+            i2s.deinit()
+
+    async def read(self, buf) -> int:
+        """One frame of PCM16 into buf (waits for the DMA to fill it)."""
+        reader = self._reader
+        if reader is None:
+            raise OSError("microphone not started")
+        if self._raw is None:
+            await _read_exactly(reader, buf)
+            return len(buf)
+        raw = memoryview(self._raw)[: len(buf) * 2]
+        await _read_exactly(reader, raw)
+        return pcm32_to_pcm16(raw, buf) * 2
+
+
+class I2sSpeaker:
+    """16-bit mono playback at the downlink rate; write() returns once the DMA took the frame."""
+
+    def __init__(self, pins):
+        self.pins = pins
+        self.sample_rate = None
+        self._i2s = None
+        self._writer = None
+
+    def start(self, sample_rate):
+        if self._i2s is not None and sample_rate == self.sample_rate:
+            return
+        self.stop()
+        self.sample_rate = sample_rate
+        self._i2s = _i2s(SPEAKER_I2S_ID, self.pins, machine.I2S.TX, 16, sample_rate)
+        self._writer = asyncio.StreamWriter(self._i2s, {})
+
+    def stop(self):
+        i2s, self._i2s, self._writer = self._i2s, None, None
+        if i2s is not None:
+            i2s.deinit()
+
+    async def write(self, buf):
+        writer = self._writer
+        if writer is None:
+            raise OSError("speaker not started")
+        writer.write(buf)
+        await writer.drain()
+
+    async def drain(self):
+        """Wait while the DMA buffer plays out."""
+        if self.sample_rate:
+            await asyncio.sleep(I2S_IBUF / 2 / self.sample_rate)
+
+
+class GpioButton:
+    """Push-to-talk on a GPIO pulled up, pressed = low; polled with a debounce of one poll."""
+
+    def __init__(self, pin):
+        self._pin = machine.Pin(pin, machine.Pin.IN, machine.Pin.PULL_UP)
+        self._pressed = False
+
+    async def next_action(self):
+        while True:
+            await asyncio.sleep(BUTTON_POLL_MS / 1000)
+            pressed = self._pin.value() == 0
+            if pressed == self._pressed:
+                continue
+            await asyncio.sleep(BUTTON_POLL_MS / 1000)
+            if (self._pin.value() == 0) == pressed:  # still so after the bounce
+                self._pressed = pressed
+                return "press" if pressed else "release"
 
 
 async def _reset_later():
