@@ -59,6 +59,7 @@ def make_settings(data_dir: Path, **overrides: Any) -> Settings:
         "call_timeout_s": 5.0,
         "llm_provider": "none",
         "search_enabled": False,
+        "voice_enabled": False,  # text-only test devices; the voice tests turn it on
     }
     return Settings.on_loopback(data_dir, **{**values, **overrides})
 

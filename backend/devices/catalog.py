@@ -185,7 +185,7 @@ class DeviceCatalog:
 
     def _on_event(self, event: DeviceEvent) -> None:
         kind = event.kind
-        if kind is EventKind.TOOL_CALLED:
+        if kind is EventKind.TOOL_CALLED or kind is EventKind.VOICE_TURN:
             return  # every tool call: nothing to store, return at once
         if kind is EventKind.FORGOTTEN:
             self._dirty.discard(event.device_id)

@@ -75,6 +75,7 @@ class EventKind(StrEnum):
     FORGOTTEN = "forgotten"  # an offline device was removed from the catalogue
     REPORTED = "reported"  # the device reported its system info (OTA check)
     TOOL_CALLED = "tool_called"  # not a state change: one tools/call finished or was refused
+    VOICE_TURN = "voice_turn"  # not a state change: a spoken turn ended; detail has its timings
 
 
 _MAX_AUDITED_ID = 256  # a refused call may name any device id or tool: kept bounded

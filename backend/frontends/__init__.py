@@ -17,6 +17,7 @@ from backend.config import Settings
 from backend.devices import DeviceRegistry
 from backend.devices.conversation import ConversationHub
 from backend.frontends.device_chat import DeviceChat
+from backend.frontends.voice import build_voice
 from backend.keys import KEYS_MIGRATIONS, KeyStore
 from backend.storage import Database, Migration
 
@@ -36,6 +37,7 @@ class FrontEnds:
         self.keys = KeyStore(database)
         self.mcp = McpEndpoint(registry, self.chat, host=settings.http_host)
         self.device_chat = DeviceChat(hub, registry, self.chat)
+        self.voice = build_voice(settings, hub, registry, self.device_chat)
         self._registry = registry
         self._started = False
 
@@ -52,11 +54,13 @@ class FrontEnds:
         await self.keys.load()
         await self.mcp.start()
         self.device_chat.start()
+        self.voice.start()
 
     async def stop_sessions(self) -> None:
         """Cancel device turns and end `/mcp` sessions (before the HTTP server drains)."""
         if not self._started:
             return
+        await self.voice.stop()
         await self.device_chat.stop()
         await self.mcp.stop()
 

@@ -1,31 +1,34 @@
-"""Typed input from a device becomes a chat turn, answered on the device's screen.
+"""Device turns: typed or spoken input becomes a chat turn, answered on the device.
 
 A `listen` with `state: "detect"` and `text` (what the stock firmware sends for a wake word or
-typed text; lone surrogates replaced by U+FFFD) starts a turn in that device's own
-conversation (`device_conversation_id`, which survives reconnects and restarts), with that
-device's tools (`DeviceToolBox`, full permission: the device asked). The answer goes back
-through the conversation API, in this order:
+typed text; lone surrogates replaced by U+FFFD), or an utterance the voice loop recognized
+(`start_turn`), starts a turn in that device's own conversation (`device_conversation_id`,
+which survives reconnects and restarts), with that device's tools (`DeviceToolBox`, full
+permission: the device asked). The answer goes back through the conversation API:
 
 1. `stt {text}` at once (the device shows what it heard while the turn runs);
-2. when the turn is complete: `llm {emotion}`, chosen by outcome: `sad` when a device tool
-   failed or reported an error, `confused` when the request was refused as off-topic,
-   `thinking` for an offline (no model) answer to a question, else `happy`;
-3. `tts start`, one `tts sentence_start {text}` per sentence of the spoken answer (the tokens;
-   never the sources section), `tts stop`.
+2. when the first sentence of the answer is complete: `llm {emotion}` and `tts start`. The
+   emotion reflects what is known then: `sad` when a device tool failed or reported an error,
+   `confused` when the request was refused as off-topic, `thinking` for an offline (no model)
+   answer to a question, else `happy` (answers that come in one piece, the offline and refusal
+   paths, are complete before they are spoken, so their outcome is always known);
+3. one `tts sentence_start {text}` per sentence as the answer streams (never the sources
+   section) — with audio when the voice loop is on (`Answer` is then a `SpokenAnswer`, paced
+   frames between the sentence marks) — and `tts stop`.
 
-The answer is spoken once the turn is complete rather than sentence by sentence, so the emotion
-can reflect the outcome; there is no audio yet, only text on the screen.
-
-One turn at a time per device: a new detect while a turn runs **cancels** the old turn (the user
+One turn at a time per device: a new turn while one runs **cancels** the old one (the user
 spoke again, so the old answer is stale; its memory is not written) and, if it was already
-speaking, sends it `tts stop` before the new turn's `stt`. An `abort` from the device cancels the
-running turn the same way; a device that goes away cancels its turn silently.
+speaking, its downlink stops at once and it sends `tts stop` before the new turn's `stt`. An
+`abort` from the device cancels the running turn the same way; a device that goes away cancels
+its turn silently.
 """
 
 import asyncio
 import contextlib
 import re
 import time
+from collections.abc import Coroutine
+from typing import Any, Protocol
 
 import structlog
 
@@ -35,6 +38,7 @@ from backend.chat import (
     ChatService,
     DeviceToolBox,
     Done,
+    Sources,
     Token,
     ToolCompleted,
     ToolFailed,
@@ -44,9 +48,11 @@ from backend.chat.text import replace_surrogates, sentences
 from backend.devices import DeviceRegistry
 from backend.devices.conversation import Conversation as DeviceConversation
 from backend.devices.conversation import ConversationHub, Unsubscribe
+from backend.devices.registry import EventKind
 from backend.errors import BridgeError
 from backend.logs import DeviceBudgets, LogBudget
 from backend.protocol import Abort, Listen
+from backend.voice.timings import TurnTimings
 
 log = structlog.get_logger("device_chat")
 
@@ -88,14 +94,109 @@ def spoken_sentences(events: list[ChatEvent]) -> list[str]:
     return sentences(_MARKDOWN.sub("", text))
 
 
+class SentenceStream:
+    """Complete sentences out of streamed text: a sentence is complete once text follows its
+    end mark, so it can be spoken while the rest of the answer is still being written."""
+
+    def __init__(self) -> None:
+        self._text = ""
+
+    def feed(self, text: str) -> list[str]:
+        self._text += text
+        parts = sentences(_MARKDOWN.sub("", self._text))
+        if len(parts) < 2 or not _ends_sentence(self._text):
+            return self._keep_last(parts)
+        self._text = ""
+        return parts
+
+    def flush(self) -> list[str]:
+        rest, self._text = self._text, ""
+        return sentences(_MARKDOWN.sub("", rest))
+
+    def _keep_last(self, parts: list[str]) -> list[str]:
+        if len(parts) < 2:
+            return []
+        # Everything before the last (unfinished) sentence is done; keep the raw tail.
+        tail = parts[-1]
+        cut = self._text.rfind(tail[: max(1, min(len(tail), 12))])
+        self._text = self._text[cut:] if cut >= 0 else tail
+        return parts[:-1]
+
+
+def _ends_sentence(text: str) -> bool:
+    stripped = text.rstrip()
+    return bool(stripped) and stripped[-1] in ".!?…" and stripped != text
+
+
+class Answer(Protocol):
+    """How a turn's answer reaches the device: text on its screen, or paced speech."""
+
+    begun: bool
+
+    async def begin(self, emotion: str) -> None: ...
+
+    async def say(self, sentence: str) -> None: ...
+
+    async def finish(self) -> None: ...
+
+    def halt(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+class TextAnswer:
+    """Sentences on the device's screen, no audio (no voice loop, or voice turned off)."""
+
+    def __init__(self, conversation: DeviceConversation) -> None:
+        self._conversation = conversation
+        self.begun = False
+        self._stopped = False
+
+    async def begin(self, emotion: str) -> None:
+        self.begun = True
+        await self._conversation.send_llm(emotion)
+        await self._conversation.send_tts_start()
+
+    async def say(self, sentence: str) -> None:
+        await self._conversation.send_tts_sentence(sentence)
+
+    async def finish(self) -> None:
+        await self.stop()
+
+    def halt(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        if self.begun and not self._stopped:
+            self._stopped = True
+            with contextlib.suppress(BridgeError):
+                await self._conversation.send_tts_stop()
+
+
+class VoiceOutput(Protocol):
+    """The voice loop's side of a turn: a spoken answer for the device, or None for text."""
+
+    def answer_for(
+        self, conversation: DeviceConversation, timings: TurnTimings
+    ) -> Answer | None: ...
+
+
 class DeviceChat:
     """Subscribes to the conversation hub; one chat turn task per device at a time."""
 
-    def __init__(self, hub: ConversationHub, registry: DeviceRegistry, chat: ChatService) -> None:
+    def __init__(
+        self,
+        hub: ConversationHub,
+        registry: DeviceRegistry,
+        chat: ChatService,
+        voice: VoiceOutput | None = None,
+    ) -> None:
         self.hub = hub
         self.registry = registry
         self.chat = chat
+        self.voice = voice
         self._turns: dict[str, asyncio.Task[None]] = {}
+        self._answers: dict[str, Answer] = {}
         self._unsubscribe: list[Unsubscribe] = []
         # Per device: a device that keeps detecting and aborting costs a few lines, then counts.
         self._logs = DeviceBudgets(burst=5)  # outlives links: reconnecting buys no fresh burst
@@ -122,6 +223,34 @@ class DeviceChat:
         task = self._turns.get(device_id)
         return task if task is not None and not task.done() else None
 
+    def speaking(self, device_id: str) -> bool:
+        """The device's answer has begun and its turn still runs."""
+        answer = self._answers.get(device_id)
+        return answer is not None and answer.begun and self.running(device_id) is not None
+
+    def start_turn(
+        self, conversation: DeviceConversation, text: str, timings: TurnTimings | None = None
+    ) -> asyncio.Task[None]:
+        """Answer `text` (typed or recognized) on the device, replacing its running turn."""
+        return self._replace_turn(conversation, self._turn(conversation, text, timings))
+
+    def say(
+        self, conversation: DeviceConversation, text: str, emotion: str = "neutral"
+    ) -> asyncio.Task[None]:
+        """Speak a fixed line outside the chat (an apology, a goodbye), as a turn of its own."""
+        return self._replace_turn(conversation, self._announce(conversation, text, emotion))
+
+    def interrupt(self, device_id: str, why: str) -> None:
+        """Stop the device's running turn now: its downlink stops before this returns."""
+        task = self.running(device_id)
+        if task is None:
+            return
+        answer = self._answers.get(device_id)
+        if answer is not None:
+            answer.halt()
+        self._log(device_id).info(f"device turn {why}", device_id=device_id)
+        task.cancel()
+
     # ---- hub handlers (plain functions: the turn runs in a task owned here) -----------------
 
     def _on_listen(self, conversation: DeviceConversation, listen: Listen) -> None:
@@ -136,50 +265,65 @@ class DeviceChat:
                 "device question too long; ignored", device_id=device_id, chars=len(text)
             )
             return
-        previous = self._turns.get(device_id)
-        if previous is not None and not previous.done():
-            self._log(device_id).info("device turn replaced by a new one", device_id=device_id)
-            previous.cancel()
-        task = asyncio.get_running_loop().create_task(
-            self._turn(conversation, text, previous), name=f"device-turn {device_id}"
-        )
-        self._turns[device_id] = task
-        task.add_done_callback(lambda done: self._forget(device_id, done))
+        self.start_turn(conversation, text)
 
     def _on_abort(self, conversation: DeviceConversation, _abort: Abort) -> None:
-        task = self.running(conversation.device_id)
-        if task is not None:
-            device_id = conversation.device_id
-            self._log(device_id).info("device turn aborted by the device", device_id=device_id)
-            task.cancel()
+        self.interrupt(conversation.device_id, "aborted by the device")
 
     def _on_ended(self, conversation: DeviceConversation, _reason: str) -> None:
-        task = self.running(conversation.device_id)
+        device_id = conversation.device_id
+        answer = self._answers.get(device_id)
+        if answer is not None:
+            answer.halt()
+        task = self.running(device_id)
         if task is not None:
             task.cancel()
-        self._logs.flush(conversation.device_id)
+        self._logs.flush(device_id)
 
     def _log(self, device_id: str) -> LogBudget:
         return self._logs.get(device_id, log)
 
+    def _replace_turn(
+        self, conversation: DeviceConversation, work: Coroutine[Any, Any, None]
+    ) -> asyncio.Task[None]:
+        device_id = conversation.device_id
+        previous = self.running(device_id)
+        if previous is not None:
+            self.interrupt(device_id, "replaced by a new one")
+        task = asyncio.get_running_loop().create_task(
+            self._after(previous, work), name=f"device-turn {device_id}"
+        )
+        self._turns[device_id] = task
+        task.add_done_callback(lambda done: self._forget(device_id, done))
+        return task
+
+    @staticmethod
+    async def _after(previous: asyncio.Task[None] | None, work: Coroutine[Any, Any, None]) -> None:
+        if previous is not None:
+            await asyncio.wait([previous])  # it sends its own `tts stop` when it was speaking
+        await work
+
     def _forget(self, device_id: str, task: asyncio.Task[None]) -> None:
         if self._turns.get(device_id) is task:
             del self._turns[device_id]
+            self._answers.pop(device_id, None)
+
+    def _answer(self, conversation: DeviceConversation, timings: TurnTimings) -> Answer:
+        spoken = self.voice.answer_for(conversation, timings) if self.voice is not None else None
+        answer: Answer = spoken if spoken is not None else TextAnswer(conversation)
+        self._answers[conversation.device_id] = answer
+        return answer
 
     # ---- one turn ---------------------------------------------------------------------------
 
     async def _turn(
-        self,
-        conversation: DeviceConversation,
-        text: str,
-        previous: asyncio.Task[None] | None,
+        self, conversation: DeviceConversation, text: str, timings: TurnTimings | None
     ) -> None:
         device_id = conversation.device_id
-        if previous is not None:
-            await asyncio.wait([previous])  # it sends its own `tts stop` when it was speaking
         structlog.contextvars.bind_contextvars(device_id=device_id)
+        timings = timings if timings is not None else TurnTimings()
         began = time.perf_counter()
-        speaking = False
+        answer = self._answer(conversation, timings)
         outcome = "cancelled"
         conversation_id: str | None = None
         try:
@@ -192,40 +336,26 @@ class DeviceChat:
                 conversation_id=conversation_id,
                 toolbox=DeviceToolBox(device, actor=f"device:{device_id}"),
             )
-            events = [event async for event in self.chat.run_turn(request)]
+            events, spoken = await self._speak_stream(request, answer, timings)
             done = next((event for event in events if isinstance(event, Done)), None)
             conversation_id = done.metadata.conversation_id if done is not None else None
-            emotion = emotion_for(events)
-            lines = spoken_sentences(events)
-            await conversation.send_llm(emotion)
-            await conversation.send_tts_start()
-            speaking = True
-            for line in lines:
-                await conversation.send_tts_sentence(line)
-            await conversation.send_tts_stop()
-            speaking = False
-            outcome = emotion
-            log.info(
-                "device turn",
-                step="device_turn",
-                device_id=device_id,
-                conversation_id=conversation_id,
-                emotion=emotion,
-                sentences=len(lines),
-                duration_ms=round((time.perf_counter() - began) * 1000, 3),
-            )
+            if not answer.begun:
+                await answer.begin(emotion_for(events))
+            await answer.finish()
+            outcome = emotion_for(events)
+            self._report(device_id, conversation_id, outcome, spoken, began, timings)
         except asyncio.CancelledError:
-            if speaking:
-                with contextlib.suppress(BridgeError):
-                    await conversation.send_tts_stop()
+            await answer.stop()
             raise
         except BridgeError as exc:  # the link closed, the device went offline...
             outcome = "device gone"
+            answer.halt()
             log.info("device turn ended early", device_id=device_id, error=str(exc))
         except Exception:
             outcome = "failed"
             log.exception("device turn failed", device_id=device_id)
-            await self._apologise(conversation, speaking)
+            await answer.stop()
+            await self._apologise(conversation, answer.begun)
         finally:
             if outcome == "cancelled":
                 log.info(
@@ -235,6 +365,71 @@ class DeviceChat:
                     conversation_id=conversation_id,
                     duration_ms=round((time.perf_counter() - began) * 1000, 3),
                 )
+
+    async def _speak_stream(
+        self, request: TurnRequest, answer: Answer, timings: TurnTimings
+    ) -> tuple[list[ChatEvent], int]:
+        """Run the chat turn, speaking each sentence once the next token or tool event shows
+        it complete (so an answer that comes in one piece is spoken knowing its outcome)."""
+        events: list[ChatEvent] = []
+        stream = SentenceStream()
+        ready: list[str] = []
+        spoken = 0
+        async for event in self.chat.run_turn(request):
+            events.append(event)
+            if isinstance(event, Sources | Done):
+                continue  # the end of the answer: its outcome decides the emotion
+            for line in ready:
+                spoken += await self._say_line(answer, events, line)
+            ready = []
+            if isinstance(event, Token):
+                timings.mark("first_token")
+                ready = stream.feed(event.text)
+        for line in [*ready, *stream.flush()]:
+            spoken += await self._say_line(answer, events, line)
+        return events, spoken
+
+    @staticmethod
+    async def _say_line(answer: Answer, events: list[ChatEvent], line: str) -> int:
+        if not answer.begun:
+            await answer.begin(emotion_for(events))
+        await answer.say(line)
+        return 1
+
+    def _report(
+        self,
+        device_id: str,
+        conversation_id: str | None,
+        emotion: str,
+        spoken: int,
+        began: float,
+        timings: TurnTimings,
+    ) -> None:
+        report = timings.report()
+        log.info(
+            "device turn",
+            step="device_turn",
+            device_id=device_id,
+            conversation_id=conversation_id,
+            emotion=emotion,
+            sentences=spoken,
+            duration_ms=round((time.perf_counter() - began) * 1000, 3),
+            **report,
+        )
+        if "end_of_speech_ms" in report:
+            self.registry.emit(EventKind.VOICE_TURN, device_id, **report)
+
+    async def _announce(self, conversation: DeviceConversation, text: str, emotion: str) -> None:
+        answer = self._answer(conversation, TurnTimings())
+        try:
+            await answer.begin(emotion)
+            await answer.say(text)
+            await answer.finish()
+        except asyncio.CancelledError:
+            await answer.stop()
+            raise
+        except BridgeError:
+            answer.halt()
 
     async def _conversation_id(self, device_id: str) -> str | None:
         """The device's conversation, settled first so every log line of the turn has it
