@@ -15,7 +15,7 @@ import contextlib
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 from urllib.parse import urlsplit
 
 import aiomqtt
@@ -171,8 +171,8 @@ class UdpAudio(asyncio.DatagramProtocol):
         await loop.create_datagram_endpoint(lambda: self, remote_addr=address)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.DatagramTransport)
-        self._transport = transport
+        # Python 3.11's selector transport does not subclass DatagramTransport: cast, not check.
+        self._transport = cast(asyncio.DatagramTransport, transport)
 
     def send(self, payload: bytes) -> None:
         assert self._transport is not None, "UDP audio is not open"
