@@ -1,0 +1,137 @@
+"""Bad audio gets a clear outcome and costs bounded memory and CPU; one bad talker never hurts
+another. Every case runs against a real bridge over a real WebSocket."""
+
+import asyncio
+import os
+
+import pytest
+from structlog.testing import capture_logs
+
+from backend.server import Bridge
+from backend.voice.audio import Clip
+from backend.voice.tts import render
+from simulator.voice_client import VoiceDevice, speak_turn
+from tests.helpers import DEVICE_TOKEN, eventually, wait_state
+
+pytestmark = pytest.mark.slow
+
+COMMAND = "set the volume to thirty"
+
+
+def _device(bridge: Bridge, device_id: str, **kwargs) -> VoiceDevice:
+    return VoiceDevice.websocket(
+        bridge.ws_url, DEVICE_TOKEN, device_id, f"client-{device_id}", **kwargs
+    )
+
+
+async def _garbage(device: VoiceDevice, packets: int) -> None:
+    for _ in range(packets):
+        await device.link.send_audio(os.urandom(80))
+
+
+async def test_garbage_opus_is_dropped_and_the_device_and_its_neighbour_still_talk(
+    bridge_factory,
+):
+    bridge = await bridge_factory(voice_enabled=True)
+    async with (
+        _device(bridge, "02:00:00:00:a0:01") as bad,
+        _device(bridge, "02:00:00:00:a0:02") as good,
+    ):
+        await wait_state(bridge, "02:00:00:00:a0:01")
+        await wait_state(bridge, "02:00:00:00:a0:02")
+        await bad.listen_start("auto")
+        with capture_logs() as logs:
+            neighbour = asyncio.create_task(speak_turn(good, render(COMMAND, "en", 16000)))
+            await _garbage(bad, 300)
+            reply = await neighbour
+        session = bridge.frontends.voice.sessions["02:00:00:00:a0:01"]
+        assert 0 < session.bad_packets <= 300  # random bytes are sometimes valid Opus
+        dropped = [line for line in logs if line["event"] == "uplink audio dropped"]
+        assert 1 <= len(dropped) <= 10  # a budget, not one line per packet
+        assert "Opus" in dropped[0]["error"]
+        assert reply.kinds[-1] == "tts stop" and good.mcp.calls
+        # The garbage sender can still hold a turn.
+        again = await speak_turn(bad, render("set the volume to twenty", "en", 16000))
+    assert again.kinds[-1] == "tts stop"
+    assert bad.mcp.calls[-1] == ("self.audio_speaker.set_volume", {"volume": 20})
+
+
+async def test_audio_without_listen_start_is_dropped_undecoded(bridge_factory):
+    bridge = await bridge_factory(voice_enabled=True)
+    async with _device(bridge, "02:00:00:00:a1:01") as device:
+        await wait_state(bridge, "02:00:00:00:a1:01")
+        with capture_logs() as logs:
+            await device.send_speech(render(COMMAND, "en", 16000), realtime=False)
+            await device.send_mcp({"jsonrpc": "2.0", "method": "notifications/ping"})
+            await asyncio.sleep(0.3)
+        assert "02:00:00:00:a1:01" not in bridge.frontends.voice.sessions
+        assert device.mcp.calls == []
+        lines = [line for line in logs if line["event"] == "audio without listen start dropped"]
+        assert 1 <= len(lines) <= 5
+
+
+async def test_a_device_that_never_pauses_is_cut_at_the_utterance_limit(bridge_factory):
+    bridge = await bridge_factory(voice_enabled=True, voice_max_utterance_s=3.0)
+    speech = render(" ".join([COMMAND] * 6), "en", 16000)  # ~10 s without a pause
+    async with _device(bridge, "02:00:00:00:a2:01") as device:
+        await wait_state(bridge, "02:00:00:00:a2:01")
+        with capture_logs() as logs:
+            await device.listen_start("auto")
+            await device.send_speech(speech, realtime=False, trailing_silence_ms=0)
+            await eventually(
+                lambda: any(line["event"] == "utterance cut at its length limit" for line in logs)
+            )
+            reply = await device.wait_turn(timeout_s=30)
+    assert reply.kinds[-1] == "tts stop"  # the cut utterance was answered (or apologised for)
+
+
+@pytest.mark.parametrize("sample_rate", [7, 1_000_000])
+async def test_a_pcm16_device_with_an_absurd_rate_gets_a_clear_error(bridge_factory, sample_rate):
+    bridge = await bridge_factory(voice_enabled=True)
+    device = _device(bridge, "02:00:00:00:a3:01", audio_format="pcm16")
+    device.hello["audio_params"]["sample_rate"] = sample_rate
+    async with device:
+        await wait_state(bridge, "02:00:00:00:a3:01")
+        with capture_logs() as logs:
+            await device.listen_start("auto")
+            await device.send_speech(Clip(bytes(1920 * 5), 16000), realtime=False)
+            await asyncio.sleep(0.3)
+    errors = [line["error"] for line in logs if line["event"] == "uplink audio dropped"]
+    assert errors and f"{sample_rate} Hz is not supported" in errors[0]
+
+
+async def test_a_pcm16_device_at_another_rate_is_resampled(bridge_factory):
+    bridge = await bridge_factory(voice_enabled=True)
+    device = _device(bridge, "02:00:00:00:a4:01", audio_format="pcm16")
+    device.hello["audio_params"]["sample_rate"] = 24000
+    speech = render("set the volume to thirty", "en", 24000)
+    async with device:
+        await wait_state(bridge, "02:00:00:00:a4:01")
+        await device.listen_start("auto")
+        for frame in _pcm_frames(speech.pcm, 24000):
+            await device.link.send_audio(frame)
+            await asyncio.sleep(0.06)
+        for _ in range(16):
+            await device.link.send_audio(bytes(2880))
+            await asyncio.sleep(0.06)
+        reply = await device.wait_turn(timeout_s=30)
+    assert reply.transcript and "volume" in reply.transcript
+
+
+def _pcm_frames(pcm: bytes, rate: int) -> list[bytes]:
+    size = rate * 60 // 1000 * 2
+    return [pcm[start : start + size] for start in range(0, len(pcm) - size + 1, size)]
+
+
+async def test_without_voice_a_talking_device_is_told_why(bridge_factory):
+    bridge = await bridge_factory(voice_enabled=False)
+    async with _device(bridge, "02:00:00:00:a5:01") as device:
+        await wait_state(bridge, "02:00:00:00:a5:01")
+        with capture_logs() as logs:
+            await device.listen_start("auto")
+            await eventually(lambda: any(m.get("type") == "alert" for _, m in device.events))
+    alert = next(m for _, m in device.events if m.get("type") == "alert")
+    assert "voice is turned off" in alert["message"]
+    assert any(
+        line["event"] == "a device started talking but voice is unavailable" for line in logs
+    )
