@@ -5,11 +5,13 @@ the answer comes back as paced audio in protocol order."""
 import asyncio
 
 import pytest
+from structlog.testing import capture_logs
 
 from backend.server import Bridge
 from backend.voice.tts import render
 from simulator.voice_client import VoiceDevice, speak_turn
 from tests.helpers import DEVICE_TOKEN, eventually, wait_state
+from tests.mosquitto import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -174,3 +176,28 @@ async def test_wake_word_pre_roll_is_not_taken_as_the_question(voice_bridge):
 
 async def _wait_frames(device: VoiceDevice, count: int, timeout_s: float = 20) -> None:
     await eventually(lambda: len(device.frames) >= count, timeout_s)
+
+
+async def test_unreachable_speech_providers_fall_back_to_the_embedded_engines(bridge_factory):
+    closed = f"http://127.0.0.1:{free_port()}"
+    bridge = await bridge_factory(
+        voice_enabled=True,
+        asr_provider="openai",
+        asr_base_url=closed,
+        asr_api_key="sk-never-logged",
+        tts_provider="openai",
+        tts_base_url=closed,
+        tts_api_key="sk-never-logged",
+    )
+    device_id = "02:00:00:00:80:01"
+    with capture_logs() as logs:
+        async with _device(bridge, device_id) as device:
+            await wait_state(bridge, device_id)
+            first = await speak_turn(device, render("set the volume to thirty", "en", 16000))
+            second = await speak_turn(device, render("set the volume to seventy", "en", 16000))
+    assert [call[1] for call in device.mcp.calls] == [{"volume": 30}, {"volume": 70}]
+    for reply in (first, second):
+        assert reply.kinds[-1] == "tts stop" and reply.audio.duration_ms > 500
+    provider_lines = [line for line in logs if "provider" in line["event"]]
+    assert 1 <= len(provider_lines) <= 4  # once per outage and engine, not once per utterance
+    assert "sk-never-logged" not in repr(logs)
