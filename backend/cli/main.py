@@ -2,7 +2,9 @@
 
 import asyncio
 import json
-from typing import Annotated, Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -21,7 +23,11 @@ from backend.cli.local import (
 from backend.cli.mqtt import mqtt_app
 from backend.cli.options import ConfigOpt, DataDirOpt, ServerOpt, TokenOpt, admin_client
 from backend.cli.output import console, fail
+from backend.config import Settings
 from backend.errors import BridgeError
+
+if TYPE_CHECKING:
+    from backend.cli.voice import TurnOptions
 
 app = typer.Typer(
     help="Bridge for xiaozhi-compatible ESP32 devices: each device's tools over MCP.",
@@ -109,6 +115,37 @@ def demo(
     _run(run_demo(settings, console))
 
 
+SayOpt = Annotated[
+    str | None,
+    typer.Option("--say", help="Voice: one device speaks this sentence (synthesized offline)."),
+]
+SpeakOpt = Annotated[
+    Path | None,
+    typer.Option("--speak", help="Voice: one device speaks this mono 16-bit WAV file."),
+]
+SaveOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--save",
+        help="Voice: WAV file for what the device heard; its events go to FILE.events.jsonl "
+        "[default: answer.wav in a new directory under the system's temp dir].",
+    ),
+]
+CodecOpt = Annotated[str, typer.Option("--codec", help="Voice: uplink audio, opus or pcm16.")]
+ProtocolVersionOpt = Annotated[
+    int,
+    typer.Option(
+        "--protocol-version", min=1, max=3, help="Voice: WebSocket binary protocol 1, 2 or 3."
+    ),
+]
+ModeOpt = Annotated[
+    str,
+    typer.Option(
+        "--mode", help="Voice: auto (the bridge hears the end) or manual (listen stop ends it)."
+    ),
+]
+
+
 @app.command()
 def simulate(
     url: Annotated[str | None, typer.Option("--url", help="Device endpoint ws:// URL.")] = None,
@@ -147,16 +184,28 @@ def simulate(
             "them at once) [default: a local bridge in device mode enrols them].",
         ),
     ] = None,
+    say: SayOpt = None,
+    speak: SpeakOpt = None,
+    save: SaveOpt = None,
+    codec: CodecOpt = "opus",
+    protocol_version: ProtocolVersionOpt = 1,
+    mode: ModeOpt = "auto",
     data_dir: DataDirOpt = None,
     config: ConfigOpt = None,
 ) -> None:
-    """Connect N simulated devices (the real firmware code on a fake HAL) to a bridge.
+    """Connect N simulated devices (the real firmware code on a fake HAL) to a bridge, or with
+    --say/--speak one stock-style voice device that speaks one turn.
 
     Against a bridge with per-device tokens (the default) each device enrols itself through
     the OTA endpoint, with an enrollment code for N devices that this command creates through
     the local bridge's admin API; with --token (or a bridge in shared mode) they share a token.
     Over MQTT they enrol the same way and log in to the broker with the token the OTA answer
-    gives them (against a bridge in shared mode, or with --mqtt, with derived credentials)."""
+    gives them (against a bridge in shared mode, or with --mqtt, with derived credentials).
+
+    --say TEXT (synthesized offline) or --speak FILE.wav: the voice device streams the speech
+    (--codec opus|pcm16), waits for the spoken answer, prints the transcript, the tool calls it
+    received and the answer, and saves what it heard to --save (default: answer.wav in a new
+    directory under the system's temp dir) with the events next to it (.events.jsonl)."""
     from backend.cli.runs import (
         enrollment_url,
         run_simulator,
@@ -167,6 +216,12 @@ def simulate(
     settings = cli_settings(config, data_dir=data_dir)
     if transport not in ("ws", "mqtt"):
         raise fail(f"--transport must be ws or mqtt, got {transport!r}", 2)
+    if say is not None or speak is not None:
+        voice = VoiceRequest(say, speak, save, codec, protocol_version, mode)
+        _simulate_voice(
+            settings, voice, devices, first_index, transport, url, token, mqtt, stock, ota
+        )
+        return
     options = None
     if transport == "mqtt":
         if ota is None and mqtt is None and device_auth_mode(settings) == "device":
@@ -191,6 +246,64 @@ def simulate(
             mqtt=options,
             ota_url=ota,
         )
+    )
+
+
+@dataclass(frozen=True)
+class VoiceRequest:
+    say: str | None
+    speak: Path | None
+    save: Path | None
+    codec: str
+    protocol_version: int
+    mode: str
+
+
+def _simulate_voice(
+    settings: Settings,
+    voice: VoiceRequest,
+    devices: int,
+    first_index: int,
+    transport: str,
+    url: str | None,
+    token: str | None,
+    mqtt: str | None,
+    stock: bool,
+    ota: str | None,
+) -> None:
+    """`simulate --say/--speak`: one voice device, one spoken turn."""
+    from backend.cli import voice as spoken
+    from simulator.fleet import device_id_for
+
+    options = _turn_options(voice, devices)
+    try:
+        clip = spoken.speech_clip(voice.say, voice.speak)
+    except spoken.VoiceTurnFailed as exc:
+        raise fail(str(exc)) from None
+    device_id = device_id_for(first_index)
+    link = spoken.link_from_settings(
+        settings, "mqtt" if transport == "mqtt" else "ws", device_id,
+        url=url, token=token, mqtt=mqtt, stock=stock, ota=ota,
+    )  # fmt: skip
+    wav = voice.save or spoken.default_wav_path()
+    _run(spoken.run_voice_turn(link, device_id, clip, options, wav, console))
+
+
+def _turn_options(voice: VoiceRequest, devices: int) -> "TurnOptions":
+    from backend.cli.voice import TurnOptions
+
+    if voice.say is not None and voice.speak is not None:
+        raise fail("--say and --speak exclude each other: give one", 2)
+    if devices != 1:
+        raise fail("--say/--speak simulate one voice device: drop --devices", 2)
+    if voice.codec not in ("opus", "pcm16"):
+        raise fail(f"--codec must be opus or pcm16, got {voice.codec!r}", 2)
+    if voice.mode not in ("auto", "manual"):
+        raise fail(f"--mode must be auto or manual, got {voice.mode!r}", 2)
+    return TurnOptions(
+        codec="opus" if voice.codec == "opus" else "pcm16",
+        protocol_version=voice.protocol_version,
+        mode="auto" if voice.mode == "auto" else "manual",
     )
 
 
