@@ -264,7 +264,11 @@ class VoiceDevice:
         return cls(link, hello, audio_format=audio_format)
 
     async def __aenter__(self) -> "VoiceDevice":
-        await self.connect()
+        try:
+            await self.connect()
+        except BaseException:
+            await self.link.close()
+            raise
         return self
 
     async def __aexit__(self, *_exc: object) -> None:
