@@ -1,0 +1,336 @@
+"""The pocketsphinx worker process (the child side of `backend.voice.asr.PocketsphinxRecognizer`).
+
+pocketsphinx holds the GIL while it decodes (measured: a thread decoding with the general LM
+stalled the event loop 15 ms per frame and ~1 s at `end_utt`), so decoding runs in a separate
+process. The parent sends pickled commands over a pipe; this process answers with results:
+
+    ("grammar", key, phrases)   compile a grammar once; later streams name it by key
+    ("open", sid, key)          start an utterance with grammar `key` (or None: LM only)
+    ("feed", sid, pcm)          one frame of 16 kHz PCM16
+    ("finish", sid)             end it: answers ("result", sid, text, engine, detail)
+    ("cancel", sid)             drop it
+    ("ping", token)             answers ("pong", token, open streams, decoders loaded)
+    ("stop",)                   exit
+
+Each utterance runs two decoders at once: a cheap grammar decoder (its own small dictionary,
+~6 MB) and the general language model (~90 MB each: the LM decoders are a small bounded pool).
+A stream that finds no LM decoder free keeps its audio and catches up when one is released.
+"""
+
+import os
+import re
+import tempfile
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+NUMBER_SLOT = "<number>"
+_ONES = [
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
+    "thirteen",
+    "fourteen",
+    "fifteen",
+    "sixteen",
+    "seventeen",
+    "eighteen",
+    "nineteen",
+]
+_TENS = ["twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety"]
+NUMBER_WORDS: tuple[str, ...] = (
+    *_ONES,
+    *(f"{tens} {one}".strip() for tens in _TENS for one in ("", *_ONES[1:10])),
+    "one hundred",
+)
+GRAMMAR_CONFIDENT = 0.7  # hypothesis score above which the grammar is taken without the LM
+LM_AGREEMENT = 0.6  # share of the grammar's words the LM must have heard to confirm it
+MAX_GRAMMARS_PER_DECODER = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Hyp:
+    text: str
+    score: float
+
+
+def words_of(text: str) -> list[str]:
+    return re.sub(r"[^a-z' ]+", " ", text.lower()).split()
+
+
+def choose(grammar: Hyp | None, lm: Hyp | None) -> tuple[str, str]:
+    """(text, engine): the grammar when it is sure or the LM heard most of it, else the LM."""
+    if grammar is not None and grammar.text:
+        if grammar.score >= GRAMMAR_CONFIDENT:
+            return grammar.text, "pocketsphinx-grammar"
+        expected = words_of(grammar.text)
+        heard = set(words_of(lm.text)) if lm is not None else set()
+        if sum(word in heard for word in expected) >= LM_AGREEMENT * len(expected):
+            return grammar.text, "pocketsphinx-grammar"
+    return (lm.text if lm is not None else ""), "pocketsphinx-lm"
+
+
+def grammar_confident(grammar: Hyp | None) -> bool:
+    return grammar is not None and bool(grammar.text) and grammar.score >= GRAMMAR_CONFIDENT
+
+
+def jsgf(phrases: list[list[str]]) -> str:
+    """A JSGF grammar accepting each phrase (word lists; NUMBER_SLOT stands for 0..100)."""
+    alternatives = sorted({" ".join(phrase) for phrase in phrases})
+    body = " | ".join(alternatives) if alternatives else "<VOID>"
+    numbers = " | ".join(NUMBER_WORDS)
+    return f"#JSGF V1.0; grammar g; public <s> = {body}; <number> = {numbers};"
+
+
+@dataclass
+class _Stream:
+    grammar_key: str | None
+    audio: list[bytes] = field(default_factory=list)
+    grammar: Any = None
+    lm: Any = None
+    lm_fed: int = 0  # frames of `audio` the LM decoder has seen
+    finishing: bool = False
+    grammar_hyp: Hyp | None = None
+
+
+class Worker:
+    def __init__(self, conn: Connection, lm_decoders: int, grammar_decoders: int) -> None:
+        import pocketsphinx
+
+        self.ps = pocketsphinx
+        self.conn = conn
+        self.lm_limit = lm_decoders
+        self.grammar_limit = grammar_decoders
+        self.lm_free: list[Any] = []
+        self.lm_count = 0
+        self.grammar_free: list[Any] = []
+        self.grammar_count = 0
+        self.grammars: dict[str, tuple[str, frozenset[str]]] = {}  # key -> (JSGF, its words)
+        self.loaded: dict[int, OrderedDict[str, None]] = {}  # id(decoder) -> grammar keys (LRU)
+        self.streams: dict[int, _Stream] = {}
+        self.waiting: list[int] = []  # streams without an LM decoder, oldest first
+        self._dict_path = ""
+        self._lexicon: Any = None  # the first LM decoder: its dictionary spells new words
+
+    # ---- decoders ----------------------------------------------------------------------------
+
+    def _new_lm(self) -> Any:
+        self.lm_count += 1
+        decoder = self.ps.Decoder(samprate=16000, loglevel="FATAL")
+        self._lexicon = self._lexicon or decoder
+        return decoder
+
+    def _new_grammar_decoder(self) -> Any:
+        lexicon = self._lexicon or self._take_lm_for_lexicon()
+        if not self._dict_path:
+            handle, self._dict_path = tempfile.mkstemp(prefix="asr-", suffix=".dict")
+            with os.fdopen(handle, "w") as out:  # a dictionary needs one word; others are added
+                out.write(f"zero {lexicon.lookup_word('zero')}\n")
+        self.grammar_count += 1
+        decoder = self.ps.Decoder(samprate=16000, loglevel="FATAL", lm=None, dict=self._dict_path)
+        self.loaded[id(decoder)] = OrderedDict()
+        return decoder
+
+    def _take_lm_for_lexicon(self) -> Any:
+        decoder = self._new_lm()
+        self.lm_free.append(decoder)
+        return decoder
+
+    def _grammar_decoder(self) -> Any | None:
+        if self.grammar_free:
+            return self.grammar_free.pop()
+        if self.grammar_count < self.grammar_limit:
+            return self._new_grammar_decoder()
+        return None
+
+    def _lm_decoder(self) -> Any | None:
+        if self.lm_free:
+            return self.lm_free.pop()
+        if self.lm_count < self.lm_limit:
+            return self._new_lm()
+        return None
+
+    def _activate(self, decoder: Any, key: str) -> None:
+        keys = self.loaded[id(decoder)]
+        if key not in keys:
+            lexicon = self._lexicon or self._take_lm_for_lexicon()
+            text, words = self.grammars[key]
+            missing = sorted(word for word in words if decoder.lookup_word(word) is None)
+            for position, word in enumerate(missing):  # the last one rebuilds the search
+                decoder.add_word(word, lexicon.lookup_word(word), position == len(missing) - 1)
+            decoder.add_jsgf_string(key, text)
+            keys[key] = None
+            if len(keys) > MAX_GRAMMARS_PER_DECODER:
+                decoder.remove_search(keys.popitem(last=False)[0])
+        keys.move_to_end(key)
+        decoder.activate_search(key)
+
+    # ---- commands ----------------------------------------------------------------------------
+
+    def add_grammar(self, key: str, phrases: list[str]) -> None:
+        lexicon = self._lexicon or self._take_lm_for_lexicon()
+        known = []
+        for phrase in phrases:
+            words = phrase.split()
+            if all(w == NUMBER_SLOT or lexicon.lookup_word(w) for w in words):
+                known.append(words)
+        vocabulary = {w for words in known for w in words if w != NUMBER_SLOT}
+        vocabulary.update(w for number in NUMBER_WORDS for w in number.split())
+        self.grammars[key] = (jsgf(known), frozenset(vocabulary))
+
+    def open(self, sid: int, key: str | None) -> None:
+        stream = _Stream(key if key in self.grammars else None)
+        if stream.grammar_key is not None:
+            stream.grammar = self._grammar_decoder()
+            if stream.grammar is not None:
+                self._activate(stream.grammar, stream.grammar_key)
+                stream.grammar.start_utt()
+        self.streams[sid] = stream
+        self.waiting.append(sid)
+        self._assign_lm()
+
+    def feed(self, sid: int, pcm: bytes) -> None:
+        stream = self.streams.get(sid)
+        if stream is None:
+            return
+        stream.audio.append(pcm)
+        if stream.grammar is not None:
+            stream.grammar.process_raw(pcm)
+        self._catch_up(stream)
+
+    def finish(self, sid: int) -> None:
+        stream = self.streams.get(sid)
+        if stream is None:
+            self.conn.send(("result", sid, "", "pocketsphinx-lm", {"error": "unknown stream"}))
+            return
+        if stream.grammar is not None:
+            stream.grammar.end_utt()
+            hyp = stream.grammar.hyp()
+            stream.grammar_hyp = Hyp(hyp.hypstr, hyp.score) if hyp is not None else None
+            self._release_grammar(stream)
+        stream.finishing = True
+        if grammar_confident(stream.grammar_hyp):
+            self._reply(sid, stream, None)  # the LM is not waited for
+            self._drop(sid)
+            return
+        self._complete_if_ready(sid)
+
+    def cancel(self, sid: int) -> None:
+        stream = self.streams.get(sid)
+        if stream is not None and stream.grammar is not None:
+            stream.grammar.end_utt()
+            self._release_grammar(stream)
+        self._drop(sid)
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+
+    def _release_grammar(self, stream: _Stream) -> None:
+        self.grammar_free.append(stream.grammar)
+        stream.grammar = None
+
+    def _drop(self, sid: int) -> None:
+        stream = self.streams.pop(sid, None)
+        if sid in self.waiting:
+            self.waiting.remove(sid)
+        if stream is not None and stream.lm is not None:
+            stream.lm.end_utt()
+            self.lm_free.append(stream.lm)
+            stream.lm = None
+            self._assign_lm()
+
+    def _assign_lm(self) -> None:
+        while self.waiting:
+            decoder = self._lm_decoder()
+            if decoder is None:
+                return
+            sid = self.waiting.pop(0)
+            stream = self.streams[sid]
+            stream.lm = decoder
+            decoder.start_utt()
+            self._catch_up(stream)
+            if stream.finishing:
+                self._complete_if_ready(sid)
+
+    def _catch_up(self, stream: _Stream) -> None:
+        if stream.lm is None:
+            return
+        while stream.lm_fed < len(stream.audio):
+            stream.lm.process_raw(stream.audio[stream.lm_fed])
+            stream.lm_fed += 1
+
+    def _complete_if_ready(self, sid: int) -> None:
+        stream = self.streams[sid]
+        if stream.lm is None:
+            return  # served by _assign_lm when an LM decoder is free
+        self._catch_up(stream)
+        stream.lm.end_utt()
+        hyp = stream.lm.hyp()
+        self.lm_free.append(stream.lm)
+        stream.lm = None
+        self._reply(sid, stream, Hyp(hyp.hypstr, hyp.score) if hyp is not None else None)
+        self._drop(sid)
+
+    def _reply(self, sid: int, stream: _Stream, lm: Hyp | None) -> None:
+        text, engine = choose(stream.grammar_hyp, lm)
+        detail = {
+            "grammar": stream.grammar_hyp.text if stream.grammar_hyp else None,
+            "grammar_score": round(stream.grammar_hyp.score, 3) if stream.grammar_hyp else None,
+            "lm": lm.text if lm else None,
+        }
+        self.conn.send(("result", sid, text, engine, detail))
+
+    def serve(self) -> None:
+        handlers: dict[str, Callable[..., None]] = {
+            "grammar": self.add_grammar,
+            "open": self.open,
+            "feed": self.feed,
+            "finish": self.finish,
+            "cancel": self.cancel,
+        }
+        while True:
+            try:
+                command = self.conn.recv()
+            except (EOFError, OSError):
+                return
+            if command[0] == "stop":
+                return
+            if command[0] == "ping":
+                loaded = (self.lm_count, self.grammar_count)
+                self.conn.send(("pong", command[1], len(self.streams), loaded))
+                continue
+            try:
+                handlers[command[0]](*command[1:])
+            except Exception as exc:  # one bad stream must not end the worker
+                if command[0] in ("open", "feed", "finish", "cancel"):
+                    self._abandon(command[1])
+                    self.conn.send(("error", command[1], f"{type(exc).__name__}: {exc}"))
+
+    def _abandon(self, sid: int) -> None:
+        try:
+            self.cancel(sid)
+        except Exception:  # the decoders of a broken stream are lost, not reused
+            self.streams.pop(sid, None)
+            if sid in self.waiting:
+                self.waiting.remove(sid)
+
+
+def main(conn: Connection, lm_decoders: int, grammar_decoders: int) -> None:
+    """The process entry point."""
+    worker = Worker(conn, lm_decoders, grammar_decoders)
+    try:
+        worker.serve()
+    finally:
+        if worker._dict_path:
+            os.unlink(worker._dict_path)
