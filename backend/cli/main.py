@@ -23,6 +23,7 @@ from backend.cli.local import (
 from backend.cli.mqtt import mqtt_app
 from backend.cli.options import ConfigOpt, DataDirOpt, ServerOpt, TokenOpt, admin_client
 from backend.cli.output import console, fail
+from backend.cli.voice import VOICE_DEVICE_INDEX
 from backend.config import Settings
 from backend.errors import BridgeError
 
@@ -158,8 +159,14 @@ def simulate(
         ),
     ] = 0,
     first_index: Annotated[
-        int, typer.Option("--first-index", min=1, help="Index of the first device (its id).")
-    ] = 1,
+        int | None,
+        typer.Option(
+            "--first-index",
+            min=1,
+            help="Index of the first device (its id) [default: 1; the voice device: "
+            f"{VOICE_DEVICE_INDEX}, apart from a fleet's].",
+        ),
+    ] = None,
     token: Annotated[str | None, typer.Option("--token", help="Device token.")] = None,
     transport: Annotated[
         str, typer.Option("--transport", help="ws (WebSocket) or mqtt (MQTT + UDP).")
@@ -242,7 +249,7 @@ def simulate(
             tools,
             console,
             workers=processes,
-            first_index=first_index,
+            first_index=first_index or 1,
             mqtt=options,
             ota_url=ota,
         )
@@ -263,7 +270,7 @@ def _simulate_voice(
     settings: Settings,
     voice: VoiceRequest,
     devices: int,
-    first_index: int,
+    first_index: int | None,
     transport: str,
     url: str | None,
     token: str | None,
@@ -280,7 +287,7 @@ def _simulate_voice(
         clip = spoken.speech_clip(voice.say, voice.speak)
     except spoken.VoiceTurnFailed as exc:
         raise fail(str(exc)) from None
-    device_id = device_id_for(first_index)
+    device_id = device_id_for(first_index or VOICE_DEVICE_INDEX)
     link = spoken.link_from_settings(
         settings, "mqtt" if transport == "mqtt" else "ws", device_id,
         url=url, token=token, mqtt=mqtt, stock=stock, ota=ota,

@@ -19,6 +19,7 @@ from backend.runtime import raise_open_file_limit, tune_gc_for_many_devices
 from backend.server import Bridge
 
 if TYPE_CHECKING:
+    from backend.cli.voice import VoiceLink
     from simulator import MqttOptions
 
 
@@ -99,12 +100,15 @@ async def run_demo(settings: Settings, console: Console) -> None:
         )
         await _demo_calls(bridge, device.device_id, console)
         await _demo_chat(bridge, device.device_id, console)
+        await _demo_voice(bridge, settings, console)
         console.print(
             "\nServing until Ctrl-C. From another terminal try:\n"
             f"  esp32-bridge devices --data-dir {settings.data_dir}\n"
             f"  esp32-bridge call {device.device_id} self.audio_speaker.set_volume "
             f"--arg volume=70 --data-dir {settings.data_dir}\n"
-            f"  esp32-bridge chat --device {device.device_id} --data-dir {settings.data_dir}"
+            f"  esp32-bridge chat --device {device.device_id} --data-dir {settings.data_dir}\n"
+            '  esp32-bridge simulate --say "how often should I floss" '
+            f"--data-dir {settings.data_dir}"
         )
         await bridge.serve_forever()
     finally:
@@ -226,6 +230,45 @@ async def _demo_chat(bridge: Bridge, device_id: str, console: Console) -> None:
                 async for line in response.aiter_lines():
                     if line.startswith("data: "):
                         printer.event(json.loads(line[len("data: ") :]))
+
+
+# The demo's spoken ending: a command the embedded recognizer knows, acted on and answered aloud.
+DEMO_SPOKEN_TURN = "set the volume to thirty"
+DEMO_ANSWER_WAV = "demo-answer.wav"
+
+
+async def _demo_voice(bridge: Bridge, settings: Settings, console: Console) -> None:
+    """A stock-style voice device speaks DEMO_SPOKEN_TURN; the transcript, the tool call, the
+    answer and where its audio was saved are printed. A bridge without voice says why."""
+    from backend.cli import voice as spoken
+    from simulator.fleet import device_id_for
+
+    device_id = device_id_for(spoken.VOICE_DEVICE_INDEX)
+    console.print(
+        f'\nvoice device {device_id} says "{DEMO_SPOKEN_TURN}" (synthesized offline)',
+        highlight=False,
+        markup=False,
+    )
+    try:
+        clip = await asyncio.to_thread(spoken.speech_clip, DEMO_SPOKEN_TURN, None)
+        link = await _demo_voice_link(bridge)
+        wav = settings.data_dir / DEMO_ANSWER_WAV
+        turn = await spoken.hold_turn(link, device_id, clip, spoken.TurnOptions(), wav)
+    except spoken.VoiceTurnFailed as exc:
+        console.print(f"voice: no spoken turn: {exc}", highlight=False, markup=False)
+        return
+    spoken.print_turn(turn, console)
+
+
+async def _demo_voice_link(bridge: Bridge) -> "VoiceLink":
+    """An enrollment URL for the voice device (per-device tokens), else the shared token."""
+    from backend.cli.voice import VoiceLink
+
+    if bridge.settings.device_auth != "device":
+        return VoiceLink("ws", bridge.ws_url, bridge.tokens.device)
+    store = bridge.provisioning.store
+    _enrollment, code = await store.create_enrollment("demo voice", ttl_s=600)
+    return VoiceLink("ws", ota_url=bridge.provisioning.enrollment_url(code))
 
 
 def enrollment_url(settings: Settings, devices: int, transport: str = "websocket") -> str:

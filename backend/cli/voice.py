@@ -34,6 +34,7 @@ T = TypeVar("T")
 MCP_READY_TIMEOUT_S = 10.0  # the bridge lists the device's tools right after the hello
 ANSWER_TIMEOUT_S = 30.0
 ALERT_CHECK_S = 0.05
+VOICE_DEVICE_INDEX = 1000  # its id, 02:00:00:00:03:e8, never clashes with a small fleet's
 VOICE_UNAVAILABLE = "voice unavailable"  # the alert status of a bridge without voice
 
 
