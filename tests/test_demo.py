@@ -1,10 +1,14 @@
 """`esp32-bridge demo` as a real process: it calls two tools, chats (offline: no model service on
-a fresh machine), then serves the CLI until SIGINT."""
+a fresh machine), holds a spoken turn, then serves the CLI until SIGINT."""
 
 import asyncio
 import json
 import signal
+from pathlib import Path
 
+import numpy as np
+
+from backend.voice.audio import read_wav
 from tests.helpers import eventually, run_cli, start_cli
 
 
@@ -20,7 +24,7 @@ async def test_demo_calls_tools_then_serves_cli_until_sigint(tmp_path):
     process = await start_cli("demo", data_dir, env=env)
     try:
         output = b""
-        async with asyncio.timeout(60):
+        async with asyncio.timeout(120):
             while b"Serving until Ctrl-C" not in output:
                 line = await process.stdout.readline()
                 assert line, f"demo exited early: {output.decode()}"
@@ -40,6 +44,7 @@ async def test_demo_calls_tools_then_serves_cli_until_sigint(tmp_path):
         assert "device: volume = 30" in chat and "Volume set to 30." in chat
         answer = chat[chat.index("Volume set to 30.") :]
         assert "2 minutes" in answer and "\nSources:\n1. " in answer
+        _assert_spoken_turn(text, data_dir)
 
         # From another terminal: the CLI finds the demo through the data directory.
         code, out, err = await run_cli("devices", "--data-dir", str(data_dir))
@@ -61,3 +66,20 @@ async def test_demo_calls_tools_then_serves_cli_until_sigint(tmp_path):
     assert "device: volume = 70" in rest.decode()
     assert "Traceback" not in err.decode()
     await eventually(lambda: not (data_dir / "bridge.json").exists())
+
+
+def _assert_spoken_turn(text: str, data_dir: Path) -> None:
+    """The demo's ending: a voice device says "set the volume to thirty"; it is recognized,
+    acted on (the device's volume tool) and answered aloud, saved in the data dir."""
+    spoken = text[text.index('says "set the volume to thirty" (synthesized offline)') :]
+    assert "\ntranscript: set the volume to 30\n" in spoken
+    assert '\ntool call: self.audio_speaker.set_volume {"volume":30}\n' in spoken
+    assert "\nanswer: Volume set to 30.\n" in spoken
+    wav = data_dir / "demo-answer.wav"
+    assert f"saved to {wav}\n" in spoken
+    clip = read_wav(wav)
+    assert clip.duration_ms > 500
+    assert np.abs(np.frombuffer(clip.pcm, dtype=np.int16).astype(np.int32)).max() > 1000
+    lines = wav.with_suffix(".events.jsonl").read_text(encoding="utf-8").splitlines()
+    events = [row["event"] for row in map(json.loads, lines) if "event" in row]
+    assert {"type": "tts", "state": "stop"}.items() <= events[-1].items()
