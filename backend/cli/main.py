@@ -129,7 +129,7 @@ SaveOpt = Annotated[
     typer.Option(
         "--save",
         help="Voice: WAV file for what the device heard; its events go to FILE.events.jsonl "
-        "[default: answer.wav in a new directory under the system's temp dir].",
+        "\\[default: answer.wav in a new directory under the system's temp dir].",
     ),
 ]
 CodecOpt = Annotated[str, typer.Option("--codec", help="Voice: uplink audio, opus or pcm16.")]
@@ -163,7 +163,7 @@ def simulate(
         typer.Option(
             "--first-index",
             min=1,
-            help="Index of the first device (its id) [default: 1; the voice device: "
+            help="Index of the first device (its id) \\[default: 1; the voice device: "
             f"{VOICE_DEVICE_INDEX}, apart from a fleet's].",
         ),
     ] = None,
@@ -173,7 +173,7 @@ def simulate(
     ] = "ws",
     mqtt: Annotated[
         str | None,
-        typer.Option("--mqtt", help="Broker mqtt://host:port [default: the local bridge's]."),
+        typer.Option("--mqtt", help="Broker mqtt://host:port \\[default: the local bridge's]."),
     ] = None,
     stock: Annotated[
         bool,
@@ -188,7 +188,7 @@ def simulate(
             "--ota",
             envvar="BRIDGE_SIMULATE_OTA",
             help="OTA URL the devices ask for their URL and token (an enrollment URL approves "
-            "them at once) [default: a local bridge in device mode enrols them].",
+            "them at once) \\[default: a local bridge in device mode enrols them].",
         ),
     ] = None,
     say: SayOpt = None,
