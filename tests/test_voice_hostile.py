@@ -12,6 +12,7 @@ from backend.voice.audio import Clip
 from backend.voice.tts import render
 from simulator.voice_client import VoiceDevice, speak_turn
 from tests.helpers import DEVICE_TOKEN, eventually, wait_state
+from tests.voice_helpers import spoken
 
 pytestmark = pytest.mark.slow
 
@@ -104,7 +105,7 @@ async def test_a_pcm16_device_at_another_rate_is_resampled(bridge_factory):
     bridge = await bridge_factory(voice_enabled=True)
     device = _device(bridge, "02:00:00:00:a4:01", audio_format="pcm16")
     device.hello["audio_params"]["sample_rate"] = 24000
-    speech = render("set the volume to thirty", "en", 24000)
+    speech = spoken("set the volume to thirty", 24000)
     async with device:
         await wait_state(bridge, "02:00:00:00:a4:01")
         await device.listen_start("auto")

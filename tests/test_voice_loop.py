@@ -12,6 +12,7 @@ from backend.voice.tts import render
 from simulator.voice_client import VoiceDevice, speak_turn
 from tests.helpers import DEVICE_TOKEN, eventually, wait_state
 from tests.mosquitto import free_port
+from tests.voice_helpers import spoken
 
 pytestmark = pytest.mark.slow
 
@@ -105,7 +106,7 @@ async def test_pcm16_device_gets_pcm16_at_16_khz(voice_bridge):
         await wait_state(voice_bridge, device_id)
         assert device.server_hello["audio_params"]["format"] == "pcm16"
         assert device.server_audio.sample_rate == 16000
-        reply = await speak_turn(device, render("set the volume to forty", "en", 16000))
+        reply = await speak_turn(device, spoken("set the volume to forty"))
     assert device.mcp.calls[-1] == ("self.audio_speaker.set_volume", {"volume": 40})
     assert all(len(payload) == 1920 for _, payload in reply.frames)  # 60 ms of 16 kHz PCM16
     assert reply.audio.duration_ms == len(reply.frames) * 60
