@@ -352,6 +352,10 @@ class _OpenAIStream(_BufferedStream):
         self._task = asyncio.ensure_future(self._owner.transcribe(self.audio(), self._language))
         try:
             return await self._task
+        except asyncio.CancelledError:
+            if self.cancelled and not _cancelling():  # our cancel(), not the caller's
+                raise RecognitionFailed("cancelled") from None
+            raise
         finally:
             self._task = None
 
@@ -435,6 +439,11 @@ class OpenAITranscriber:
         await self._client.aclose()
 
 
+def _cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 def _one_line(exc: BaseException) -> str:
     return (str(exc).splitlines() or [""])[0][:200]
 
@@ -457,6 +466,8 @@ class _FallbackStream(_BufferedStream):
         try:
             transcript = await self._primary.transcribe()
         except RecognitionFailed as exc:
+            if self.cancelled:
+                return Transcript("", self._owner.name, fallback_reason="cancelled")
             self._owner.outage(str(exc))
             return await self._embedded(str(exc))
         self._owner.recovered()

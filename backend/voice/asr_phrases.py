@@ -38,8 +38,11 @@ _QUESTION_VERBS = frozenset(["get", "read", "show", "check"])
 class ToolLike(Protocol):
     """A device tool as `backend.mcp_session.Tool` holds it (its schema is `input_schema`)."""
 
-    name: str
-    description: str
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def description(self) -> str: ...
 
 
 def _schema(tool: ToolLike) -> Mapping[str, Any]:
@@ -119,7 +122,8 @@ def _number_phrases(subjects: list[str], related: list[str]) -> list[str]:
         ):
             phrases.append(template.format(s=subject))
     verbs, comparatives, nouns = _split_related(related)
-    targets = [subjects[-1], *nouns]  # "mute the speaker", "mute the sound"
+    # "mute the speaker", "mute the sound" ("speaker" ends like a comparative: both kinds)
+    targets = [subjects[-1], *nouns, *comparatives]
     phrases += [f"{verb} the {target}" for verb in verbs for target in targets]
     phrases += [f"make it {word}" for word in comparatives] + comparatives
     return phrases
