@@ -363,7 +363,8 @@ class _OpenAIStream(_BufferedStream):
         try:
             return await self.transcribe()
         except RecognitionFailed as exc:
-            log.warning("asr_failed", engine="openai", reason=str(exc))
+            if not self.cancelled:
+                log.warning("asr_failed", engine="openai", reason=str(exc))
             return Transcript("", "openai", self._language, fallback_reason=str(exc))
 
     def cancel(self) -> None:

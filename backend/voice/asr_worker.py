@@ -116,11 +116,39 @@ def phrase_pattern(phrases: list[list[str]]) -> re.Pattern[str]:
 
 
 def jsgf(phrases: list[list[str]]) -> str:
-    """A JSGF grammar accepting each phrase (word lists; NUMBER_SLOT stands for 0..100)."""
-    alternatives = sorted({" ".join(phrase) for phrase in phrases})
-    body = " | ".join(alternatives) if alternatives else "<VOID>"
-    numbers = " | ".join(NUMBER_WORDS)
-    return f"#JSGF V1.0; grammar g; public <s> = {body}; <number> = {numbers};"
+    """A JSGF grammar accepting each phrase (word lists; NUMBER_SLOT stands for 0..100). The
+    phrases are written as a prefix tree ("set the (volume | brightness) to <number>"): as a
+    flat list of alternatives, 450 phrases cost 12 ms of CPU per frame instead of ~1 ms."""
+    trie: dict[str, Any] = {}
+    for phrase in phrases:
+        node = trie
+        for word in phrase:
+            node = node.setdefault(word, {})
+        node[_END] = {}
+    body = _expression(trie) or "<VOID>"
+    return f"#JSGF V1.0; grammar g; public <s> = {body}; {_NUMBER_RULES}"
+
+
+# 0..100 in few states: every <number> in the grammar is a copy of this rule.
+_NUMBER_RULES = (
+    f"<number> = {' | '.join(_ONES[:1] + _ONES[10:])} | <digit> | <tens> [ <digit> ] | "
+    f"one hundred; <digit> = {' | '.join(_ONES[1:10])}; <tens> = {' | '.join(_TENS)};"
+)
+
+
+_END = ""
+
+
+def _expression(node: dict[str, Any]) -> str:
+    """The JSGF of what may follow a prefix-tree node ("" when the phrase may only end)."""
+    branches = []
+    for word in sorted(key for key in node if key != _END):
+        rest = _expression(node[word])
+        branches.append(f"{word} {rest}" if rest else word)
+    if not branches:
+        return ""
+    body = branches[0] if len(branches) == 1 else "( " + " | ".join(branches) + " )"
+    return f"[ {body} ]" if _END in node else body
 
 
 @dataclass
