@@ -6,8 +6,8 @@ import sys
 from bench.common import REPO, parse_args
 
 # The bridge-core benchmarks, the UDP audio channel, the MQTT transport end to end and its
-# reconnect loop, the OTA endpoint, reliability under attack (WebSocket and MQTT), fuzzing, then
-# the firmware's heap benchmark (needs the MicroPython unix port).
+# reconnect loop, the OTA endpoint, reliability under attack (WebSocket and MQTT), fuzzing, the
+# voice loop, then the firmware's heap benchmark (needs the MicroPython unix port).
 BENCHMARKS = (
     "tool_call",
     "sdk_compare",
@@ -21,6 +21,7 @@ BENCHMARKS = (
     "mqtt",
     "mqtt_churn",
     "ota",
+    "voice",
     "firmware_memory",
 )
 
