@@ -3,7 +3,7 @@
     python -m bench.firmware_memory [--quick]
 
 Runs the scenario of simulator/firmware_memory.py (the firmware as deployed, under the
-MicroPython unix port with `-X heapsize=175K`, connected to a real bridge in this process; 1,000
+MicroPython unix port with `-X heapsize=180K`, connected to a real bridge in this process; 1,000
 tools/call one at a time) three times: .mpy, .mpy with a collect at every probe (peak live heap),
 and plain .py sources; then, without --quick, bisects the smallest heap that survives. Writes the
 "firmware-memory" section of docs/benchmarks.md. tests/test_firmware_memory.py runs the same
@@ -64,7 +64,7 @@ def report(
     smallest_line = (
         "Smallest heap that ran every call (bisection in 4 KB steps, same scenario): "
         + ", ".join(
-            f"`{build}` {kb}K (~{kb / 1.75:.0f} KB on the 32-bit ESP32)"
+            f"`{build}` {kb}K (~{kb / 1.8:.0f} KB on the 32-bit ESP32)"
             for build, kb in smallest.items()
         )
         + "."
@@ -75,7 +75,7 @@ def report(
 
 `python -m bench.firmware_memory` ({environment()}, MicroPython {_micropython_version()}).
 firmware/lib compiled with `mpy-cross -O2`, main.py as source, fake HAL, under
-`micropython -X heapsize={mpy.heap_kb}K` (about 1.75 x the ESP32's ~100 KB Python heap: objects
+`micropython -X heapsize={mpy.heap_kb}K` (about 1.8 x the ESP32's ~100 KB Python heap: objects
 are 64-bit here), connected over loopback to a real bridge; {mpy.calls:,} `tools/call` one at a
 time (set_volume, get_device_status, set_brightness through `Device.call_tool`; set_volume 101
 through the bridge's `McpClient`, refused by the device with its stock message). Figures are

@@ -164,6 +164,7 @@ def test_command_lines(tmp_path: Path) -> None:
 # The CLI is the one place in backend/ that starts simulated devices (demo, simulate).
 ALLOWED = {
     "backend/cli/runs.py": {"simulator"},
+    "backend/cli/voice.py": {"simulator"},  # simulate --say: the stock-style voice device
 }
 
 

@@ -1,5 +1,5 @@
-"""The firmware on a device-sized heap: firmware/main.py under `micropython -X heapsize=175K`
-(~1.75 x an ESP32's ~100 KB Python heap, as objects are 64-bit here), connected to a real bridge,
+"""The firmware on a device-sized heap: firmware/main.py under `micropython -X heapsize=180K`
+(~1.8 x an ESP32's ~100 KB Python heap, as objects are 64-bit here), connected to a real bridge,
 answers 1,000 tool calls without running out of memory. The scenario is
 simulator/firmware_memory.py; bench/firmware_memory.py reports its figures in docs/benchmarks.md."""
 

@@ -170,8 +170,8 @@ async def test_wake_word_pre_roll_is_not_taken_as_the_question(voice_bridge):
         # The stock device sends the wake word's audio first, faster than real time.
         await device.send_speech(render("set the volume to ninety", "en", 16000), realtime=False)
         await device.listen_detect("hi esp")
-        reply = await speak_turn(device, render("set the volume to fifteen", "en", 16000))
-    assert device.mcp.calls == [("self.audio_speaker.set_volume", {"volume": 15})]
+        reply = await speak_turn(device, render("set the volume to thirty", "en", 16000))
+    assert device.mcp.calls == [("self.audio_speaker.set_volume", {"volume": 30})]
     assert "ninety" not in (reply.transcript or "")
 
 

@@ -280,14 +280,13 @@ def _simulate_voice(
 ) -> None:
     """`simulate --say/--speak`: one voice device, one spoken turn."""
     from backend.cli import voice as spoken
-    from simulator.fleet import device_id_for
 
     options = _turn_options(voice, devices)
     try:
         clip = spoken.speech_clip(voice.say, voice.speak)
     except spoken.VoiceTurnFailed as exc:
         raise fail(str(exc)) from None
-    device_id = device_id_for(first_index or VOICE_DEVICE_INDEX)
+    device_id = spoken.device_id_for(first_index or VOICE_DEVICE_INDEX)
     link = spoken.link_from_settings(
         settings, "mqtt" if transport == "mqtt" else "ws", device_id,
         url=url, token=token, mqtt=mqtt, stock=stock, ota=ota,

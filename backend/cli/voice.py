@@ -417,3 +417,10 @@ def link_from_settings(
         return VoiceLink("ws", ota_url=ota)
     url, token = device_endpoint(settings, url, token)
     return VoiceLink("ws", url, token)
+
+
+def device_id_for(index: int) -> str:
+    """The simulated device id of `index` (the fleet's numbering)."""
+    from simulator.fleet import device_id_for as fleet_device_id
+
+    return fleet_device_id(index)

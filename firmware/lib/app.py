@@ -21,9 +21,7 @@ import gc
 import random
 
 import protocol
-from audio import QUEUE_FRAMES
 from compat import const
-from voice import Voice
 
 HELLO_TIMEOUT_S = 10
 _LARGE_MESSAGE = const(4096)  # collect garbage after messages this big (parsed JSON is ~2-3x)
@@ -376,6 +374,10 @@ def _make_voice(config, hal, link, log):
     has_audio = getattr(hal, "microphone", None) or getattr(hal, "speaker", None)
     if mode == "off" or not has_audio:
         return None
+    # Imported only for a board with audio: a device-sized heap has no room to spare for it.
+    from audio import QUEUE_FRAMES
+    from voice import Voice
+
     return Voice(hal, link, mode, int(config.get("queue_frames") or QUEUE_FRAMES), log)
 
 
