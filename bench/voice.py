@@ -879,7 +879,9 @@ window, each above 8 ms, so every paced frame of every other talker waits behind
 VAD's `SileroPool` builds a new silero model (an ONNX session, about 50 ms and 9.5 MB) on the
 event loop whenever more devices speak at once than ever before: 55 stalls of 50 to 85 ms in
 the first round, 15 in the window. The pool also keeps every model it built, which is most of
-the RSS per session."""
+the RSS per session. With stalls, not CPU, as the limit, the lateness p99 at 50 talkers swings
+between runs: four full runs on 2026-11-27 gave 12, 15 to 26 and 167 ms, and the ramp held
+25 talkers in one run and 10 in another."""
 
 RSS_POINTS = ("idle", "connected", "warm", "peak")
 
