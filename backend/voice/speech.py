@@ -150,6 +150,7 @@ class SpokenAnswer:
                 while len(pending) >= size:
                     await self._items.put(self._encoder.encode(bytes(pending[:size])))
                     del pending[:size]
+                    await asyncio.sleep(0)  # a whole sentence in one chunk must not stall the loop
         except BridgeError as exc:  # the synthesizer logged why; the next sentence may work
             log.info("sentence not spoken", device_id=self._conversation.device_id, error=str(exc))
         if pending:
