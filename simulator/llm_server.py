@@ -19,10 +19,11 @@ import socket
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from backend.chat.prompts import GUARDRAIL_OPENINGS, SUMMARY_OPENINGS
+from simulator.loopback_http import LoopbackHttpServer
 
 
 @dataclass
@@ -56,8 +57,9 @@ class Recorded:
         return list(self.body.get("tools", []))
 
 
-class FakeLlm:
+class FakeLlm(LoopbackHttpServer):
     def __init__(self) -> None:
+        super().__init__(_Handler)
         self.requests: list[Recorded] = []
         self.scripts: dict[str, deque[Reply]] = {
             "chat": deque(),
@@ -70,32 +72,8 @@ class FakeLlm:
         }
         self._lock = threading.Lock()
         self._summaries = 0
-        self._server: ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
-        self.url = ""
 
     # ---- control ------------------------------------------------------------------------------
-
-    def start(self) -> "FakeLlm":
-        fake = self
-
-        class Handler(_Handler):
-            owner = fake
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        port = self._server.server_address[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        """Close the port (later requests get `connection refused`)."""
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
 
     def script(self, kind: str, *replies: Reply) -> None:
         with self._lock:

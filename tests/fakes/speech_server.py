@@ -16,8 +16,10 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
+
+from simulator.loopback_http import LoopbackHttpServer
 
 
 @dataclass
@@ -38,35 +40,13 @@ class SpeechRequest:
     body: dict[str, Any]
 
 
-class FakeSpeechServer:
+class FakeSpeechServer(LoopbackHttpServer):
     def __init__(self) -> None:
+        super().__init__(_Handler)
         self.requests: list[SpeechRequest] = []
         self.replies: deque[SpeechReply] = deque()
         self.default = SpeechReply()
         self._lock = threading.Lock()
-        self._stopping = threading.Event()  # wakes delayed replies at shutdown
-        self._server: ThreadingHTTPServer | None = None
-        self.url = ""
-
-    def start(self) -> "FakeSpeechServer":
-        fake = self
-
-        class Handler(_Handler):
-            owner = fake
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
-        return self
-
-    def stop(self) -> None:
-        """Close the port (later requests get `connection refused`)."""
-        self._stopping.set()
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
 
     def script(self, *replies: SpeechReply) -> None:
         with self._lock:
@@ -78,7 +58,7 @@ class FakeSpeechServer:
             return self.replies.popleft() if self.replies else self.default
 
     def wait(self, seconds: float) -> None:
-        self._stopping.wait(seconds)
+        self.stopping.wait(seconds)
 
 
 def streamed_wav_header(rate: int) -> bytes:

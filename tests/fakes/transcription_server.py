@@ -12,7 +12,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from email.parser import BytesParser
 from email.policy import HTTP
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
+
+from simulator.loopback_http import LoopbackHttpServer
 
 
 @dataclass
@@ -33,37 +35,16 @@ class TranscriptionRequest:
     file: bytes = b""
 
 
-class FakeTranscriptionServer:
+class FakeTranscriptionServer(LoopbackHttpServer):
     def __init__(self) -> None:
+        super().__init__(_Handler)
         self.requests: list[TranscriptionRequest] = []
         self.replies: deque[TranscriptionReply] = deque()
         self.default = TranscriptionReply()
         self.received = threading.Event()  # set at the first request
-        self._stopping = threading.Event()
-        self._server: ThreadingHTTPServer | None = None
-        self.url = ""
-
-    def start(self) -> "FakeTranscriptionServer":
-        fake = self
-
-        class Handler(_Handler):
-            owner = fake
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
-        return self
 
     def next_reply(self) -> TranscriptionReply:
         return self.replies.popleft() if self.replies else self.default
-
-    def stop(self) -> None:
-        self._stopping.set()
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
 
 
 def parse_multipart(content_type: str, body: bytes) -> TranscriptionRequest:
@@ -97,7 +78,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.owner.requests.append(request)
         self.owner.received.set()
         reply = self.owner.next_reply()
-        if reply.delay_s and self.owner._stopping.wait(reply.delay_s):
+        if reply.delay_s and self.owner.stopping.wait(reply.delay_s):
             return
         if self.path != "/v1/audio/transcriptions":
             reply = TranscriptionReply(status=404, raw=b'{"error": "not found"}')
