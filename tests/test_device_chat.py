@@ -9,6 +9,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from backend.chat import MAX_QUERY_CHARS
+from backend.frontends.device_chat import SentenceStream
 from backend.server import Bridge
 from simulator.llm_server import FakeCall, Reply
 from tests.helpers import DEVICE_TOKEN, eventually, wait_state
@@ -182,3 +183,11 @@ async def test_tool_calls_go_to_the_speaking_device(bridge_factory, fake_llm, si
     assert await second.app.send_text("Please set the volume to 12")
     await eventually(lambda: ("assistant", "Done, the volume is 12.") in second.hal.shown)
     assert second.hal.get_volume() == 12 and first.hal.get_volume() == before
+
+
+def test_sentences_are_released_once_text_follows_their_end() -> None:
+    stream = SentenceStream()
+    tokens = ["Brush", " twice a day.", " Floss", " daily!", "\n\n**Tip", ":** see a dentist. "]
+    released = [stream.feed(token) for token in tokens]
+    assert released == [[], [], ["Brush twice a day."], [], ["Floss daily!"], []]
+    assert stream.flush() == ["Tip: see a dentist."]

@@ -57,6 +57,8 @@ from backend.voice.timings import TurnTimings
 log = structlog.get_logger("device_chat")
 
 SORRY = "Sorry, something went wrong. Please try again."
+# A sentence end (as `backend.chat.text.sentences` splits) with more text after it.
+_FOLLOWED_SENTENCE_END = re.compile(r"(?:(?<=[.!?…])\s+|\n+)(?=\S)")
 _MARKDOWN = re.compile(r"[*`#]+|^\s*[-•]\s+", re.MULTILINE)
 
 
@@ -103,29 +105,16 @@ class SentenceStream:
 
     def feed(self, text: str) -> list[str]:
         self._text += text
-        parts = sentences(_MARKDOWN.sub("", self._text))
-        if len(parts) < 2 or not _ends_sentence(self._text):
-            return self._keep_last(parts)
-        self._text = ""
-        return parts
+        ends = list(_FOLLOWED_SENTENCE_END.finditer(self._text))
+        if not ends:
+            return []
+        last = ends[-1]
+        done, self._text = self._text[: last.start()], self._text[last.end() :]
+        return sentences(_MARKDOWN.sub("", done))
 
     def flush(self) -> list[str]:
         rest, self._text = self._text, ""
         return sentences(_MARKDOWN.sub("", rest))
-
-    def _keep_last(self, parts: list[str]) -> list[str]:
-        if len(parts) < 2:
-            return []
-        # Everything before the last (unfinished) sentence is done; keep the raw tail.
-        tail = parts[-1]
-        cut = self._text.rfind(tail[: max(1, min(len(tail), 12))])
-        self._text = self._text[cut:] if cut >= 0 else tail
-        return parts[:-1]
-
-
-def _ends_sentence(text: str) -> bool:
-    stripped = text.rstrip()
-    return bool(stripped) and stripped[-1] in ".!?…" and stripped != text
 
 
 class Answer(Protocol):
@@ -379,22 +368,22 @@ class DeviceChat:
             events.append(event)
             if isinstance(event, Sources | Done):
                 continue  # the end of the answer: its outcome decides the emotion
-            for line in ready:
-                spoken += await self._say_line(answer, events, line)
+            await self._say_lines(answer, events, ready)
+            spoken += len(ready)
             ready = []
             if isinstance(event, Token):
                 timings.mark("first_token")
                 ready = stream.feed(event.text)
-        for line in [*ready, *stream.flush()]:
-            spoken += await self._say_line(answer, events, line)
-        return events, spoken
+        ready += stream.flush()
+        await self._say_lines(answer, events, ready)
+        return events, spoken + len(ready)
 
     @staticmethod
-    async def _say_line(answer: Answer, events: list[ChatEvent], line: str) -> int:
-        if not answer.begun:
-            await answer.begin(emotion_for(events))
-        await answer.say(line)
-        return 1
+    async def _say_lines(answer: Answer, events: list[ChatEvent], lines: list[str]) -> None:
+        for line in lines:
+            if not answer.begun:
+                await answer.begin(emotion_for(events))
+            await answer.say(line)
 
     def _report(
         self,

@@ -14,6 +14,7 @@ device that starts talking is told why it gets no spoken answer, and so is the o
 import asyncio
 import contextlib
 import time
+from collections import deque
 from typing import Any
 
 import structlog
@@ -38,6 +39,7 @@ NOT_UNDERSTOOD = "Sorry, I did not catch that. Please say it again."
 GOODBYE = "Goodbye."
 BUSY = "Sorry, I cannot listen right now. Please try again in a moment."
 IDLE_CHECK_S = 1.0
+PHRASE_SETS_KEPT = 32  # grammar phrases of this many device models
 
 
 class VoiceService:
@@ -65,7 +67,7 @@ class VoiceService:
             settings.voice_silence_ms, settings.voice_max_utterance_s * 1000
         )
         self.sessions: dict[str, VoiceSession] = {}
-        self.answers: list[SpokenAnswer] = []  # the last few, for benchmarks
+        self.answers: deque[SpokenAnswer] = deque(maxlen=64)  # the last few, for benchmarks
         self._unsubscribe: list[Unsubscribe] = []
         self._logs = DeviceBudgets(burst=5)
         self._idle_task: asyncio.Task[None] | None = None
@@ -100,7 +102,7 @@ class VoiceService:
 
     def answer_for(self, conversation: Conversation, timings: TurnTimings) -> Answer | None:
         answer = SpokenAnswer(conversation, self.synthesizer, self.pacing, timings)
-        self.answers = [*self.answers[-63:], answer]
+        self.answers.append(answer)
         return answer
 
     # ---- hub handlers -----------------------------------------------------------------------
@@ -171,7 +173,9 @@ class VoiceService:
         phrases = self._phrases.get(tool_set.digest)
         if phrases is None:  # devices of one model share their tool set: computed once
             phrases = self._phrases_for(tool_set.tools)
-            self._phrases = {**dict(list(self._phrases.items())[-31:]), tool_set.digest: phrases}
+            if len(self._phrases) >= PHRASE_SETS_KEPT:
+                del self._phrases[next(iter(self._phrases))]  # the oldest
+            self._phrases[tool_set.digest] = phrases
         return RecognitionHints(phrases, language)
 
     def _on_speech(self, device_id: str) -> None:

@@ -27,7 +27,6 @@ from backend.voice.vad import SileroPool, SpeechDetector, VadEvent
 
 PREROLL_FRAMES = 8  # 480 ms before the detector's onset goes to the recognizer
 MIN_UTTERANCE_MS = 240  # shorter (a click, a cough) is not worth a turn
-BAD_PACKETS_BEFORE_LOG = 1
 
 Mode = Literal["auto", "manual", "realtime"]
 UtteranceHandler = Callable[[Conversation, Transcript, TurnTimings], None]
