@@ -80,6 +80,7 @@ class VoiceService:
             self.hub.on_abort(self._on_abort),
             self.hub.on_ended(self._on_ended),
         ]
+        self.pool.warm()
         self._idle_task = asyncio.get_running_loop().create_task(
             self._close_idle_channels(), name="voice-idle"
         )
@@ -95,6 +96,7 @@ class VoiceService:
         for session in self.sessions.values():
             session.close()
         self.sessions.clear()
+        self.pool.close()
         await self.recognizer.aclose()
         await self.synthesizer.aclose()
 

