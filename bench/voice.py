@@ -146,13 +146,12 @@ class ToneSynthesizer:
         pass
 
 
-def answer_summary(answer: Any, lead: int) -> dict[str, Any]:
+def answer_summary(answer: Any) -> dict[str, Any]:
     return {
         "timings": answer.timings.report(),
         "lateness": [round(value, 3) for value in answer.stats.lateness_ms],
         "frames": answer.stats.frames,
         "max_in_flight": answer.stats.max_in_flight,
-        "lead": lead,
     }
 
 
@@ -200,8 +199,7 @@ async def bridge_role(stack: str) -> None:
                 voice.recognizer.text = command["text"]
                 report(ok=True)
             elif command["cmd"] == "answers":
-                lead = voice.pacing.lead_frames
-                report(answers=[answer_summary(answer, lead) for answer in recorded])
+                report(answers=[answer_summary(answer) for answer in recorded])
                 recorded.clear()
 
 
@@ -433,12 +431,8 @@ class Phase:
     def stage(self, name: str) -> list[float]:
         return [a["timings"][name] for a in self.answers if name in a["timings"]]
 
-    def lateness(self, skip_lead: bool) -> list[float]:
-        return [
-            value
-            for a in self.answers
-            for value in a["lateness"][(a["lead"] if skip_lead else 0) :]
-        ]
+    def lateness(self) -> list[float]:
+        return [value for a in self.answers for value in a["lateness"]]
 
     def stop_after_due(self) -> tuple[int, int]:
         """(answers whose `tts stop` left at or after the last frame's due time, answers)."""
@@ -516,7 +510,7 @@ class Step:
 
     @property
     def lateness_p99(self) -> float:
-        samples = sorted(self.phase.lateness(skip_lead=True))
+        samples = sorted(self.phase.lateness())
         return percentile(samples, 99) if samples else math.inf
 
     @property
@@ -703,7 +697,7 @@ def latency_rows(overhead: Phase, embedded: dict[str, Phase]) -> list[list[str]]
 
 def pacing_rows(pacing: Phase) -> list[list[str]]:
     turns = pacing.turns
-    late = p99(pacing.lateness(skip_lead=True))
+    late = p99(pacing.lateness())
     in_flight = max((t.max_in_flight for t in turns), default=0)
     dropped = sum(t.dropped for t in turns)
     device_ok = sum(1 for t in turns if t.stop_margin_ms is not None and t.stop_margin_ms >= 0)
@@ -718,7 +712,7 @@ def pacing_rows(pacing: Phase) -> list[list[str]]:
         ],
         [
             "send-time lateness p99 (after each answer's lead frames)",
-            f"{late:.2f} ms (n={len(pacing.lateness(skip_lead=True))})",
+            f"{late:.2f} ms (n={len(pacing.lateness())})",
             f"≤ {TARGET_LATENESS_MS:g} ms",
             verdict(late <= TARGET_LATENESS_MS),
         ],
@@ -819,17 +813,15 @@ def pacing_notes(plan: Plan, fake: dict[str, Phase]) -> str:
     pacing = fake["pacing"]
     margins = [t.stop_margin_ms for t in pacing.turns if t.stop_margin_ms is not None]
     failures = len(pacing.failures) + len(fake["abort"].failures)
-    raw_p99 = p99(pacing.lateness(skip_lead=False))
     lowest = min(margins, default=math.nan)
-    cold_p99 = p99(fake["pacing_cold"].lateness(skip_lead=True))
+    cold_p99 = p99(fake["pacing_cold"].lateness())
     return f"""Pacing: {plan.pacing_talkers} talkers say the command {plan.pacing_turns} times each,
 starts spread over {plan.spread_s:g} s, after a first round of one turn each (while the VAD's
 model pool grows to the number speaking at once; its lateness p99 was {cold_p99:.1f} ms);
 {failures} turns failed here and in the aborts. Lateness is
-`PlayoutStats.lateness_ms` (send time minus the playout clock's schedule). The clock sends each
-answer's first `lead` frames at once by design and records them as lead × 60 ms late (120 and
-60 ms with the default lead of 2), so the row skips them; over every frame the p99 is
-{raw_p99:.1f} ms. The device's `tts stop` margin (stop time minus the end of the last frame's
+`PlayoutStats.lateness_ms`: how long after its scheduled time each paced frame left (the frames
+the clock lets go at once, an answer's lead and those after a re-base, are not late). The
+device's `tts stop` margin (stop time minus the end of the last frame's
 playback) was at least {lowest:.0f} ms. Aborts: {plan.abort_talkers} devices ask the question
 {plan.aborts_each} times each and send `abort` after {ABORT_AFTER_FRAMES} frames of the answer; the
 figure is when the last frame arrived after the abort left the device (0 when none came)."""
@@ -840,7 +832,7 @@ def ramp_table(fake_ramp: list[Step], embedded_ramp: list[Step], plan: Plan) -> 
         [
             stack,
             step.talkers,
-            f"{p99(step.cold.lateness(skip_lead=True)):.1f}",
+            f"{p99(step.cold.lateness()):.1f}",
             f"{step.lateness_p99:.1f}",
             step.dropped,
             f"{len(step.phase.turns)} / {len(step.phase.failures)}",

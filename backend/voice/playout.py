@@ -3,8 +3,9 @@ never overflows.
 
 Frame n is due to start playing at `t0 + n × frame`; it is sent `lead` frames before that, so
 the device holds at most `lead + 1` frames (the stock device keeps 40 and silently drops the
-rest). The schedule is absolute, so sleep errors do not add up. When synthesis falls behind and
-frame n is already late (the device's buffer ran dry), the clock is re-based so n is due now.
+rest). The schedule is absolute, so sleep errors do not add up. When frame n leaves after it
+was due (the device's buffer ran dry: synthesis fell behind, or the loop overslept), the clock
+is re-based so n is due when it left, and `last_due` stays true.
 """
 
 from dataclasses import dataclass
@@ -19,12 +20,18 @@ class PlayoutClock:
 
     def send_at(self, now: float) -> float:
         """When the next frame may be sent (at or before `now`: send it at once)."""
-        if self._t0 is None or now > self._t0 + self.sent * self.frame_s:
-            self._t0 = now - self.sent * self.frame_s  # first frame, or the device ran dry
+        self._rebase_if_late(now)
+        assert self._t0 is not None
         return self._t0 + (self.sent - self.lead) * self.frame_s
 
-    def mark_sent(self) -> None:
+    def mark_sent(self, now: float) -> None:
+        """The next frame left at `now`."""
+        self._rebase_if_late(now)
         self.sent += 1
+
+    def _rebase_if_late(self, now: float) -> None:
+        if self._t0 is None or now > self._t0 + self.sent * self.frame_s:
+            self._t0 = now - self.sent * self.frame_s  # first frame, or the device ran dry
 
     @property
     def last_due(self) -> float | None:

@@ -43,7 +43,9 @@ class PlayoutStats:
 
     frames: int = 0
     max_in_flight: int = 0
-    lateness_ms: list[float] = field(default_factory=list)  # actual send time - scheduled
+    # How long after its scheduled time each paced frame left (frames the clock allowed at once,
+    # the lead and those after a re-base, are on time by definition and not counted).
+    lateness_ms: list[float] = field(default_factory=list)
 
 
 class _Sentence(str):
@@ -170,9 +172,9 @@ class SpokenAnswer:
             if send_at > now:
                 await asyncio.sleep(send_at - now)
                 now = time.perf_counter()
-            stats.lateness_ms.append((now - send_at) * 1000)
+                stats.lateness_ms.append((now - send_at) * 1000)
             await conversation.send_audio(item, clock.sent * self._frame_ms)
-            clock.mark_sent()
+            clock.mark_sent(now)
             stats.frames += 1
             stats.max_in_flight = max(stats.max_in_flight, clock.in_flight(now))
             self.timings.mark("first_frame_sent", now)
