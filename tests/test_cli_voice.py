@@ -104,12 +104,12 @@ async def test_say_over_mqtt_and_udp(bridge_factory, tmp_path):
     )
     wav = tmp_path / "answer.wav"
     code, out, err = await run_cli(
-        "simulate", "--transport", "mqtt", "--say", "set the volume to sixty",
+        "simulate", "--transport", "mqtt", "--say", "set the volume to seventy",
         "--save", str(wav), "--data-dir", str(bridge.settings.data_dir),
         env={**NO_TOKENS, "BRIDGE_ADMIN_TOKEN": ADMIN_TOKEN},
     )  # fmt: skip
     assert code == 0, err
-    assert 'tool call: self.audio_speaker.set_volume {"volume":60}' in out
+    assert 'tool call: self.audio_speaker.set_volume {"volume":70}' in out
     _assert_heard_speech(wav, 24000)
     hello = next(m for m in _messages(_events(wav)) if m["type"] == "hello")
     assert hello["transport"] == "udp" and "udp" in hello  # the answer came over UDP

@@ -94,8 +94,8 @@ async def test_mqtt_udp_device_holds_a_voice_turn(bridge_factory):
     device = VoiceDevice.mqtt(bridge.mqtt.device_url, device_id, password)
     async with device:
         await wait_state(bridge, device_id, timeout_s=10)
-        reply = await speak_turn(device, render("set the volume to sixty", "en", 16000))
-    assert device.mcp.calls[-1] == ("self.audio_speaker.set_volume", {"volume": 60})
+        reply = await speak_turn(device, render("set the volume to seventy", "en", 16000))
+    assert device.mcp.calls[-1] == ("self.audio_speaker.set_volume", {"volume": 70})
     assert reply.kinds[:3] == ["stt", "llm", "tts start"] and reply.kinds[-1] == "tts stop"
     assert reply.audio.duration_ms > 500 and reply.counters.cut_at_stop == 0
 
@@ -153,14 +153,14 @@ async def test_speech_while_speaking_in_realtime_mode_interrupts_the_answer(voic
         await device.send_speech(render(QUESTION, "en", 16000))
         await _wait_frames(device, 5)
         barge = asyncio.create_task(
-            device.send_speech(render("set the volume to fifty", "en", 16000))
+            device.send_speech(render("set the volume to forty", "en", 16000))
         )
         first = await device.wait_turn(timeout_s=15)  # the interrupted answer's `tts stop`
         await barge
         second = await device.wait_turn(timeout_s=30)
     assert first.kinds[-1] == "tts stop"
-    assert second.transcript is not None and "50" in second.transcript
-    assert device.mcp.calls[-1] == ("self.audio_speaker.set_volume", {"volume": 50})
+    assert second.transcript is not None and "40" in second.transcript
+    assert device.mcp.calls[-1] == ("self.audio_speaker.set_volume", {"volume": 40})
 
 
 async def test_wake_word_pre_roll_is_not_taken_as_the_question(voice_bridge):
