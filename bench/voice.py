@@ -711,7 +711,7 @@ def pacing_rows(pacing: Phase) -> list[list[str]]:
             verdict(0 < in_flight <= DEVICE_BUFFER),
         ],
         [
-            "send-time lateness p99 (after each answer's lead frames)",
+            "send-time lateness p99 (frames that waited for the clock)",
             f"{late:.2f} ms (n={len(pacing.lateness())})",
             f"≤ {TARGET_LATENESS_MS:g} ms",
             verdict(late <= TARGET_LATENESS_MS),
@@ -862,18 +862,19 @@ the first turns to the end of the window.
 {table(headers, rows)}"""
 
 
-STALLS = """Where the lateness comes from (one diagnostic run, 2026-11-27: the fake-stack bridge
-with asyncio debug mode and `slow_callback_duration` = 8 ms, 50 talkers): the CPU is far from
-busy (about 0.3 of a core at 50 talkers), but the event loop stalls. (1) Each `SpokenAnswer`
-synthesis task encodes a whole sentence to Opus in one go when the synthesizer hands it over in
-one chunk (the fake here; an HTTP provider can do the same): 100 of 117 stalls in the steady
-window, each above 8 ms, so every paced frame of every other talker waits behind it. (2) The
-VAD's `SileroPool` builds a new silero model (an ONNX session, about 50 ms and 9.5 MB) on the
-event loop whenever more devices speak at once than ever before: 55 stalls of 50 to 85 ms in
-the first round, 15 in the window. The pool also keeps every model it built, which is most of
-the RSS per session. With stalls, not CPU, as the limit, the lateness p99 at 50 talkers swings
-between runs: four full runs on 2026-11-27 gave 12, 15 to 26 and 167 ms, and the ramp held
-25 talkers in one run and 10 in another."""
+STALLS = """Where the lateness came from, and what is left (2026-11-27). A diagnostic run (the fake-
+stack bridge with asyncio debug mode and `slow_callback_duration` = 8 ms, 50 talkers) found
+the event loop stalling while the CPU was far from busy: (1) `SpokenAnswer` encoded a whole
+sentence to Opus without yielding when the synthesizer handed it over in one chunk (100 of
+117 stalls), and (2) `SileroPool` built each new silero model (an ONNX session, about 50 ms
+and 9.5 MB) on the event loop (55 stalls of 50 to 85 ms in the first round). Both are fixed:
+the synthesis task yields after every frame, and the pool builds models in a worker thread,
+keeps 4 spare and frees the rest. Before the fixes the ramp held 10 to 25 talkers and the
+lateness p99 at 50 talkers was 12 to 167 ms; this run holds 25 and misses at 50 (45 ms) with
+the CPU at 0.58 of a core, so something else still stalls the loop at 50 talkers; it is not
+yet found. The RSS per talking session is mostly the silero models lent to the devices
+speaking at the same moment (9.5 MB each): one ONNX session per concurrent speaker cannot
+meet 2 MB a session."""
 
 RSS_POINTS = ("idle", "connected", "warm", "peak")
 
