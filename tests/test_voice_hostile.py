@@ -9,6 +9,7 @@ from structlog.testing import capture_logs
 
 from backend.server import Bridge
 from backend.voice.audio import Clip
+from backend.voice.service import BUSY
 from backend.voice.tts import render
 from simulator.voice_client import VoiceDevice, speak_turn
 from tests.helpers import DEVICE_TOKEN, eventually, wait_state
@@ -136,3 +137,25 @@ async def test_without_voice_a_talking_device_is_told_why(bridge_factory):
     assert any(
         line["event"] == "a device started talking but voice is unavailable" for line in logs
     )
+
+
+async def test_past_the_session_bound_a_device_hears_it_is_busy_and_the_talker_goes_on(
+    bridge_factory,
+):
+    bridge = await bridge_factory(voice_enabled=True, voice_max_sessions=1)
+    async with (
+        _device(bridge, "02:00:00:00:a6:01") as talker,
+        _device(bridge, "02:00:00:00:a6:02") as refused,
+    ):
+        await wait_state(bridge, "02:00:00:00:a6:01")
+        await wait_state(bridge, "02:00:00:00:a6:02")
+        await talker.listen_start("auto")
+        with capture_logs() as logs:
+            await refused.listen_start("auto")
+            busy = await refused.wait_turn(timeout_s=15)
+        assert busy.sentences == [BUSY]
+        assert any(line["event"].startswith("voice session refused") for line in logs)
+        assert list(bridge.frontends.voice.sessions) == ["02:00:00:00:a6:01"]
+        reply = await speak_turn(talker, render(COMMAND, "en", 16000))
+    assert talker.mcp.calls[-1] == ("self.audio_speaker.set_volume", {"volume": 30})
+    assert reply.kinds[-1] == "tts stop"

@@ -6,7 +6,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from backend.protocol import AudioParams
+from backend.protocol import AudioParams, downlink_params
 from backend.voice.audio import split_frames
 from backend.voice.codec import downlink_encoder, uplink_decoder
 from backend.voice.errors import AudioDecodeError
@@ -128,3 +128,24 @@ def _feed(detector: SpeechDetector, pcm: bytes) -> list[tuple[int, VadEvent]]:
         if event is not None:
             events.append((index * 60, event))
     return events
+
+
+@pytest.mark.parametrize(
+    ("uplink", "announced"),
+    [
+        ({}, ("opus", 24000)),
+        ({"format": "pcm16"}, ("pcm16", 16000)),
+        ({"format": "pcm16", "downlink_sample_rate": 24000}, ("pcm16", 24000)),
+        ({"downlink_sample_rate": 16000}, ("opus", 16000)),
+        # Hostile or odd requests get the default, never an unplayable rate or a crash.
+        ({"downlink_sample_rate": 7}, ("opus", 24000)),
+        ({"downlink_sample_rate": 10**9}, ("opus", 24000)),
+        ({"downlink_sample_rate": "16000"}, ("opus", 24000)),
+        ({"downlink_sample_rate": True}, ("opus", 24000)),
+        ({"format": "pcm16", "downlink_sample_rate": 44100}, ("pcm16", 16000)),
+        ({"format": "mp3"}, ("opus", 24000)),
+    ],
+)
+def test_the_server_hello_announces_a_playable_downlink(uplink, announced):
+    params = downlink_params(AudioParams(**uplink), opus_rate=24000, frame_duration=60)
+    assert (params.format, params.sample_rate, params.frame_duration) == (*announced, 60)
