@@ -159,3 +159,25 @@ async def test_past_the_session_bound_a_device_hears_it_is_busy_and_the_talker_g
         reply = await speak_turn(talker, render(COMMAND, "en", 16000))
     assert talker.mcp.calls[-1] == ("self.audio_speaker.set_volume", {"volume": 30})
     assert reply.kinds[-1] == "tts stop"
+
+
+async def test_without_the_voice_packages_a_talking_device_is_told_which(
+    bridge_factory, monkeypatch
+):
+    import backend.frontends.voice as voice_wiring
+
+    monkeypatch.setattr(voice_wiring, "missing_voice_packages", lambda: ["pocketsphinx"])
+    with capture_logs() as logs:
+        bridge = await bridge_factory(voice_enabled=True)
+    assert any(line["event"] == "voice unavailable: devices get text answers" for line in logs)
+    async with _device(bridge, "02:00:00:00:a7:01") as device:
+        await wait_state(bridge, "02:00:00:00:a7:01")
+        await device.listen_start("auto")
+        await eventually(lambda: any(m.get("type") == "alert" for _, m in device.events))
+        alert = next(m for _, m in device.events if m.get("type") == "alert")
+        assert "pocketsphinx" in alert["message"] and "[voice]" in alert["message"]
+        # Text still works: a typed question is answered on the screen.
+        await device.listen_detect("set the volume to 30")
+        reply = await device.wait_turn(timeout_s=15)
+    assert reply.kinds[:4] == ["alert", "stt", "llm", "tts start"] and reply.frames == []
+    assert device.mcp.calls == [("self.audio_speaker.set_volume", {"volume": 30})]
