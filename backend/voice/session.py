@@ -26,6 +26,10 @@ from backend.voice.timings import TurnTimings
 from backend.voice.vad import SileroPool, SpeechDetector, VadEvent
 
 PREROLL_FRAMES = 8  # 480 ms before the detector's onset goes to the recognizer
+# The recognizer hears at most this much of the silence that ended an utterance: fed the whole
+# hangover, pocketsphinx's grammar turned the tail into an extra word ("forty" -> "forty eight").
+TAIL_FRAMES = 3
+MAX_HELD_FRAMES = 50  # 3 s: silence held back longer than that is fed after all
 MIN_UTTERANCE_MS = 240  # shorter (a click, a cough) is not worth a turn
 
 Mode = Literal["auto", "manual", "realtime"]
@@ -63,6 +67,7 @@ class VoiceSession:
         self._decoder: UplinkDecoder | None = None
         self._detector: SpeechDetector | None = None
         self._preroll: deque[bytes] = deque(maxlen=PREROLL_FRAMES)
+        self._held: list[bytes] = []  # silence inside an utterance, until speech resumes or ends
         self._stream: RecognitionStream | None = None
         self._utterance_ms = 0.0
         self._pending: set[asyncio.Task[None]] = set()
@@ -135,12 +140,18 @@ class VoiceSession:
             for earlier in self._preroll:
                 self._feed(earlier)
             self._preroll.clear()
-        if self._stream is not None:
-            self._feed(pcm)
-            if event is VadEvent.SPEECH_END:
-                self._finish("end of speech", silence_ms=self._limits.silence_ms)
-        else:
+        if self._stream is None:
             self._preroll.append(pcm)
+        elif event is VadEvent.SPEECH_END:
+            self._feed_held(TAIL_FRAMES)
+            self._finish("end of speech", silence_ms=self._limits.silence_ms)
+        elif self._detector.in_silence:
+            self._held.append(pcm)  # fed only if speech resumes: see TAIL_FRAMES
+            if len(self._held) > MAX_HELD_FRAMES:  # scores hovering between the thresholds
+                self._feed(self._held.pop(0))
+        else:
+            self._feed_held(len(self._held))
+            self._feed(pcm)
 
     def _decode(self, payload: bytes) -> bytes | None:
         try:
@@ -187,7 +198,13 @@ class VoiceSession:
             self._stream.cancel()
             self._stream = None
         self._preroll.clear()
+        self._held.clear()
         self._utterance_ms = 0.0
+
+    def _feed_held(self, count: int) -> None:
+        for pcm in list(self._held)[:count]:
+            self._feed(pcm)
+        self._held.clear()
 
     def _finish(self, why: str, silence_ms: float | None = None) -> None:
         stream, self._stream = self._stream, None

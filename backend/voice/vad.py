@@ -134,6 +134,11 @@ class SpeechDetector:
         self.speaking = False
         self.degraded = False  # the pool was empty: the gate decided alone
 
+    @property
+    def in_silence(self) -> bool:
+        """Inside an utterance, the last window (or frame) was not speech."""
+        return self.speaking and self._silent_windows > 0
+
     def reset(self) -> None:
         self._give_back()
         self._gate_pending = b""
