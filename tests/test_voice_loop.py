@@ -195,8 +195,8 @@ async def test_unreachable_speech_providers_fall_back_to_the_embedded_engines(br
         async with _device(bridge, device_id) as device:
             await wait_state(bridge, device_id)
             first = await speak_turn(device, render("set the volume to thirty", "en", 16000))
-            second = await speak_turn(device, render("set the volume to seventy", "en", 16000))
-    assert [call[1] for call in device.mcp.calls] == [{"volume": 30}, {"volume": 70}]
+            second = await speak_turn(device, render("set the volume to ninety", "en", 16000))
+    assert [call[1] for call in device.mcp.calls] == [{"volume": 30}, {"volume": 90}]
     for reply in (first, second):
         assert reply.kinds[-1] == "tts stop" and reply.audio.duration_ms > 500
     provider_lines = [line for line in logs if "provider" in line["event"]]
