@@ -94,14 +94,14 @@ class _SphinxWorker:
     when the worker falls behind). A reader thread hands results to the streams' futures.
     """
 
-    def __init__(self, lm_decoders: int, grammar_decoders: int) -> None:
+    def __init__(self, lm_decoders: int) -> None:
         context = multiprocessing.get_context("spawn")  # no fork of a process running threads
         parent, child = context.Pipe()
         from backend.voice import asr_worker
 
         self._process: BaseProcess = context.Process(
             target=asr_worker.main,
-            args=(child, lm_decoders, grammar_decoders),
+            args=(child, lm_decoders),
             name="asr-pocketsphinx",
             daemon=True,
         )
@@ -253,13 +253,14 @@ class _SphinxStream:
 
 class PocketsphinxRecognizer:
     """The embedded recognizer (English): a JSGF grammar of the hint phrases decodes commands
-    exactly, the general language model gives free-form English as best effort; both run on
-    every utterance while the user speaks (backend/voice/asr_worker.py chooses between them).
+    exactly, the general language model gives free-form English as best effort; both decode
+    every utterance, the LM while the user speaks, the grammar in one pass at the end
+    (backend/voice/asr_worker.py says why, and chooses between them).
 
     Decoding runs in one worker process, started at the first `open` (or `warm`) and shared by
     every stream: the models load there once, lazily (the first utterance overlaps the load).
-    It holds at most `lm_decoders` general-LM decoders (~90 MB each) and `grammar_decoders`
-    grammar decoders (~6 MB each); grammars are compiled once per phrase set.
+    It holds at most `lm_decoders` general-LM decoders (~90 MB each) and one grammar decoder
+    (~6 MB); grammars are compiled once per phrase set.
     """
 
     name = "pocketsphinx"
@@ -269,11 +270,10 @@ class PocketsphinxRecognizer:
         *,
         max_utterance_s: float = DEFAULT_MAX_UTTERANCE_S,
         lm_decoders: int = 2,
-        grammar_decoders: int = 16,
     ) -> None:
         require_pocketsphinx()
         self.max_bytes = _max_bytes(max_utterance_s)
-        self._sizes = (lm_decoders, grammar_decoders)
+        self._lm_decoders = lm_decoders
         self._worker: _SphinxWorker | None = None
 
     def _running_worker(self) -> _SphinxWorker:
@@ -281,7 +281,7 @@ class PocketsphinxRecognizer:
             if self._worker is not None:
                 log.warning("asr_worker_restarted", engine="pocketsphinx")
                 self._worker.close()
-            self._worker = _SphinxWorker(*self._sizes)
+            self._worker = _SphinxWorker(self._lm_decoders)
         return self._worker
 
     def open(self, hints: RecognitionHints) -> RecognitionStream:
