@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import re
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 import structlog
@@ -221,13 +221,13 @@ class DeviceChat:
         self, conversation: DeviceConversation, text: str, timings: TurnTimings | None = None
     ) -> asyncio.Task[None]:
         """Answer `text` (typed or recognized) on the device, replacing its running turn."""
-        return self._replace_turn(conversation, self._turn(conversation, text, timings))
+        return self._replace_turn(conversation, lambda: self._turn(conversation, text, timings))
 
     def say(
         self, conversation: DeviceConversation, text: str, emotion: str = "neutral"
     ) -> asyncio.Task[None]:
         """Speak a fixed line outside the chat (an apology, a goodbye), as a turn of its own."""
-        return self._replace_turn(conversation, self._announce(conversation, text, emotion))
+        return self._replace_turn(conversation, lambda: self._announce(conversation, text, emotion))
 
     def interrupt(self, device_id: str, why: str) -> None:
         """Stop the device's running turn now: its downlink stops before this returns."""
@@ -273,7 +273,7 @@ class DeviceChat:
         return self._logs.get(device_id, log)
 
     def _replace_turn(
-        self, conversation: DeviceConversation, work: Coroutine[Any, Any, None]
+        self, conversation: DeviceConversation, work: Callable[[], Coroutine[Any, Any, None]]
     ) -> asyncio.Task[None]:
         device_id = conversation.device_id
         previous = self.running(device_id)
@@ -287,10 +287,14 @@ class DeviceChat:
         return task
 
     @staticmethod
-    async def _after(previous: asyncio.Task[None] | None, work: Coroutine[Any, Any, None]) -> None:
+    async def _after(
+        previous: asyncio.Task[None] | None, work: Callable[[], Coroutine[Any, Any, None]]
+    ) -> None:
+        # `work` is made here, not by the caller: a turn cancelled before it starts (its device
+        # left, another turn replaced it) leaves no coroutine that was never awaited.
         if previous is not None:
             await asyncio.wait([previous])  # it sends its own `tts stop` when it was speaking
-        await work
+        await work()
 
     def _forget(self, device_id: str, task: asyncio.Task[None]) -> None:
         if self._turns.get(device_id) is task:
