@@ -173,7 +173,7 @@ class Word:
 
 def without_unsure_units(text: str, words: list[Word]) -> str:
     """`text` without a trailing units word the decoder was unsure of (see UNSURE_UNITS_PROB)."""
-    spoken = [w for w in words if not w.text.startswith("<") and w.text != "</s>"]
+    spoken = [w for w in words if not w.text.startswith("<")]  # <s>, </s>, <sil>
     if len(spoken) < 2 or spoken[-2].text not in _TENS or spoken[-1].text not in _ONES[1:10]:
         return text
     last = spoken[-1]

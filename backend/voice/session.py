@@ -26,8 +26,10 @@ from backend.voice.timings import TurnTimings
 from backend.voice.vad import SileroPool, SpeechDetector, VadEvent
 
 PREROLL_FRAMES = 8  # 480 ms before the detector's onset goes to the recognizer
-# The recognizer hears at most this much of the silence that ended an utterance: fed the whole
-# hangover, pocketsphinx's grammar turned the tail into an extra word ("forty" -> "forty eight").
+# The recognizer hears at most this much of the silence that ended an utterance, not the whole
+# hangover: less to decode when the turn waits (the grammar decodes in one pass at the end).
+# It was first added because the streamed grammar turned the tail into an extra word ("forty" ->
+# "forty eight"); that is now fixed in the decoder (asr_worker: 100 % with 600 ms of tail).
 TAIL_FRAMES = 3
 MAX_HELD_FRAMES = 50  # 3 s: silence held back longer than that is fed after all
 MIN_UTTERANCE_MS = 240  # shorter (a click, a cough) is not worth a turn
