@@ -110,10 +110,16 @@ class DuplicateServer(BridgeError):
         self.name = name
 
 
+# `mcp:endpoint` is the dial-in endpoint's own scope (backend/keys/store.py), not a server's.
+RESERVED_NAMES = frozenset({"endpoint"})
+
+
 def check_server_name(name: str) -> str:
-    """`name` if it is a valid server name (`[a-z0-9_-]{1,32}`), else ValueError."""
+    """`name` if it is a valid server name (`[a-z0-9_-]{1,32}`, not reserved), else ValueError."""
     if not isinstance(name, str) or SERVER_NAME.fullmatch(name) is None:
         raise ValueError(f"an MCP server name is 1 to 32 of [a-z0-9_-], not {str(name)[:40]!r}")
+    if name in RESERVED_NAMES:
+        raise ValueError(f"the MCP server name {name!r} is reserved")
     return name
 
 
@@ -298,7 +304,7 @@ class SessionServer(ExternalServer):
         if isinstance(message, mcp_types.ToolListChangedNotification):
             self.tools_changed()
         elif isinstance(message, Exception):
-            log.info("mcp server transport error", server=self.name, error=_describe(message))
+            log.info("mcp server transport error", server=self.name, error=describe_error(message))
 
     def tools_changed(self) -> None:
         """Re-list the tools in the background. A flood of notifications costs one listing in
@@ -320,8 +326,10 @@ class SessionServer(ExternalServer):
                 async with asyncio.timeout(self.timeout_s):
                     tools = await list_all_tools(session)
             except Exception as exc:
-                log.warning("mcp server re-list failed", server=self.name, error=_describe(exc))
-                self.last_error = f"tools/list: {_describe(exc)}"
+                log.warning(
+                    "mcp server re-list failed", server=self.name, error=describe_error(exc)
+                )
+                self.last_error = f"tools/list: {describe_error(exc)}"
             else:
                 if session is self._session:
                     self._set_tools(tools)
@@ -346,16 +354,18 @@ class SessionServer(ExternalServer):
         except McpServerError:
             raise
         except Exception as exc:  # the SDK's MCPError, a closed stream, a crashed process...
-            raise McpServerError(f"MCP server {self.name!r}: {_describe(exc)}") from exc
+            raise McpServerError(f"MCP server {self.name!r}: {describe_error(exc)}") from exc
         return bounded_result(result, self.max_result_bytes)
 
 
 class McpServerHub:
     """Every external server by name; started and stopped with the bridge (backend/server.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, audit: Callable[..., None] | None = None) -> None:
         self._servers: dict[str, ExternalServer] = {}
-        self._listeners: list[Callable[[str], None]] = []
+        # Called once per external tool call, like `DeviceRegistry.emit(TOOL_CALLED, ...)`:
+        # audit("mcp:<server>", tool=..., outcome=..., duration_ms=..., actor=..., ...).
+        self.audit = audit
 
     def add(self, server: ExternalServer) -> None:
         """Register a server (DuplicateServer when the name is taken)."""
@@ -400,11 +410,20 @@ class McpServerHub:
 
     def toolbox_for(self, principal: Any, device_id: str | None, device_box: Any = None) -> Any:
         """The chat `ToolBox` of a turn: `device_box` (a DeviceToolBox, or None) plus the tools of
-        every server `principal` may use for `device_id` (backend/mcp_servers/toolbox.py)."""
+        every server `principal` (a `backend.keys.Principal`; None for a device's own turn) may
+        use for `device_id` (backend/mcp_servers/toolbox.py). When no server is usable at all,
+        `device_box` itself (None for none)."""
         from backend.mcp_servers.toolbox import CombinedToolBox
 
+        if not self.usable(principal, device_id):
+            return device_box
         actor = _actor(principal, device_id)
-        return CombinedToolBox(device_box, lambda: self.usable(principal, device_id), actor=actor)
+        return CombinedToolBox(
+            device_box,
+            lambda: self.usable(principal, device_id),
+            actor=actor,
+            audit=self.audit,
+        )
 
     async def start(self) -> None:
         for server in self.servers():
@@ -470,6 +489,6 @@ def bounded_result(result: Any, max_bytes: int) -> CallResult:
     return CallResult(content=kept, is_error=bool(wire.get("isError")))
 
 
-def _describe(exc: BaseException) -> str:
+def describe_error(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
     return f"{type(exc).__name__}: {text}"[:300] if text != type(exc).__name__ else text

@@ -1,0 +1,209 @@
+"""Configured servers: connect once with the official SDK, keep connected, back off on failure.
+
+A `ConfiguredServer` runs one supervisor task: open the transport (`stdio_client` spawns the
+command; `streamable_http_client` talks to the url), `initialize`, list the tools, then watch
+the connection. The connection counts as lost when a request answers "connection closed" (a
+crashed child, a closed HTTP session) or a health ping gets no answer in `timeout_s`; then the
+session is torn down and the supervisor waits (exponential backoff with jitter, reset after a
+connection that worked) before it connects again. While it waits the server is `backing-off`
+and its tools are not offered; calls in flight fail with a clear error, and no other
+conversation is touched.
+"""
+
+import asyncio
+import contextlib
+import random
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx2
+import structlog
+from mcp import ClientSession
+from mcp import types as mcp_types
+from mcp.client.stdio import StdioServerParameters, stdio_client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared._httpx_utils import create_mcp_http_client
+from mcp.shared.exceptions import MCPError
+from mcp_types import CONNECTION_CLOSED
+
+from backend.mcp_servers.hub import (
+    CallTimedOut,
+    McpServerError,
+    RiskyRule,
+    ServerState,
+    SessionServer,
+    describe_error,
+)
+from backend.mcp_servers.settings import McpServerSettings
+from backend.mcp_session import CallResult
+
+log = structlog.get_logger("mcp_servers")
+
+CLIENT_INFO = mcp_types.Implementation(name="esp32-mcp-bridge", version="0.1.0")
+
+
+class ConfiguredServer(SessionServer):
+    """A `[[mcp_servers]]` entry, connected and reconnected by the hub."""
+
+    def __init__(
+        self,
+        settings: McpServerSettings,
+        *,
+        backoff_initial_s: float = 0.5,
+        backoff_max_s: float = 60.0,
+        health_interval_s: float = 15.0,
+    ) -> None:
+        super().__init__(
+            settings.name,
+            kind=settings.kind,
+            bound_device_ids=(
+                frozenset(settings.device_ids) if settings.device_ids is not None else None
+            ),
+            risky=RiskyRule.from_setting(settings.risky),
+            timeout_s=settings.timeout_s,
+            max_result_bytes=settings.max_result_bytes,
+        )
+        self.settings = settings
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
+        self.health_interval_s = health_interval_s
+        self.connects = 0
+        self.next_attempt_in_s: float | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._lost = asyncio.Event()
+
+    async def start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(
+                self._supervise(), name=f"mcp-server-{self.name}"
+            )
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self.detach("stopped", state=ServerState.STOPPED)
+
+    def summary(self) -> dict[str, Any]:
+        data = super().summary()
+        data["connects"] = self.connects
+        data["next_attempt_in_s"] = self.next_attempt_in_s
+        data["target"] = self.settings.command or self.settings.url  # never args, env, headers
+        return data
+
+    async def call(
+        self, tool: str, arguments: dict[str, Any], *, timeout_s: float | None = None
+    ) -> CallResult:
+        try:
+            return await super().call(tool, arguments, timeout_s=timeout_s)
+        except CallTimedOut:
+            raise  # a slow tool, not a dead server: the health ping decides that
+        except McpServerError as exc:
+            if _closed(exc.__cause__):
+                self._lost.set()
+            raise
+
+    # ---- the supervisor -----------------------------------------------------------------------
+
+    async def _supervise(self) -> None:
+        delay = self.backoff_initial_s
+        while True:
+            self._set_state(ServerState.CONNECTING)
+            self.next_attempt_in_s = None
+            worked = False
+            try:
+                worked = await self._connect_and_watch()
+                error = "connection lost"
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                error = describe_error(_unwrapped(exc))
+            if worked:
+                delay = self.backoff_initial_s
+            wait = delay * random.uniform(0.8, 1.2)
+            self.detach(error, state=ServerState.BACKING_OFF)
+            self.next_attempt_in_s = round(wait, 3)
+            log.warning("mcp server down", server=self.name, error=error, retry_in_s=wait)
+            await asyncio.sleep(wait)
+            delay = min(delay * 2, self.backoff_max_s)
+
+    async def _connect_and_watch(self) -> bool:
+        """Connect, serve until the connection is lost; True if it got to READY."""
+        self._lost = asyncio.Event()
+        async with contextlib.AsyncExitStack() as stack:
+            read, write = await stack.enter_async_context(self._transport())
+            session = await stack.enter_async_context(
+                ClientSession(
+                    read, write, message_handler=self.message_handler, client_info=CLIENT_INFO
+                )
+            )
+            async with asyncio.timeout(self.settings.connect_timeout_s):
+                await session.initialize()
+                await self.attach(session)
+            self.connects += 1
+            try:
+                await self._watch(session)
+            finally:
+                self.detach("connection lost", state=ServerState.BACKING_OFF)
+        return True
+
+    async def _watch(self, session: ClientSession) -> None:
+        while not self._lost.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.health_interval_s):
+                    await self._lost.wait()
+            if self._lost.is_set():
+                return
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    await session.send_ping()
+            except (TimeoutError, MCPError, Exception) as exc:
+                log.warning(
+                    "mcp server health ping failed", server=self.name, error=describe_error(exc)
+                )
+                return
+
+    def _transport(self) -> contextlib.AbstractAsyncContextManager[Any]:
+        settings = self.settings
+        if settings.command is not None:
+            parameters = StdioServerParameters(
+                command=settings.command,
+                args=list(settings.args),
+                env={key: value.get_secret_value() for key, value in settings.env.items()},
+                cwd=settings.cwd,
+                encoding_error_handler="replace",
+            )
+            return stdio_client(parameters, errlog=sys.stderr)
+        assert settings.url is not None
+        return _http_transport(settings.url, settings.http_headers(), settings.connect_timeout_s)
+
+    async def message_handler(self, message: Any) -> None:
+        if isinstance(message, Exception) and _closed(message):
+            self._lost.set()
+        await super().message_handler(message)
+
+
+@contextlib.asynccontextmanager
+async def _http_transport(
+    url: str, headers: dict[str, str], connect_timeout_s: float
+) -> AsyncIterator[Any]:
+    timeout = httpx2.Timeout(connect_timeout_s, read=300.0)
+    async with (
+        create_mcp_http_client(headers=headers, timeout=timeout) as client,
+        streamable_http_client(url, http_client=client) as streams,
+    ):
+        yield streams
+
+
+def _closed(exc: BaseException | None) -> bool:
+    return isinstance(exc, MCPError) and getattr(exc, "code", None) == CONNECTION_CLOSED
+
+
+def _unwrapped(exc: BaseException) -> BaseException:
+    """The first real error inside anyio's exception groups (the SDK's task groups)."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc

@@ -1,0 +1,74 @@
+"""`[[mcp_servers]]`: the external MCP servers the chat may use (docs/mcp-servers.md).
+
+One table per server: a `name` (`[a-z0-9_-]{1,32}`, also the scope `mcp:<name>` and the prefix of
+its tools' LLM names), then either `command` (+ `args`, `env`, `cwd`) for a stdio child process or
+`url` (Streamable HTTP, + `headers` or `bearer_token`). Header values and the bearer token are
+`SecretStr`s: never logged, never shown by the API. `risky` is true (every tool needs a "yes"
+first), false (none), a list of tool-name patterns, or unset (tools marked `destructiveHint`).
+"""
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+from backend.mcp_servers.hub import DEFAULT_MAX_RESULT_BYTES, DEFAULT_TIMEOUT_S, check_server_name
+
+_MAX_SERVERS = 64
+
+
+class McpServerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    # stdio
+    command: str | None = Field(default=None, min_length=1)
+    args: list[str] = Field(default_factory=list)
+    env: dict[str, SecretStr] = Field(default_factory=dict)  # over the SDK's safe default env
+    cwd: str | None = None
+    # Streamable HTTP
+    url: str | None = Field(default=None, pattern=r"^https?://")
+    headers: dict[str, SecretStr] = Field(default_factory=dict)
+    bearer_token: SecretStr | None = None
+    # rules and limits
+    risky: bool | list[str] | None = None
+    device_ids: list[str] | None = None  # None: offered to every device's turns (and the API's)
+    timeout_s: float = Field(DEFAULT_TIMEOUT_S, gt=0, le=3600)
+    connect_timeout_s: float = Field(30.0, gt=0, le=600)
+    max_result_bytes: int = Field(DEFAULT_MAX_RESULT_BYTES, ge=256, le=16 << 20)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        return check_server_name(value)
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> "McpServerSettings":
+        if (self.command is None) == (self.url is None):
+            raise ValueError(f"MCP server {self.name!r}: set either command (stdio) or url (http)")
+        if self.command is not None and (self.headers or self.bearer_token is not None):
+            raise ValueError(f"MCP server {self.name!r}: headers and bearer_token need a url")
+        if self.url is not None and (self.args or self.env or self.cwd):
+            raise ValueError(f"MCP server {self.name!r}: args, env and cwd need a command")
+        return self
+
+    @property
+    def kind(self) -> Literal["stdio", "http"]:
+        return "stdio" if self.command is not None else "http"
+
+    def http_headers(self) -> dict[str, str]:
+        """The request headers, secrets revealed (for the HTTP client only)."""
+        headers = {key: value.get_secret_value() for key, value in self.headers.items()}
+        if self.bearer_token is not None:
+            headers["Authorization"] = f"Bearer {self.bearer_token.get_secret_value()}"
+        return headers
+
+
+def check_server_list(servers: list[Any]) -> list[Any]:
+    """The `mcp_servers` setting's check: at most 64, names unique."""
+    if len(servers) > _MAX_SERVERS:
+        raise ValueError(f"at most {_MAX_SERVERS} MCP servers")
+    names = [server.name for server in servers]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(f"MCP server names must be unique: {', '.join(duplicates)}")
+    return servers
