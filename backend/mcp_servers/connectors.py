@@ -72,6 +72,7 @@ class ConfiguredServer(SessionServer):
         self.next_attempt_in_s: float | None = None
         self._task: asyncio.Task[None] | None = None
         self._lost = asyncio.Event()
+        self._stopping = False
 
     async def start(self) -> None:
         if self._task is None or self._task.done():
@@ -80,6 +81,7 @@ class ConfiguredServer(SessionServer):
             )
 
     async def stop(self) -> None:
+        self._stopping = True
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -90,6 +92,7 @@ class ConfiguredServer(SessionServer):
     def summary(self) -> dict[str, Any]:
         data = super().summary()
         data["connects"] = self.connects
+        data["relists"] = self.relists
         data["next_attempt_in_s"] = self.next_attempt_in_s
         data["target"] = self.settings.command or self.settings.url  # never args, env, headers
         return data
@@ -147,7 +150,8 @@ class ConfiguredServer(SessionServer):
             try:
                 await self._watch(session)
             finally:
-                self.detach("connection lost", state=ServerState.BACKING_OFF)
+                if not self._stopping:
+                    self.detach("connection lost", state=ServerState.BACKING_OFF)
         return True
 
     async def _watch(self, session: ClientSession) -> None:

@@ -35,6 +35,9 @@ Registering a dial-in session (the endpoint's side)::
 `server.message_handler` follows `notifications/tools/list_changed` by re-listing; pass it as
 the session's `message_handler` (or call `server.tools_changed()` yourself).
 
+The bridge's hub is found from its device registry: `hub_of(registry)` (backend/server.py
+attaches it with `attach_hub`).
+
 Who sees which server: a chat turn asks `hub.toolbox_for(principal, device_id, device_box)`.
 A server is offered when it is READY, bound to that device or to every device
 (`bound_device_ids is None`; a turn without a device gets only unbound servers), and the caller
@@ -44,10 +47,11 @@ turn (`principal=None`) gets every server bound to it or to all.
 
 import asyncio
 import fnmatch
-import re
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Literal, Protocol
 
@@ -55,14 +59,42 @@ import structlog
 from mcp import types as mcp_types
 
 from backend.errors import BridgeError
+from backend.mcp_servers.settings import (
+    DEFAULT_MAX_RESULT_BYTES,
+    DEFAULT_TIMEOUT_S,
+    RESERVED_NAMES,
+    SERVER_NAME,
+    McpServerSettings,
+    check_server_name,
+)
 from backend.mcp_session import CallResult, Tool
+
+__all__ = [
+    "DEFAULT_MAX_RESULT_BYTES",
+    "DEFAULT_TIMEOUT_S",
+    "RESERVED_NAMES",
+    "SERVER_NAME",
+    "CallTimedOut",
+    "DuplicateServer",
+    "ExternalServer",
+    "McpServerError",
+    "McpServerHub",
+    "RiskyRule",
+    "ServerConfirmationRequired",
+    "ServerKind",
+    "ServerNotReady",
+    "ServerState",
+    "SessionServer",
+    "UnknownServerTool",
+    "attach_hub",
+    "check_server_name",
+    "hub_of",
+    "toolbox_for_turn",
+]
 
 log = structlog.get_logger("mcp_servers")
 
 ServerKind = Literal["stdio", "http", "dialin"]
-SERVER_NAME = re.compile(r"[a-z0-9_-]{1,32}")
-DEFAULT_TIMEOUT_S = 30.0
-DEFAULT_MAX_RESULT_BYTES = 64 * 1024
 MAX_TOOLS_PER_SERVER = 500
 MAX_TOOL_LIST_PAGES = 50
 
@@ -108,19 +140,6 @@ class DuplicateServer(BridgeError):
     def __init__(self, name: str) -> None:
         super().__init__(f"an MCP server named {name!r} is already registered")
         self.name = name
-
-
-# `mcp:endpoint` is the dial-in endpoint's own scope (backend/keys/store.py), not a server's.
-RESERVED_NAMES = frozenset({"endpoint"})
-
-
-def check_server_name(name: str) -> str:
-    """`name` if it is a valid server name (`[a-z0-9_-]{1,32}`, not reserved), else ValueError."""
-    if not isinstance(name, str) or SERVER_NAME.fullmatch(name) is None:
-        raise ValueError(f"an MCP server name is 1 to 32 of [a-z0-9_-], not {str(name)[:40]!r}")
-    if name in RESERVED_NAMES:
-        raise ValueError(f"the MCP server name {name!r} is reserved")
-    return name
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +246,7 @@ class ExternalServer:
             "name": self.name,
             "kind": self.kind,
             "state": self.state.value,
-            "since": self.since,
+            "since": datetime.fromtimestamp(self.since, UTC).isoformat(),
             "last_error": self.last_error,
             "bound_device_ids": (
                 sorted(self.bound_device_ids) if self.bound_device_ids is not None else None
@@ -280,6 +299,8 @@ class SessionServer(ExternalServer):
         self._session: CallSession | None = None
         self._relist: asyncio.Task[None] | None = None
         self._relist_again = False
+        self.relists = 0  # tools/list requests after the first (list_changed, coalesced)
+        self.notifications = 0
 
     async def attach(self, session: CallSession) -> None:
         """Use `session` (already initialized): list its tools, then be READY."""
@@ -289,8 +310,7 @@ class SessionServer(ExternalServer):
         except BaseException:
             self._session = None
             raise
-        self._set_state(ServerState.READY)
-        self.last_error = None
+        self._set_state(ServerState.READY)  # `last_error` stays: what went wrong last time
 
     def detach(self, reason: str, *, state: ServerState = ServerState.FAILED) -> None:
         self._session = None
@@ -302,6 +322,7 @@ class SessionServer(ExternalServer):
     async def message_handler(self, message: Any) -> None:
         """The session's `message_handler`: follows `notifications/tools/list_changed`."""
         if isinstance(message, mcp_types.ToolListChangedNotification):
+            self.notifications += 1
             self.tools_changed()
         elif isinstance(message, Exception):
             log.info("mcp server transport error", server=self.name, error=describe_error(message))
@@ -322,6 +343,7 @@ class SessionServer(ExternalServer):
             session = self._session
             if session is None:
                 return
+            self.relists += 1
             try:
                 async with asyncio.timeout(self.timeout_s):
                     tools = await list_all_tools(session)
@@ -435,6 +457,44 @@ class McpServerHub:
 
     def listing(self) -> list[dict[str, Any]]:
         return [server.summary() for server in self.servers()]
+
+    @classmethod
+    def from_settings(
+        cls, servers: Iterable[McpServerSettings], *, audit: Callable[..., None] | None = None
+    ) -> "McpServerHub":
+        """A hub holding one `ConfiguredServer` per `[[mcp_servers]]` entry (not started)."""
+        from backend.mcp_servers.connectors import ConfiguredServer
+
+        hub = cls(audit=audit)
+        for settings in servers:
+            hub.add(ConfiguredServer(settings))
+        return hub
+
+
+# The hub of a bridge, found from its device registry: the chat front ends and the dial-in
+# endpoint reach it without every constructor between them passing it along.
+_HUBS: "weakref.WeakKeyDictionary[object, McpServerHub]" = weakref.WeakKeyDictionary()
+
+
+def attach_hub(registry: object, hub: McpServerHub) -> None:
+    """Make `hub` the external-server hub of the bridge that owns `registry`."""
+    _HUBS[registry] = hub
+
+
+def hub_of(registry: object) -> McpServerHub | None:
+    """The hub attached to `registry` (None: no external servers in this process)."""
+    return _HUBS.get(registry)
+
+
+def toolbox_for_turn(
+    registry: object, principal: Any, device_id: str | None, device_box: Any
+) -> Any:
+    """The toolbox of one chat turn: `device_box` (or None) plus the external servers that
+    `principal` (None: the device's own turn) may use for `device_id`."""
+    hub = hub_of(registry)
+    if hub is None:
+        return device_box
+    return hub.toolbox_for(principal, device_id, device_box)
 
 
 def _actor(principal: Any, device_id: str | None) -> str:

@@ -7,13 +7,27 @@ its tools' LLM names), then either `command` (+ `args`, `env`, `cwd`) for a stdi
 first), false (none), a list of tool-name patterns, or unset (tools marked `destructiveHint`).
 """
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from backend.mcp_servers.hub import DEFAULT_MAX_RESULT_BYTES, DEFAULT_TIMEOUT_S, check_server_name
-
 _MAX_SERVERS = 64
+SERVER_NAME = re.compile(r"[a-z0-9_-]{1,32}")
+DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_MAX_RESULT_BYTES = 64 * 1024
+
+# `mcp:endpoint` is the dial-in endpoint's own scope (backend/keys/store.py), not a server's.
+RESERVED_NAMES = frozenset({"endpoint"})
+
+
+def check_server_name(name: str) -> str:
+    """`name` if it is a valid server name (`[a-z0-9_-]{1,32}`, not reserved), else ValueError."""
+    if not isinstance(name, str) or SERVER_NAME.fullmatch(name) is None:
+        raise ValueError(f"an MCP server name is 1 to 32 of [a-z0-9_-], not {str(name)[:40]!r}")
+    if name in RESERVED_NAMES:
+        raise ValueError(f"the MCP server name {name!r} is reserved")
+    return name
 
 
 class McpServerSettings(BaseModel):
