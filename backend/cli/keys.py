@@ -17,13 +17,17 @@ keys_app = typer.Typer(
     no_args_is_help=True,
 )
 
-SCOPE_HELP = "A scope: " + ", ".join(scope.value for scope in Scope) + " (repeat for more)."
+SCOPE_HELP = (
+    "A scope: "
+    + ", ".join(scope.value for scope in Scope)
+    + ", or mcp:<server> for an external MCP server (repeat for more)."
+)
 
 
 @keys_app.command("create")
 def create(
     name: Annotated[str, typer.Argument(help="What the key is for, e.g. 'kitchen app'.")],
-    scope: Annotated[list[Scope], typer.Option("--scope", help=SCOPE_HELP)],
+    scope: Annotated[list[str], typer.Option("--scope", help=SCOPE_HELP)],
     device: Annotated[
         list[str] | None,
         typer.Option("--device", help="Limit device access to this device id (repeatable)."),
@@ -35,7 +39,7 @@ def create(
 ) -> None:
     """Create a key and print its token (shown this once only)."""
     with admin_client(server, token, data_dir, config) as admin:
-        key = admin.create_key(name, [s.value for s in scope], device or None)
+        key = admin.create_key(name, list(scope), device or None)
     devices = ", ".join(key["device_ids"]) if key["device_ids"] else "all devices"
     say(f"created key {key['id']} ({key['name']}): {', '.join(key['scopes'])}; {devices}")
     say("token (shown once, store it now):")

@@ -20,6 +20,7 @@ from backend.cli.local import (
     device_endpoint,
     device_token,
 )
+from backend.cli.mcp import mcp_app
 from backend.cli.mqtt import mqtt_app
 from backend.cli.options import ConfigOpt, DataDirOpt, ServerOpt, TokenOpt, admin_client
 from backend.cli.output import console, fail
@@ -392,6 +393,7 @@ def call_tool(
 app.command("chat")(chat_command)
 app.add_typer(keys_app, name="keys")
 app.add_typer(devices_app, name="devices")
+app.add_typer(mcp_app, name="mcp")
 app.command("audit")(audit_command)
 
 

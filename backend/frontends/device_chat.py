@@ -51,6 +51,7 @@ from backend.devices.conversation import ConversationHub, Unsubscribe
 from backend.devices.registry import EventKind
 from backend.errors import BridgeError
 from backend.logs import DeviceBudgets, LogBudget
+from backend.mcp_servers.hub import toolbox_for_turn
 from backend.protocol import Abort, Listen
 from backend.voice.timings import TurnTimings
 
@@ -327,7 +328,13 @@ class DeviceChat:
                 text=text,
                 device_id=device_id,
                 conversation_id=conversation_id,
-                toolbox=DeviceToolBox(device, actor=f"device:{device_id}"),
+                # plus the external MCP servers bound to this device or to all
+                toolbox=toolbox_for_turn(
+                    self.registry,
+                    None,
+                    device_id,
+                    DeviceToolBox(device, actor=f"device:{device_id}"),
+                ),
             )
             events, spoken = await self._speak_stream(request, answer, timings)
             done = next((event for event in events if isinstance(event, Done)), None)

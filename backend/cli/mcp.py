@@ -1,0 +1,49 @@
+"""`esp32-bridge mcp servers`: the external MCP servers the chat uses (`GET /api/mcp/servers`,
+scope devices:read or admin): name, kind, state, last error, tools."""
+
+import json
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from backend.cli.options import ConfigOpt, DataDirOpt, ServerOpt, TokenOpt, admin_client
+from backend.cli.output import console, say
+
+mcp_app = typer.Typer(
+    help="External MCP servers the chat may use beside device tools (docs/mcp-servers.md).",
+    no_args_is_help=True,
+)
+
+
+@mcp_app.command("servers")
+def servers(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the API's JSON.")] = False,
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+    data_dir: DataDirOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """List the external MCP servers: name, kind, state, last error and tools."""
+    with admin_client(server, token, data_dir, config) as admin:
+        listed = admin.get("/api/mcp/servers")["servers"]
+    if as_json:
+        say(json.dumps(listed, indent=2, ensure_ascii=False))
+        return
+    if not listed:
+        say("no MCP servers configured (see [[mcp_servers]] in docs/mcp-servers.md)")
+        return
+    table = Table("name", "kind", "state", "since", "last_error", "tools")
+    for item in listed:
+        tools = ", ".join(
+            tool["name"] + (" (risky)" if tool.get("risky") else "") for tool in item["tools"]
+        )
+        table.add_row(
+            item["name"],
+            item["kind"],
+            item["state"],
+            item.get("since") or "",
+            item.get("last_error") or "",
+            tools or "-",
+        )
+    console.print(table)
