@@ -36,9 +36,12 @@ from backend.chat import (
 from backend.chat.evaluation import evaluate_offline
 from backend.chat.events import Done
 from backend.chat.llm.base import (
+    ANY_SAMPLING,
     Completion,
     FunctionSpec,
     Message,
+    Sampling,
+    StreamEnd,
     StreamItem,
     TextDelta,
     ToolCall,
@@ -77,7 +80,7 @@ class ZeroLlm:
         *,
         model: str | None = None,
         tools: Sequence[FunctionSpec] = (),
-        max_tokens: int | None = None,
+        sampling: Sampling = ANY_SAMPLING,
     ) -> Completion:
         return Completion("YES" if model == self.models.guardrail else "Summary of the answer.")
 
@@ -87,14 +90,16 @@ class ZeroLlm:
         *,
         model: str | None = None,
         tools: Sequence[FunctionSpec] = (),
-        max_tokens: int | None = None,
+        sampling: Sampling = ANY_SAMPLING,
     ) -> AsyncIterator[StreamItem]:
         if self.tool_call is not None and tools and messages[-1].role != "tool":
             name, arguments = self.tool_call
             yield ToolCall("call_1", name, arguments, json.dumps(arguments))
+            yield StreamEnd("tool_calls")
             return
         for delta in self._deltas:
             yield TextDelta(delta)
+        yield StreamEnd("stop")
 
     async def aclose(self) -> None:
         pass

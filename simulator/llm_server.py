@@ -11,12 +11,21 @@ Replies are scripted per kind of request (`chat`, `guardrail`, `summary`; the la
 recognised by the markers the prompts start with) and fall back to defaults. Every request body
 is recorded, so tests assert on the `messages` and `tools` that were sent. `stop()` closes the
 port, which is the "LLM down" behaviour.
+
+Like a real server it honours `max_tokens` (one word = one token here; `finish_reason:
+"length"`) and reports `usage` (words, and `stream_options.include_usage` for streams), unless
+`report_usage` is off. It can also misbehave as real model servers were seen to: a `Reply.fault`
+of "empty" (a stream with no chunk and no `[DONE]`), "no_done" (text, then the stream just ends),
+"endless" (words until the client leaves, `max_tokens` ignored); `reject_null_content` answers a
+message whose `content` is null with HTTP 500; `drop_after_stream` closes a kept-alive connection
+without an answer when it brings a request after a streamed reply (llama.cpp's server did).
 """
 
 import contextlib
 import json
 import socket
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
@@ -39,6 +48,7 @@ class Reply:
     text: str = ""
     calls: list[FakeCall] = field(default_factory=list)
     status: int = 200  # e.g. 503 to look overloaded
+    fault: str | None = None  # "empty", "no_done", "endless" (see the module docstring)
 
 
 @dataclass
@@ -72,6 +82,11 @@ class FakeLlm(LoopbackHttpServer):
         }
         self._lock = threading.Lock()
         self._summaries = 0
+        self.report_usage = True
+        self.reject_null_content = False
+        self.drop_after_stream = False
+        self.dropped = 0  # connections closed by drop_after_stream
+        self.endless_words = 0  # words sent by "endless" replies
 
     # ---- control ------------------------------------------------------------------------------
 
@@ -110,6 +125,34 @@ def _kind(body: dict[str, Any]) -> str:
     return "chat"
 
 
+def _words(value: Any) -> int:
+    """The fake's token count: words, in text or in a message list."""
+    if isinstance(value, str):
+        return len(value.split())
+    if isinstance(value, list):
+        return sum(_words(item.get("content") or "") for item in value if isinstance(item, dict))
+    return 0
+
+
+def _limited(reply: Reply, body: dict[str, Any]) -> tuple[str, str]:
+    """The reply's text within `max_tokens` (or Ollama's `num_predict`), and its finish reason."""
+    limit = body.get("max_tokens") or (body.get("options") or {}).get("num_predict")
+    words = reply.text.split(" ")
+    if isinstance(limit, int) and len([w for w in words if w]) > limit:
+        return " ".join(words[:limit]), "length"
+    return reply.text, "tool_calls" if reply.calls else "stop"
+
+
+def _usage(body: dict[str, Any], text: str, reply: Reply) -> dict[str, int]:
+    prompt = _words(body.get("messages", []))
+    completion = _words(text) + sum(len(_raw_arguments(call)) // 4 for call in reply.calls)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
 def _pieces(text: str) -> list[str]:
     """Text split into word-sized deltas (spaces kept)."""
     words = text.split(" ")
@@ -144,9 +187,19 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
-        body = json.loads(self.rfile.read(length) or b"{}")
+        data = self.rfile.read(length)
+        if getattr(self, "_streamed", False) and self.owner.drop_after_stream:
+            self.owner.dropped += 1
+            self.close_connection = True  # no answer at all: the client sees the socket close
+            return
+        body = json.loads(data or b"{}")
         headers = {key.lower(): value for key, value in self.headers.items()}
         kind = self.owner.record(self.path, body, headers)
+        if self.owner.reject_null_content and any(
+            message.get("content", "") is None for message in body.get("messages", [])
+        ):
+            self._send(500, "application/json", b'{"error": "content must be a string"}')
+            return
         reply = self.owner.next_reply(kind)
         if reply.status != 200:
             self._send(reply.status, "application/json", b'{"error": "scripted failure"}')
@@ -154,12 +207,15 @@ class _Handler(BaseHTTPRequestHandler):
         stream = bool(body.get("stream", self.path == "/api/chat"))
         if self.path == "/v1/chat/completions":
             if stream:
-                self._stream("text/event-stream", self._openai_chunks(reply))
+                self._streamed = True
+                self._stream("text/event-stream", self._openai_chunks(reply, body), reply.fault)
             else:
-                self._send(200, "application/json", json.dumps(self._openai(reply)).encode())
+                self._send(200, "application/json", json.dumps(self._openai(reply, body)).encode())
         elif self.path == "/api/chat":
             if stream:
-                self._stream("application/x-ndjson", self._ollama_lines(body, reply))
+                self._streamed = True
+                lines = self._ollama_lines(body, reply)
+                self._stream("application/x-ndjson", lines, reply.fault)
             else:
                 self._send(200, "application/json", json.dumps(self._ollama(body, reply)).encode())
         else:
@@ -167,8 +223,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- OpenAI --
 
-    def _openai(self, reply: Reply) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": reply.text or None}
+    def _openai(self, reply: Reply, body: dict[str, Any]) -> dict[str, Any]:
+        text, finish = _limited(reply, body)
+        if reply.fault == "empty":
+            return {"id": "chatcmpl-fake", "object": "chat.completion", "choices": []}
+        message: dict[str, Any] = {"role": "assistant", "content": text or None}
         if reply.calls:
             message["tool_calls"] = [
                 {
@@ -178,14 +237,16 @@ class _Handler(BaseHTTPRequestHandler):
                 }
                 for i, call in enumerate(reply.calls)
             ]
-        finish = "tool_calls" if reply.calls else "stop"
-        return {
+        answer: dict[str, Any] = {
             "id": "chatcmpl-fake",
             "object": "chat.completion",
             "choices": [{"index": 0, "message": message, "finish_reason": finish}],
         }
+        if self.owner.report_usage:
+            answer["usage"] = _usage(body, text, reply)
+        return answer
 
-    def _openai_chunks(self, reply: Reply) -> list[bytes]:
+    def _openai_chunks(self, reply: Reply, body: dict[str, Any]) -> list[bytes]:
         def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
             data = {
                 "id": "chatcmpl-fake",
@@ -194,8 +255,11 @@ class _Handler(BaseHTTPRequestHandler):
             }
             return f"data: {json.dumps(data)}\n\n".encode()
 
+        if reply.fault == "empty":
+            return []
+        text, finish = _limited(reply, body)
         out = [chunk({"role": "assistant", "content": ""})]
-        out += [chunk({"content": piece}) for piece in _pieces(reply.text)]
+        out += [chunk({"content": piece}) for piece in _pieces(text)]
         for index, call in enumerate(reply.calls):
             head = {
                 "index": index,
@@ -207,7 +271,13 @@ class _Handler(BaseHTTPRequestHandler):
             for fragment in _fragments(_raw_arguments(call)):
                 piece = {"index": index, "function": {"arguments": fragment}}
                 out.append(chunk({"tool_calls": [piece]}))
-        out.append(chunk({}, "tool_calls" if reply.calls else "stop"))
+        if reply.fault == "no_done":
+            return out
+        out.append(chunk({}, finish))
+        if self.owner.report_usage and (body.get("stream_options") or {}).get("include_usage"):
+            last: dict[str, Any] = {"id": "chatcmpl-fake", "object": "chat.completion.chunk"}
+            last |= {"choices": [], "usage": _usage(body, text, reply)}
+            out.append(f"data: {json.dumps(last)}\n\n".encode())
         out.append(b"data: [DONE]\n\n")
         return out
 
@@ -223,33 +293,45 @@ class _Handler(BaseHTTPRequestHandler):
         return message
 
     def _ollama(self, body: dict[str, Any], reply: Reply) -> dict[str, Any]:
-        return {
+        text, finish = _limited(reply, body)
+        answer: dict[str, Any] = {
             "model": body.get("model"),
             "created_at": "2026-11-26T00:00:00Z",
-            "message": self._ollama_message(reply, reply.text),
+            "message": self._ollama_message(reply, text),
             "done": True,
-            "done_reason": "stop",
+            "done_reason": "length" if finish == "length" else "stop",
         }
+        if self.owner.report_usage:
+            usage = _usage(body, text, reply)
+            answer["prompt_eval_count"] = usage["prompt_tokens"]
+            answer["eval_count"] = usage["completion_tokens"]
+        return answer
 
     def _ollama_lines(self, body: dict[str, Any], reply: Reply) -> list[bytes]:
         model = body.get("model")
+        if reply.fault == "empty":
+            return []
+        text, finish = _limited(reply, body)
         lines = [
             {"model": model, "message": {"role": "assistant", "content": piece}, "done": False}
-            for piece in _pieces(reply.text)
+            for piece in _pieces(text)
         ]
         if reply.calls:
             lines.append(
                 {"model": model, "message": self._ollama_message(reply, ""), "done": False}
             )
-        lines.append(
-            {
-                "model": model,
-                "message": {"role": "assistant", "content": ""},
-                "done": True,
-                "done_reason": "stop",
-                "eval_count": 7,
-            }
-        )
+        last: dict[str, Any] = {
+            "model": model,
+            "message": {"role": "assistant", "content": ""},
+            "done": True,
+            "done_reason": "length" if finish == "length" else "stop",
+        }
+        if self.owner.report_usage:
+            usage = _usage(body, text, reply)
+            last["prompt_eval_count"] = usage["prompt_tokens"]
+            last["eval_count"] = usage["completion_tokens"]
+        if reply.fault != "no_done":
+            lines.append(last)
         return [json.dumps(line).encode() + b"\n" for line in lines]
 
     # -- HTTP --
@@ -261,12 +343,30 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def _stream(self, content_type: str, parts: list[bytes]) -> None:
+    def _stream(self, content_type: str, parts: list[bytes], fault: str | None = None) -> None:
         self.send_response(200)
         self.send_header("Content-Type", content_type)
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
         for part in parts:
-            self.wfile.write(f"{len(part):x}\r\n".encode() + part + b"\r\n")
-            self.wfile.flush()
+            self._chunk(part)
+        if fault == "endless":
+            self._endless(content_type)
         self.wfile.write(b"0\r\n\r\n")
+
+    def _chunk(self, part: bytes) -> None:
+        self.wfile.write(f"{len(part):x}\r\n".encode() + part + b"\r\n")
+        self.wfile.flush()
+
+    def _endless(self, content_type: str) -> None:
+        """Words until the client goes away (a model that keeps talking)."""
+        with contextlib.suppress(OSError):
+            while True:
+                if content_type == "text/event-stream":
+                    delta = {"choices": [{"index": 0, "delta": {"content": "and "}}]}
+                    self._chunk(f"data: {json.dumps(delta)}\n\n".encode())
+                else:
+                    line = {"message": {"role": "assistant", "content": "and "}, "done": False}
+                    self._chunk(json.dumps(line).encode() + b"\n")
+                self.owner.endless_words += 1
+                time.sleep(0.002)

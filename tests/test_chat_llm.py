@@ -19,7 +19,7 @@ from backend.chat.llm import (
     Usage,
     make_provider,
 )
-from backend.chat.llm.base import LlmProvider, StreamItem
+from backend.chat.llm.base import LlmProvider, StreamEnd, StreamItem
 from backend.config import Settings
 from simulator.llm_server import FakeCall, FakeLlm, Reply
 
@@ -54,12 +54,15 @@ async def provider(request: pytest.FixtureRequest, fake: FakeLlm) -> AsyncIterat
 
 
 async def drain(items: AsyncIterator[StreamItem]) -> tuple[str, list[ToolCall]]:
-    text, calls = [], []
+    text, calls, ends = [], [], []
     async for item in items:
         if isinstance(item, TextDelta):
             text.append(item.text)
+        elif isinstance(item, StreamEnd):
+            ends.append(item)
         else:
             calls.append(item)
+    assert len(ends) == 1, "a stream that ended properly says so once, last"
     return "".join(text), calls
 
 
@@ -75,6 +78,7 @@ async def test_plain_reply(provider: LlmProvider, fake: FakeLlm) -> None:
 async def test_streamed_text_arrives_in_pieces(provider: LlmProvider, fake: FakeLlm) -> None:
     fake.script("chat", Reply("Brush for two whole minutes."))
     pieces = [item async for item in provider.stream([Message("user", "q")])]
+    assert isinstance(pieces.pop(), StreamEnd)
     assert len(pieces) == 5 and all(isinstance(p, TextDelta) for p in pieces)
     assert "".join(p.text for p in pieces if isinstance(p, TextDelta)) == (
         "Brush for two whole minutes."

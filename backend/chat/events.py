@@ -75,7 +75,9 @@ class SourceItem(BaseModel):
 
     title: str
     link: str
-    origin: Literal["web", "kb"]
+    # Who found it: "duckduckgo", "google", "searxng" (web search), "kb" (the knowledge base),
+    # "web" (a web search that does not say which engine).
+    origin: Literal["web", "duckduckgo", "google", "searxng", "kb"]
 
 
 class Sources(_Event):
@@ -94,6 +96,17 @@ class Guardrail(BaseModel):
     by: Literal["rules", "llm"]
 
 
+class TurnUsage(BaseModel):
+    """OpenAI's `usage` for the turn; `counted_by` says where the numbers come from."""
+
+    model_config = ConfigDict(frozen=True)
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    counted_by: Literal["provider", "tokenizer"]
+
+
 class TurnMetadata(BaseModel):
     model_config = ConfigDict(frozen=True)
 
@@ -110,6 +123,8 @@ class TurnMetadata(BaseModel):
     steps_ms: dict[str, float] = Field(default_factory=dict)
     tool_rounds: int = 0
     answer: str = ""
+    finish_reason: Literal["stop", "length"] = "stop"
+    usage: TurnUsage | None = None
 
 
 class Done(_Event):

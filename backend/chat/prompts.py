@@ -23,6 +23,29 @@ SYSTEM = {
     ),
 }
 
+# The client's system/developer messages (OpenAI clients without chat_id) go inside the rules.
+_CLIENT_INSTRUCTIONS = {
+    "vi": (
+        "\n\nỨng dụng mà người dùng đang dùng gửi kèm các chỉ dẫn dưới đây. Chỉ làm theo khi "
+        "chúng không trái với mọi điều ở trên: bạn vẫn luôn là chuyên gia tư vấn nha khoa và "
+        "không bao giờ rời vai trò đó.\n<client_instructions>\n{instructions}\n"
+        "</client_instructions>"
+    ),
+    "en": (
+        "\n\nThe application the user talks through adds the instructions below. Follow them "
+        "only where they agree with everything above: you remain a dental consultant and never "
+        "leave that role.\n<client_instructions>\n{instructions}\n</client_instructions>"
+    ),
+}
+
+
+def system_prompt(language: Language, instructions: str = "") -> str:
+    """The consultant's rules, with a client's own instructions placed under them."""
+    if not instructions:
+        return SYSTEM[language]
+    return SYSTEM[language] + _CLIENT_INSTRUCTIONS[language].format(instructions=instructions)
+
+
 _USER = {
     "vi": ("{summary}Câu hỏi hiện tại của bệnh nhân: {question}\n\n{search}{tools_note}Trả lời:"),
     "en": ("{summary}Current question: {question}\n\n{search}{tools_note}Answer:"),

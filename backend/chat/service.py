@@ -5,11 +5,14 @@ device tools → sources → memory with an accumulated summary; offline when no
 never raises for model, search, tool or device failures: they become events and metadata.
 """
 
+import asyncio
+import dataclasses
+import inspect
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, SkipValidation, model_validator
@@ -24,6 +27,7 @@ from backend.chat.confirm import (
     answer_kind,
     question,
 )
+from backend.chat.context import ClientTurn, client_context
 from backend.chat.events import (
     ChatEvent,
     Done,
@@ -35,14 +39,22 @@ from backend.chat.events import (
     ToolFailed,
     ToolStarted,
     TurnMetadata,
+    TurnUsage,
 )
 from backend.chat.language import detect_language
 from backend.chat.llm.base import (
+    ANY_SAMPLING,
+    DETERMINISTIC,
+    Completion,
     FunctionSpec,
     LlmError,
     LlmProvider,
+    LlmUnavailable,
     Message,
+    Sampling,
+    StreamEnd,
     TextDelta,
+    TokenCount,
     ToolCall,
 )
 from backend.chat.memory import Conversation, MemoryStore, StoredMessage
@@ -64,11 +76,13 @@ from backend.chat.search import (
     format_results,
 )
 from backend.chat.text import Language, bounded_summary, clip, replace_surrogates
+from backend.chat.tokens import count_prompt, count_tokens, cut_to_tokens
 from backend.chat.tools import NoTools, ToolBox, ToolOutcome
 from backend.config import Settings
 from backend.errors import BridgeError
 
 log = structlog.get_logger("chat")
+_T = TypeVar("_T")
 
 # A question, typed or spoken, fits in this many characters. Longer ones are refused before
 # any work: the guardrail, the intent rules and the ranking all read the whole text.
@@ -79,11 +93,22 @@ MAX_QUERY_CHARS = 4000
 SUMMARY_MAX_CHARS = 4000
 SUMMARY_MAX_TOKENS = 1000
 _SPOKEN_RESULT_CHARS = 200  # a confirmed call's result, as said back to the user
+# A whole turn (guardrail, every model round and tool call, summary) ends within this by default,
+# and an answer within this many tokens: a model that keeps talking made 104-161 s turns.
+TURN_TIMEOUT_S = 120.0
+MAX_ANSWER_TOKENS = 1024
 
 _NO_PERMISSION = {
     "vi": "Tôi không có quyền điều khiển thiết bị này ({reason}).",
     "en": "I'm not allowed to control this device ({reason}).",
 }
+
+
+class TurnDeadline(LlmUnavailable):
+    """The turn's time is up (`chat_turn_timeout_s`): what was said stands, cut; else offline."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(f"the turn took longer than its {timeout_s:g} s deadline")
 
 
 class InputMessage(BaseModel):
@@ -93,6 +118,8 @@ class InputMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's (kept as text in the history)
+    name: str | None = None
 
     @property
     def text(self) -> str:
@@ -105,7 +132,12 @@ class InputMessage(BaseModel):
 
 
 class TurnRequest(BaseModel):
-    """What a front end asks for. The query is `text`, or the last user message."""
+    """What a front end asks for. The query is `text`, or the last user message.
+
+    `context="memory"`: the stored conversation is the context (the seed's page, devices).
+    `context="messages"`: the messages before the question are (OpenAI clients without
+    `chat_id`); the turn is stored only with `store=True`, in a new conversation whose id the
+    front end chose (`conversation_id`)."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
 
@@ -113,6 +145,10 @@ class TurnRequest(BaseModel):
     text: str | None = None
     conversation_id: str | None = Field(default=None, max_length=128)
     device_id: str | None = None
+    context: Literal["memory", "messages"] = "memory"
+    store: bool = True
+    sampling: Annotated[Sampling, SkipValidation] = Field(default=ANY_SAMPLING, exclude=True)
+    count_usage: bool = False  # the front end reports `usage`: count what the model did not
     toolbox: Annotated[ToolBox | None, SkipValidation] = Field(default=None, exclude=True)
 
     @model_validator(mode="after")
@@ -133,6 +169,14 @@ class TurnRequest(BaseModel):
                 return message.text
         return ""
 
+    def earlier(self) -> list[ClientTurn]:
+        """The messages before the question (the last user message)."""
+        last = max((i for i, m in enumerate(self.messages) if m.role == "user"), default=0)
+        return [
+            ClientTurn(m.role, m.text, tuple(m.tool_calls or ()), m.name)
+            for m in self.messages[:last]
+        ]
+
 
 @dataclass
 class _Turn:
@@ -152,6 +196,16 @@ class _Turn:
     tool_rounds: int = 0
     used_tools: list[str] = field(default_factory=list)
     confirmation: PendingConfirmation | None = None  # a risky call the user is asked about
+    history: list[Message] = field(default_factory=list)
+    summary: str = ""
+    instructions: str = ""  # the client's system/developer messages
+    about_device: bool = False  # only then are the device's tools offered to the model
+    tool_results: list[tuple[str, str, bool]] = field(default_factory=list)  # (tool, text, ok)
+    finish_reason: Literal["stop", "length"] = "stop"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    counted: bool = False  # some usage counted by the tokenizer, not reported by the model
+    deadline: float = float("inf")  # loop time
 
     @property
     def conversation_id(self) -> str | None:
@@ -189,8 +243,12 @@ class ChatService:
         intent_threshold: float = 0.7,
         summary_max_chars: int = SUMMARY_MAX_CHARS,
         summary_max_tokens: int = SUMMARY_MAX_TOKENS,
+        turn_timeout_s: float = TURN_TIMEOUT_S,
+        max_answer_tokens: int = MAX_ANSWER_TOKENS,
     ) -> None:
         self.memory = memory
+        self.turn_timeout_s = turn_timeout_s
+        self.max_answer_tokens = max_answer_tokens
         self.summary_max_chars = summary_max_chars
         self.summary_max_tokens = summary_max_tokens
         self.llm = llm
@@ -207,16 +265,18 @@ class ChatService:
     def from_settings(cls, settings: Settings, memory: MemoryStore) -> "ChatService":
         """The service as the settings describe it (provider, models, web search)."""
         from backend.chat.llm import make_provider
-        from backend.chat.search import DdgsSearch
+        from backend.chat.search import web_search_from_settings
 
-        web = DdgsSearch(timeout_s=settings.search_timeout_s) if settings.search_enabled else None
         return cls(
             memory,
             make_provider(settings),
-            web,
+            web_search_from_settings(settings),
+            KnowledgeBase.bundled(min_score=settings.kb_min_score),
             search_results=settings.search_results,
             summary_max_chars=settings.chat_summary_max_chars,
             summary_max_tokens=settings.chat_summary_max_tokens,
+            turn_timeout_s=settings.chat_turn_timeout_s,
+            max_answer_tokens=settings.chat_max_answer_tokens,
         )
 
     def bounded(self, summary: str) -> str:
@@ -235,6 +295,7 @@ class ChatService:
         # from failing deep in the turn (SQLite, the model's client) on a lone surrogate.
         query = replace_surrogates(request.query.strip())
         turn = _Turn(request, query, device_id=request.device_id)
+        turn.deadline = asyncio.get_running_loop().time() + self.turn_timeout_s
         began = time.perf_counter()
         outcome = "abandoned"  # the consumer stopped reading (a client went away)
         try:
@@ -277,6 +338,11 @@ class ChatService:
 
         began = time.perf_counter()
         verdict, dental = await self._guardrail(turn, functions)
+        # A dental question does not get the device's functions (a toothache question made a
+        # real model raise the screen brightness), unless it also asks something of the device.
+        turn.about_device = bool(functions) and (
+            not dental or self.detector.is_device_request(turn.query, functions)
+        )
         turn.log_step("guardrail", began, verdict=verdict.verdict, by=verdict.by)
         if verdict.verdict == "refused":
             text = prompts.refusal(turn.language, bool(functions))
@@ -286,8 +352,8 @@ class ChatService:
             return
 
         began = time.perf_counter()
-        history = await self._load_memory(turn)
-        turn.log_step("memory_load", began, history=len(history))
+        await self._load_memory(turn)
+        turn.log_step("memory_load", began, history=len(turn.history))
 
         device_only = not dental
         began = time.perf_counter()
@@ -295,7 +361,7 @@ class ChatService:
         turn.log_step("search", began, status=turn.search, results=len(turn.results))
 
         if turn.offline_reason is None:
-            async for event in self._answer_with_llm(turn, toolbox, functions, history):
+            async for event in self._answer_with_llm(turn, toolbox, functions):
                 yield event
         if turn.offline_reason is not None:
             async for event in self._answer_offline(turn, toolbox, functions, device_only):
@@ -313,7 +379,8 @@ class ChatService:
             yield sources
         answer = "".join(turn.answer).strip()
         full = f"{answer}\n\n{sources.section}" if sources is not None else answer
-        stored = await self._store(turn, full, sources)
+        # Nothing empty is stored or summarised (an empty answer's summary was invented).
+        stored = bool(answer) and await self._store(turn, full, sources)
         if stored:
             await self._summarize(turn, answer)
         turn.answer = [full]
@@ -334,10 +401,10 @@ class ChatService:
         if self.llm is not None and turn.offline_reason is None:
             names = [f"{spec.llm_name}: {spec.description}" for spec in functions]
             prompt = prompts.guardrail_prompt(turn.language, turn.query, names)
+            sent = [Message("user", prompt)]
+            sampling = _with_max_tokens(DETERMINISTIC, 3)
             try:
-                reply = await self.llm.complete(
-                    [Message("user", prompt)], model=self.llm.models.guardrail, max_tokens=3
-                )
+                reply = await self._complete(turn, sent, self.llm.models.guardrail, sampling)
             except LlmError as exc:
                 self._go_offline(turn, exc)
             else:
@@ -354,8 +421,15 @@ class ChatService:
             return Guardrail(verdict="passed", reason="dental word (unchecked)", by="rules"), True
         return Guardrail(verdict="refused", reason="no dental or device words", by="rules"), False
 
-    async def _load_memory(self, turn: _Turn) -> list[StoredMessage]:
+    async def _load_memory(self, turn: _Turn) -> None:
         request = turn.request
+        if request.context == "messages":
+            context = client_context(request.earlier(), self.history_messages, turn.language)
+            turn.history, turn.instructions = context.history, context.instructions
+            turn.summary = self.bounded(context.summary)
+            if request.store:
+                await self._open_conversation(turn)
+            return
         try:
             if request.conversation_id is None and request.device_id is not None:
                 turn.conversation = await self.memory.conversation_for_device(request.device_id)
@@ -363,10 +437,21 @@ class ChatService:
                 turn.conversation = await self.memory.get_or_create(
                     request.conversation_id, device_id=request.device_id
                 )
-            return await self.memory.recent(turn.conversation.id, self.history_messages)
+            stored = await self.memory.recent(turn.conversation.id, self.history_messages)
         except BridgeError as exc:
             log.warning("chat memory unavailable", error=str(exc), device_id=turn.device_id)
-            return []
+            return
+        turn.history = [_history_message(message) for message in stored]
+        turn.summary = self.bounded(turn.conversation.summary)
+
+    async def _open_conversation(self, turn: _Turn) -> None:
+        """A new stored conversation for a client that sent its own history with `store`."""
+        try:
+            turn.conversation = await self.memory.get_or_create(
+                turn.request.conversation_id, device_id=turn.request.device_id
+            )
+        except BridgeError as exc:
+            log.warning("chat memory unavailable", error=str(exc), device_id=turn.device_id)
 
     async def _search(self, turn: _Turn, *, skip_web: bool) -> None:
         results: list[SearchResult] = []
@@ -388,25 +473,23 @@ class ChatService:
         turn: _Turn,
         toolbox: ToolBox,
         functions: Sequence[FunctionSpec],
-        history: list[StoredMessage],
     ) -> AsyncIterator[ChatEvent]:
         assert self.llm is not None
-        unavailable = toolbox.unavailable_reason if functions else None
-        offered = list(toolbox.functions()) if functions and unavailable is None else []
+        unavailable = toolbox.unavailable_reason if turn.about_device else None
+        offered = list(toolbox.functions()) if turn.about_device and unavailable is None else []
         if unavailable is not None:
             failed = self._unavailable_event(turn, toolbox, functions, unavailable)
             if failed is not None:
                 yield failed
-        summary = self.bounded(turn.conversation.summary) if turn.conversation is not None else ""
         user = prompts.user_prompt(
             turn.language,
             turn.query,
-            summary=summary,
+            summary=turn.summary,
             search_results=format_results(turn.results),
             tools_unavailable=unavailable,
         )
-        messages = [Message("system", prompts.SYSTEM[turn.language])]
-        messages += [Message(m.role, _without_sources(m.content)) for m in history]
+        messages = [Message("system", prompts.system_prompt(turn.language, turn.instructions))]
+        messages += turn.history
         messages.append(Message("user", user))
         log.debug("chat prompt", conversation_id=turn.conversation_id, prompt=user)
 
@@ -420,14 +503,14 @@ class ChatService:
                     messages.append(Message("system", prompts.TOO_MANY_ROUNDS_NOTE[turn.language]))
                 calls: list[ToolCall] = []
                 text: list[str] = []
-                async for item in self.llm.stream(messages, tools=tools):
+                async for item in self._stream_round(turn, messages, tools):
                     if isinstance(item, TextDelta):
                         text.append(item.text)
                         turn.answer.append(item.text)
                         yield Token(text=item.text)
                     else:
                         calls.append(item)
-                if not calls:
+                if not calls or turn.finish_reason == "length":
                     break
                 turn.tool_rounds += 1
                 messages.append(Message("assistant", "".join(text), tool_calls=tuple(calls)))
@@ -449,6 +532,11 @@ class ChatService:
                     turn.answer.append(("\n\n" if turn.answer else "") + text_end)
                     yield Token(text=turn.answer[-1])
                     break
+        except TurnDeadline as exc:
+            if "".join(turn.answer).strip():
+                turn.finish_reason = "length"  # the answer so far is the answer, cut
+            else:
+                self._go_offline(turn, exc)
         except LlmError as exc:
             self._go_offline(turn, exc)
             if turn.answer:
@@ -460,6 +548,93 @@ class ChatService:
         )
         turn.steps["llm"] = round(turn.steps["llm"] - turn.steps["tools"], 3)
         log.debug("chat answer", conversation_id=turn.conversation_id, answer="".join(turn.answer))
+
+    async def _stream_round(
+        self, turn: _Turn, messages: list[Message], tools: Sequence[FunctionSpec]
+    ) -> AsyncIterator[TextDelta | ToolCall]:
+        """One model round: its text (cut at the answer's token budget) and tool calls, within
+        the turn's deadline, its usage added to the turn's."""
+        assert self.llm is not None
+        budget = self._answer_budget(turn)
+        sampling = _with_max_tokens(turn.request.sampling, budget)
+        stream = self.llm.stream(messages, tools=tools, sampling=sampling)
+        said: list[str] = []
+        calls: list[ToolCall] = []
+        used = 0
+        end = StreamEnd()
+        try:
+            while True:
+                item = await self._within(turn, anext(stream, None))
+                if item is None:
+                    break
+                if isinstance(item, StreamEnd):
+                    end = item
+                    continue
+                if isinstance(item, ToolCall):
+                    calls.append(item)
+                    yield item
+                    continue
+                tokens = count_tokens(item.text)
+                if used + tokens > budget:  # a server that ignores max_tokens
+                    kept = cut_to_tokens(item.text, budget - used)
+                    if kept:
+                        said.append(kept)
+                        yield TextDelta(kept)
+                    end = StreamEnd("length", end.usage)
+                    break
+                used += tokens
+                said.append(item.text)
+                yield item
+        finally:
+            if isinstance(stream, AsyncGenerator):
+                await stream.aclose()
+            reply_text = "".join(said) + "".join(call.raw_arguments for call in calls)
+            self._count(turn, messages, reply_text, end.usage)
+        if end.finish_reason == "length" and not calls:
+            turn.finish_reason = "length"
+
+    def _answer_budget(self, turn: _Turn) -> int:
+        asked = turn.request.sampling.max_tokens
+        cap = self.max_answer_tokens if asked is None else min(asked, self.max_answer_tokens)
+        spent = sum(count_tokens(piece) for piece in turn.answer)
+        return max(1, cap - spent)
+
+    async def _complete(
+        self, turn: _Turn, messages: list[Message], model: str | None, sampling: Sampling
+    ) -> Completion:
+        assert self.llm is not None
+        reply = await self._within(
+            turn, self.llm.complete(messages, model=model, sampling=sampling)
+        )
+        self._count(turn, messages, reply.text, reply.usage)
+        return reply
+
+    async def _within(self, turn: _Turn, step: Awaitable[_T]) -> _T:
+        """A model step within what is left of the turn's deadline."""
+        remaining = turn.deadline - asyncio.get_running_loop().time()
+        try:
+            if remaining <= 0:
+                raise TimeoutError
+            async with asyncio.timeout(remaining):
+                return await step
+        except TimeoutError:
+            if inspect.iscoroutine(step):
+                step.close()
+            raise TurnDeadline(self.turn_timeout_s) from None
+
+    @staticmethod
+    def _count(
+        turn: _Turn, messages: Sequence[Message], reply: str, reported: TokenCount | None
+    ) -> None:
+        if reported is not None:
+            turn.prompt_tokens += reported.prompt
+            turn.completion_tokens += reported.completion
+            return
+        turn.counted = True
+        if not turn.request.count_usage:
+            return  # tokenizing every prompt costs ~0.1 ms per KB; only the OpenAI API needs it
+        turn.prompt_tokens += count_prompt(message.content for message in messages)
+        turn.completion_tokens += count_tokens(reply)
 
     async def _run_call(
         self, turn: _Turn, toolbox: ToolBox, call: ToolCall
@@ -480,6 +655,7 @@ class ChatService:
             turn.confirmation = _pending(turn, tool, call.name, call.arguments, outcome)
         else:
             turn.used_tools.append(tool)
+            turn.tool_results.append((tool, outcome.text, not (outcome.failed or outcome.is_error)))
         if outcome.failed:
             event: ChatEvent = ToolFailed(tool=tool, llm_name=call.name, error=outcome.text)
         else:
@@ -497,7 +673,13 @@ class ChatService:
     ) -> AsyncIterator[ChatEvent]:
         began = time.perf_counter()
         plan = self.detector.plan(turn.query, functions)
-        parts: list[str] = []
+        # Tools the model ran before it failed: the user hears what they did, in words.
+        parts = [
+            (DONE if ok else FAILED)[turn.language].format(
+                tool=tool, result=clip(text, _SPOKEN_RESULT_CHARS)
+            )
+            for tool, text, ok in turn.tool_results
+        ]
         unavailable = toolbox.unavailable_reason
         for intent in plan.intents:
             tool = toolbox.device_tool_name(intent.llm_name)
@@ -535,8 +717,8 @@ class ChatService:
             parts.append(f"{OFFLINE_NOTE[turn.language]}\n{answer}")
         elif question and not plan.intents and not plan.rejected:
             parts.append(extractive_answer(question, turn.results, turn.language))
-        for index, part in enumerate(parts):
-            text = part if index == 0 else "\n\n" + part
+        text = _limited(turn, "\n\n".join(parts))
+        if text:
             turn.answer.append(text)
             yield Token(text=text)
         turn.log_step(
@@ -631,8 +813,9 @@ class ChatService:
         how = "extractive"
         if self.llm is not None and turn.offline_reason is None:
             prompt = prompts.summarize_prompt(turn.language, turn.query, answer)
+            sampling = _with_max_tokens(DETERMINISTIC, 120)
             try:
-                reply = await self.llm.complete([Message("user", prompt)], max_tokens=120)
+                reply = await self._complete(turn, [Message("user", prompt)], None, sampling)
             except LlmError as exc:
                 log.info("chat summary falls back to extractive", error=str(exc))
             else:
@@ -676,6 +859,27 @@ class ChatService:
             steps_ms=dict(turn.steps),
             tool_rounds=turn.tool_rounds,
             answer="".join(turn.answer),
+            finish_reason=turn.finish_reason,
+            usage=self._usage(turn),
+        )
+
+    @staticmethod
+    def _usage(turn: _Turn) -> TurnUsage | None:
+        """The model's own counts of every call of the turn; the tokenizer's where it gave none,
+        and for an answer no model wrote (offline, refused): the question and the answer."""
+        nothing = turn.prompt_tokens == turn.completion_tokens == 0
+        if not turn.request.count_usage and (turn.counted or nothing):
+            return None  # counting is the OpenAI front end's need, not every turn's cost
+        prompt, completion, counted = turn.prompt_tokens, turn.completion_tokens, turn.counted
+        if prompt == 0 and completion == 0:
+            prompt = count_prompt([turn.query])
+            completion = count_tokens("".join(turn.answer))
+            counted = True
+        return TurnUsage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            counted_by="tokenizer" if counted else "provider",
         )
 
 
@@ -718,6 +922,30 @@ def _pending(
 
 def _compact(arguments: dict[str, Any]) -> str:
     return json.dumps(arguments, ensure_ascii=False, separators=(",", ":")) if arguments else ""
+
+
+def _with_max_tokens(sampling: Sampling, max_tokens: int) -> Sampling:
+    if sampling.max_tokens is not None and sampling.max_tokens <= max_tokens:
+        return sampling
+    return dataclasses.replace(sampling, max_tokens=max_tokens)
+
+
+def _limited(turn: _Turn, text: str) -> str:
+    """An answer no model wrote, within the client's `stop` and `max_tokens`."""
+    sampling = turn.request.sampling
+    for stop in sampling.stop:
+        if stop in text:
+            text = text[: text.index(stop)]
+    if sampling.max_tokens is not None:
+        budget = sampling.max_tokens - sum(count_tokens(piece) for piece in turn.answer)
+        cut = cut_to_tokens(text, max(0, budget))
+        if cut != text:
+            text, turn.finish_reason = cut, "length"
+    return text
+
+
+def _history_message(message: StoredMessage) -> Message:
+    return Message(message.role, _without_sources(message.content))
 
 
 def _without_sources(content: str) -> str:

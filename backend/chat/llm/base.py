@@ -59,13 +59,48 @@ class TextDelta:
 
 
 @dataclass(frozen=True, slots=True)
+class Sampling:
+    """How the model samples: each field, when set, goes to the provider as is."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+
+
+ANY_SAMPLING = Sampling()  # the provider's defaults
+# Classification and summaries: the same verdict for the same question on every run.
+DETERMINISTIC = Sampling(temperature=0.0, top_p=1.0, seed=0)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenCount:
+    """Tokens the provider reported for one call."""
+
+    prompt: int
+    completion: int
+
+
+@dataclass(frozen=True, slots=True)
 class Completion:
     text: str
     tool_calls: tuple[ToolCall, ...] = ()
     finish_reason: str | None = None
+    usage: TokenCount | None = None
 
 
-StreamItem = TextDelta | ToolCall
+@dataclass(frozen=True, slots=True)
+class StreamEnd:
+    """The last item of a stream that ended properly (OpenAI's `[DONE]`, Ollama's `done`)."""
+
+    finish_reason: str | None = None
+    usage: TokenCount | None = None
+
+
+StreamItem = TextDelta | ToolCall | StreamEnd
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +123,7 @@ class LlmProvider(Protocol):
         *,
         model: str | None = None,
         tools: Sequence[FunctionSpec] = (),
-        max_tokens: int | None = None,
+        sampling: Sampling = ANY_SAMPLING,
     ) -> Completion:
         """One reply, not streamed. Raises LlmUnavailable / LlmError."""
         ...
@@ -99,9 +134,11 @@ class LlmProvider(Protocol):
         *,
         model: str | None = None,
         tools: Sequence[FunctionSpec] = (),
-        max_tokens: int | None = None,
+        sampling: Sampling = ANY_SAMPLING,
     ) -> AsyncIterator[StreamItem]:
-        """Text deltas as they come, then each finished tool call. Raises like `complete`."""
+        """Text deltas as they come, then each finished tool call, then one `StreamEnd`.
+        A stream cut before its end, or with neither text nor calls, raises LlmUnavailable;
+        otherwise raises like `complete`."""
         ...
 
     async def aclose(self) -> None: ...

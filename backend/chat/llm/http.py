@@ -1,14 +1,24 @@
 """What the HTTP providers share: one httpx client, the request body, error mapping, line
-streaming."""
+streaming, and one retry on a fresh connection.
+
+The retry: model servers (llama.cpp's among them) close a kept-alive connection after a streamed
+reply without saying so; the next request on that pooled connection fails before any byte of an
+answer (`RemoteProtocolError`, `ReadError`). A model call sends nothing that changes state, so it
+is sent once more, on a connection of its own. A timeout is not retried (the model is slow, not
+gone), nor is anything after the answer began.
+"""
 
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import httpx
+import structlog
 
-from backend.chat.llm.base import FunctionSpec, LlmError, LlmUnavailable, Message, Usage
+from backend.chat.llm.base import FunctionSpec, LlmError, LlmUnavailable, Message, Sampling, Usage
 from backend.chat.text import clip
+
+log = structlog.get_logger("chat.llm")
 
 
 class HttpProvider:
@@ -30,16 +40,24 @@ class HttpProvider:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         timeout = httpx.Timeout(timeout_s, connect=min(5.0, timeout_s))
         self._client = httpx.AsyncClient(headers=headers, timeout=timeout, transport=transport)
+        # For the one retry: no pooled connection, so never the one that just failed.
+        self._fresh = httpx.AsyncClient(
+            headers=headers,
+            timeout=timeout,
+            transport=transport,
+            limits=httpx.Limits(max_keepalive_connections=0),
+        )
 
     async def aclose(self) -> None:
         await self._client.aclose()
+        await self._fresh.aclose()
 
     def body(
         self,
         messages: Sequence[Message],
         model: str | None,
         tools: Sequence[FunctionSpec],
-        max_tokens: int | None,
+        sampling: Sampling,
         stream: bool,
     ) -> dict[str, Any]:
         """The request both wire formats share (Ollama takes OpenAI's tool declarations);
@@ -51,19 +69,20 @@ class HttpProvider:
         }
         if tools:
             body["tools"] = [wire_tool(spec) for spec in tools]
-        self.add_options(body, bool(tools), max_tokens)
+        self.add_options(body, bool(tools), sampling)
         return body
 
     @staticmethod
     def wire_message(message: Message) -> dict[str, Any]:
         raise NotImplementedError
 
-    def add_options(self, body: dict[str, Any], tools: bool, max_tokens: int | None) -> None:
+    def add_options(self, body: dict[str, Any], tools: bool, sampling: Sampling) -> None:
         raise NotImplementedError
 
     async def post_json(self, url: str, body: dict[str, Any]) -> Any:
         try:
-            response = await self._client.post(url, json=body)
+            response = await self._send_with_retry(url, body, stream=False)
+            await response.aread()
         except httpx.HTTPError as exc:
             raise self._unreachable(exc) from None
         self._check_status(response.status_code, response.text)
@@ -76,13 +95,29 @@ class HttpProvider:
     async def post_lines(self, url: str, body: dict[str, Any]) -> AsyncIterator[AsyncIterator[str]]:
         """POST and yield the reply's lines as they arrive (SSE or NDJSON)."""
         try:
-            async with self._client.stream("POST", url, json=body) as response:
+            response = await self._send_with_retry(url, body, stream=True)
+            try:
                 if response.status_code >= 400:
                     await response.aread()
                     self._check_status(response.status_code, response.text)
                 yield self._lines(response)
+            finally:
+                await response.aclose()
         except httpx.HTTPError as exc:
             raise self._unreachable(exc) from None
+
+    async def _send_with_retry(
+        self, url: str, body: dict[str, Any], *, stream: bool
+    ) -> httpx.Response:
+        request = self._client.build_request("POST", url, json=body)
+        try:
+            return await self._client.send(request, stream=stream)
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+            log.info(
+                "llm connection dropped, one retry", provider=self.name, error=type(exc).__name__
+            )
+            request = self._fresh.build_request("POST", url, json=body)
+            return await self._fresh.send(request, stream=stream)
 
     async def _lines(self, response: httpx.Response) -> AsyncIterator[str]:
         async for line in response.aiter_lines():

@@ -12,12 +12,17 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from backend.chat.llm.base import (
+    ANY_SAMPLING,
     Completion,
     FunctionSpec,
     LlmError,
+    LlmUnavailable,
     Message,
+    Sampling,
+    StreamEnd,
     StreamItem,
     TextDelta,
+    TokenCount,
     ToolCall,
     tool_call_from_value,
 )
@@ -48,6 +53,13 @@ class _Reply(BaseModel):
     done: bool = False
     done_reason: str | None = None
     error: str | None = None
+    prompt_eval_count: int | None = None
+    eval_count: int | None = None
+
+    def usage(self) -> TokenCount | None:
+        if self.prompt_eval_count is None and self.eval_count is None:
+            return None
+        return TokenCount(self.prompt_eval_count or 0, self.eval_count or 0)
 
 
 class OllamaProvider(HttpProvider):
@@ -57,9 +69,18 @@ class OllamaProvider(HttpProvider):
     def url(self) -> str:
         return f"{self.base_url}/api/chat"
 
-    def add_options(self, body: dict[str, Any], tools: bool, max_tokens: int | None) -> None:
-        if max_tokens is not None:
-            body["options"] = {"num_predict": max_tokens}
+    def add_options(self, body: dict[str, Any], tools: bool, sampling: Sampling) -> None:
+        options: dict[str, Any] = {}
+        if sampling.max_tokens is not None:
+            options["num_predict"] = sampling.max_tokens
+        for name in ("temperature", "top_p", "seed", "frequency_penalty", "presence_penalty"):
+            value = getattr(sampling, name)
+            if value is not None:
+                options[name] = value
+        if sampling.stop:
+            options["stop"] = list(sampling.stop)
+        if options:
+            body["options"] = options
 
     @staticmethod
     def wire_message(message: Message) -> dict[str, Any]:
@@ -82,12 +103,12 @@ class OllamaProvider(HttpProvider):
         *,
         model: str | None = None,
         tools: Sequence[FunctionSpec] = (),
-        max_tokens: int | None = None,
+        sampling: Sampling = ANY_SAMPLING,
     ) -> Completion:
-        data = await self.post_json(self.url, self.body(messages, model, tools, max_tokens, False))
+        data = await self.post_json(self.url, self.body(messages, model, tools, sampling, False))
         reply = _parse(data)
         message = reply.message or _ReplyMessage()
-        return Completion(message.content, _calls(message, 0), reply.done_reason)
+        return Completion(message.content, _calls(message, 0), reply.done_reason, reply.usage())
 
     async def stream(
         self,
@@ -95,10 +116,12 @@ class OllamaProvider(HttpProvider):
         *,
         model: str | None = None,
         tools: Sequence[FunctionSpec] = (),
-        max_tokens: int | None = None,
+        sampling: Sampling = ANY_SAMPLING,
     ) -> AsyncIterator[StreamItem]:
         calls: list[ToolCall] = []
-        body = self.body(messages, model, tools, max_tokens, True)
+        body = self.body(messages, model, tools, sampling, True)
+        end: StreamEnd | None = None
+        said = False
         async with self.post_lines(self.url, body) as lines:
             async for line in lines:
                 try:
@@ -107,12 +130,19 @@ class OllamaProvider(HttpProvider):
                     raise LlmError("ollama: a stream line is not JSON") from None
                 if reply.message is not None:
                     if reply.message.content:
+                        said = True
                         yield TextDelta(reply.message.content)
                     calls.extend(_calls(reply.message, len(calls)))
                 if reply.done:
+                    end = StreamEnd(reply.done_reason, reply.usage())
                     break
+        if end is None:
+            raise LlmUnavailable('ollama: the stream ended before "done" (the answer was cut)')
+        if not said and not calls:
+            raise LlmUnavailable("ollama: the model answered nothing (no text, no tool call)")
         for call in calls:
             yield call
+        yield end
 
 
 def _parse(data: Any) -> _Reply:

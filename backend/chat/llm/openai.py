@@ -2,6 +2,8 @@
 
 Works with OpenAI, Groq, vLLM, LM Studio, llama.cpp server and Ollama's `/v1`. Tool-call
 `arguments` arrive as a JSON *string*; streamed calls come as SSE deltas joined by `index`.
+Streams ask for `stream_options.include_usage`: the token counts arrive in a last chunk with no
+choices. A stream is complete only with `data: [DONE]`; one cut before it is a failure.
 """
 
 import json
@@ -11,12 +13,17 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from backend.chat.llm.base import (
+    ANY_SAMPLING,
     Completion,
     FunctionSpec,
     LlmError,
+    LlmUnavailable,
     Message,
+    Sampling,
+    StreamEnd,
     StreamItem,
     TextDelta,
+    TokenCount,
     ToolCallBuilder,
     tool_call_from_text,
 )
@@ -49,9 +56,19 @@ class _Choice(BaseModel):
     finish_reason: str | None = None
 
 
+class _Usage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def count(self) -> TokenCount:
+        return TokenCount(self.prompt_tokens, self.completion_tokens)
+
+
 class _Reply(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    choices: list[_Choice]
+    choices: list[_Choice] = []
+    usage: _Usage | None = None
 
 
 class OpenAiProvider(HttpProvider):
@@ -62,11 +79,21 @@ class OpenAiProvider(HttpProvider):
         base = self.base_url
         return f"{base}/chat/completions" if base.endswith("/v1") else f"{base}/v1/chat/completions"
 
-    def add_options(self, body: dict[str, Any], tools: bool, max_tokens: int | None) -> None:
+    def add_options(self, body: dict[str, Any], tools: bool, sampling: Sampling) -> None:
         if tools:
             body["tool_choice"] = "auto"
-        if max_tokens is not None:
-            body["max_tokens"] = max_tokens
+        if body["stream"]:
+            body["stream_options"] = {"include_usage": True}
+        for name in ("max_tokens", "temperature", "top_p", "seed"):
+            value = getattr(sampling, name)
+            if value is not None:
+                body[name] = value
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(sampling, name)
+            if value is not None:
+                body[name] = value
+        if sampling.stop:
+            body["stop"] = list(sampling.stop)
 
     @staticmethod
     def wire_message(message: Message) -> dict[str, Any]:
@@ -78,7 +105,7 @@ class OpenAiProvider(HttpProvider):
             }
         wire: dict[str, Any] = {"role": message.role, "content": message.content}
         if message.tool_calls:
-            wire["content"] = message.content or None
+            # "" rather than null: some OpenAI-compatible servers answer null with HTTP 500.
             wire["tool_calls"] = [
                 {
                     "id": call.id,
@@ -95,9 +122,9 @@ class OpenAiProvider(HttpProvider):
         *,
         model: str | None = None,
         tools: Sequence[FunctionSpec] = (),
-        max_tokens: int | None = None,
+        sampling: Sampling = ANY_SAMPLING,
     ) -> Completion:
-        data = await self.post_json(self.url, self.body(messages, model, tools, max_tokens, False))
+        data = await self.post_json(self.url, self.body(messages, model, tools, sampling, False))
         reply = _parse(data)
         if not reply.choices or reply.choices[0].message is None:
             raise LlmError("openai: the reply has no choices[0].message")
@@ -111,7 +138,8 @@ class OpenAiProvider(HttpProvider):
             )
             for index, call in enumerate(choice.message.tool_calls or ())
         )
-        return Completion(choice.message.content or "", calls, choice.finish_reason)
+        usage = reply.usage.count() if reply.usage is not None else None
+        return Completion(choice.message.content or "", calls, choice.finish_reason, usage)
 
     async def stream(
         self,
@@ -119,27 +147,35 @@ class OpenAiProvider(HttpProvider):
         *,
         model: str | None = None,
         tools: Sequence[FunctionSpec] = (),
-        max_tokens: int | None = None,
+        sampling: Sampling = ANY_SAMPLING,
     ) -> AsyncIterator[StreamItem]:
         builders: dict[int, ToolCallBuilder] = {}
-        body = self.body(messages, model, tools, max_tokens, True)
+        body = self.body(messages, model, tools, sampling, True)
+        done = said = False
+        finish: str | None = None
+        usage: TokenCount | None = None
         async with self.post_lines(self.url, body) as lines:
             async for line in lines:
                 if not line.startswith("data:"):
                     continue  # SSE comments, event names, keep-alives
                 payload = line[5:].strip()
                 if payload == "[DONE]":
+                    done = True
                     break
                 try:
                     chunk = _parse(json.loads(payload))
                 except ValueError:
                     raise LlmError("openai: a stream chunk is not JSON") from None
+                if chunk.usage is not None:
+                    usage = chunk.usage.count()
                 if not chunk.choices:
                     continue
+                finish = chunk.choices[0].finish_reason or finish
                 delta = chunk.choices[0].delta
                 if delta is None:
                     continue
                 if delta.content:
+                    said = True
                     yield TextDelta(delta.content)
                 for position, piece in enumerate(delta.tool_calls or ()):
                     index = piece.index if piece.index is not None else position
@@ -151,8 +187,13 @@ class OpenAiProvider(HttpProvider):
                             builder.name = piece.function.name
                         if piece.function.arguments:
                             builder.fragments.append(piece.function.arguments)
+        if not done:
+            raise LlmUnavailable("openai: the stream ended before [DONE] (the answer was cut)")
+        if not said and not builders:
+            raise LlmUnavailable("openai: the model answered nothing (no text, no tool call)")
         for index in sorted(builders):
             yield builders[index].finish(f"call_{index}")
+        yield StreamEnd(finish, usage)
 
 
 def _parse(data: Any) -> _Reply:
