@@ -21,6 +21,7 @@ BENCHMARKS = (
     "mqtt",
     "mqtt_churn",
     "ota",
+    "vision",
     "voice",
     "firmware_memory",
 )

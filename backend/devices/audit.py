@@ -6,9 +6,11 @@ when, who (`actor`: `key:<id>` for an API key, `admin` for the admin token, `cha
 `device:<id>` for a chat turn or a device's own conversation), which device and tool, the
 SHA-256 of the arguments (canonical JSON; the arguments themselves are not kept: they may hold
 personal data), the outcome (`ok`, `tool_error`, `error`, `refused`), the error class, whether
-the call was confirmed, and how long it took. Rows are digested and written off the call path,
-batched, at most every `flush_interval_s`; past `max_buffer` unwritten rows (a database that stopped
-answering) new ones are counted as `dropped` rather than kept.
+the call was confirmed, and how long it took. Photo uploads to the bridge's vision endpoint get a
+row each too (`record_upload`: tool `vision.explain`, the upload's size in `bytes`; never the
+image). Rows are digested and written off the call path, batched, at most every
+`flush_interval_s`; past `max_buffer` unwritten rows (a database that stopped answering) new
+ones are counted as `dropped` rather than kept.
 """
 
 import contextlib
@@ -46,6 +48,7 @@ AUDIT_MIGRATIONS = (
         CREATE INDEX audit_log_device ON audit_log (device_id, id);
         """,
     ),
+    Migration("audit", 2, "ALTER TABLE audit_log ADD COLUMN bytes INTEGER;"),
 )
 
 
@@ -73,6 +76,7 @@ class AuditEntry:
     error: str | None
     confirmed: bool
     duration_ms: float
+    bytes: int | None = None  # the size of a photo upload (None for tool calls)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -86,6 +90,7 @@ class AuditEntry:
             "error": self.error,
             "confirmed": self.confirmed,
             "duration_ms": self.duration_ms,
+            "bytes": self.bytes,
         }
 
 
@@ -139,8 +144,28 @@ class AuditLog:
                 detail.get("error"),
                 int(bool(detail.get("confirmed"))),
                 float(detail.get("duration_ms", 0.0)),
+                None,
             )
         )
+        self._writer.wake()
+
+    def record_upload(
+        self,
+        device_id: str,
+        *,
+        tool: str,
+        question: str,
+        size: int,
+        outcome: str,
+        error: str | None,
+        duration_ms: float,
+    ) -> None:
+        """One row for a device's upload (its size and outcome; the question only digested)."""
+        if len(self._buffer) >= self._max_buffer:
+            self.dropped += 1
+            return
+        row = (time.time(), f"device:{device_id}", device_id, tool, {"question": question})
+        self._buffer.append((*row, outcome, error, 0, duration_ms, size))
         self._writer.wake()
 
     async def flush(self) -> None:
@@ -192,6 +217,7 @@ class AuditLog:
                 row["error"],
                 bool(row["confirmed"]),
                 row["duration_ms"],
+                row["bytes"],
             )
             for row in rows
         ]
@@ -212,6 +238,6 @@ def _digested(row: tuple[Any, ...]) -> tuple[Any, ...]:
 def _insert(c: sqlite3.Connection, rows: list[tuple[Any, ...]]) -> None:
     c.executemany(
         "INSERT INTO audit_log (at, actor, device_id, tool, arguments_sha256, outcome, error,"
-        " confirmed, duration_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        " confirmed, duration_ms, bytes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         rows,
     )

@@ -95,6 +95,7 @@ class DeviceSession:
         settings: Settings,
         timeouts: TimeoutPolicy | None = None,
         log_budgets: DeviceBudgets | None = None,
+        vision: Callable[[str], dict[str, str] | None] | None = None,
     ) -> None:
         identity = link.identity
         self.link = link
@@ -108,7 +109,9 @@ class DeviceSession:
         self.mcp = McpClient(
             self._send_mcp,
             timeouts=timeouts if timeouts is not None else timeout_policy(settings),
-            vision=_vision_capability(settings),
+            vision=(
+                vision(identity.device_id) if vision is not None else _vision_capability(settings)
+            ),
             on_tools_changed=self._on_tools_changed,
             on_violation=self._cut_off_for,
             log=self._log,

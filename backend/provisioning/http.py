@@ -11,9 +11,10 @@ stock firmware's HTTP client follows no redirect):
 - `GET /xiaozhi/ota/firmware/<board>/<version>`: a published release, with Content-Length and
   `X-Firmware-SHA256`. The board and version only select a release by exact match; the file
   sent is that release's stored artifact (`FirmwareReleases.open`), never a path built from
-  the request.
+  the request;
+- `POST /vision/explain`: a camera board's photo upload (`backend.vision.http`, docs/vision.md).
 
-Bodies are capped at 16 KiB (413) before they are parsed; anything but a JSON object is 400.
+OTA bodies are capped at 16 KiB (413) before they are parsed; anything but a JSON object is 400.
 Concurrent connections are capped by the listener (`device_http_max_connections`, 503 past it).
 """
 
@@ -30,6 +31,8 @@ from starlette.routing import Route
 
 from backend.provisioning.ota import MAX_BODY_BYTES
 from backend.provisioning.service import Answer, Provisioning, refusal
+from backend.vision.http import explain
+from backend.vision.service import VISION_PATH
 
 HEALTH_TEXT = "OTA endpoint of esp32-mcp-bridge: POST the device's system info here.\n"
 _JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
@@ -75,7 +78,10 @@ def device_app(service: Provisioning) -> Starlette:
             _chunks(reader), media_type="application/octet-stream", headers=headers
         )
 
-    routes = []
+    async def vision(request: Request) -> Response:
+        return await explain(service.vision, request)
+
+    routes = [Route(VISION_PATH, vision, methods=["POST"])]
     for prefix in (base, f"{base}enroll/{{code}}/"):
         routes += [
             Route(prefix, check, methods=["POST"]),

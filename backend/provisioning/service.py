@@ -19,6 +19,10 @@ The OTA answer for a device (protocol reference §5.2):
 
 `device_auth = "shared"` (development) hands every device the shared token without activation;
 `"off"` hands out no token at all.
+
+The listener also serves the bridge's vision endpoint (`backend.vision`, docs/vision.md); each
+device learns its URL and its own token in MCP `initialize` (`vision_capability`), the URL built
+from the host the device last reached the OTA endpoint at.
 """
 
 import asyncio
@@ -26,6 +30,7 @@ import contextlib
 import re
 import socket
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +65,7 @@ from backend.provisioning.tokens import SECRET_FILE
 from backend.storage import Database, Migration
 from backend.transports.admission import HandshakeRefused, normalize_device_id
 from backend.transports.mqtt_topics import TopicError
+from backend.vision.service import VISION_PATH, UploadAudit, VisionService
 
 log = structlog.get_logger("provisioning")
 
@@ -68,6 +74,7 @@ REVOKED = "device credentials revoked"
 REQUEST_HEAD_S = 10.0  # a device-side HTTP connection must start each request within this
 _HOSTNAME = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]{1,253})$")
 _WILDCARDS = ("", "0.0.0.0", "::")
+MAX_REMEMBERED_HOSTS = 10_000  # the OTA Host of this many devices, for their vision URL
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +104,7 @@ class Provisioning:
         mqtt_endpoint: Callable[[str], str | None] = lambda _hostname: None,
         created: list[Path] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        audit: UploadAudit | None = None,
     ) -> None:
         self.settings = settings
         self.registry = registry
@@ -124,6 +132,8 @@ class Provisioning:
         self._mqtt_warned = False
         # Refusals a stranger can cause at line rate: a few are logged, then one count a minute.
         self._refusals = LogBudget(log, burst=5, interval_s=60.0)
+        self.vision = VisionService(settings, secret.encode(), self.store, audit=audit, clock=clock)
+        self._device_hosts: OrderedDict[str, str] = OrderedDict()
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -167,6 +177,7 @@ class Provisioning:
             self._server.should_exit = True
             await self._server_task
             self._server = None
+        await self.vision.aclose()
 
     @property
     def http_port(self) -> int:
@@ -179,6 +190,24 @@ class Provisioning:
         host = self.settings.device_http_host
         host = "127.0.0.1" if host in _WILDCARDS else host
         return f"http://{_url_host(host)}:{self.http_port}{self.settings.ota_path}"
+
+    def vision_capability(self, device_id: str) -> dict[str, str] | None:
+        """`capabilities.vision` of the device's MCP initialize: the external `vision_url` (and
+        its one `vision_token`) when set, else this listener's endpoint and the device's own
+        token (None before the listener is up)."""
+        settings = self.settings
+        if settings.vision_url:
+            vision = {"url": settings.vision_url}
+            if settings.vision_token is not None:
+                vision["token"] = settings.vision_token.get_secret_value()
+            return vision
+        if self._socket is None:
+            return None
+        host = self._device_hosts.get(device_id) or self._hostname(None)
+        return {
+            "url": f"http://{host}:{self.http_port}{VISION_PATH}",
+            "token": self.vision.token_for(device_id),
+        }
 
     def enrollment_url(self, code: str) -> str:
         """The OTA URL that enrols a device with `code` (set it as the device's OTA URL)."""
@@ -235,6 +264,7 @@ class Provisioning:
         }
         if mode != "device":
             self.registry.reported(headers.device_id, headers.client_id, info)
+            self._remember_host(headers.device_id, host)
             self._add_firmware(answer, headers.device_id, info, host)
             token = "" if mode == "off" or self._shared_token is None else self._shared_token
             answer["websocket"] = proto.websocket_section(self._websocket_url(host), token)
@@ -244,6 +274,7 @@ class Provisioning:
         if device is None:
             return self._pending_answer(headers, info, answer)
         self.registry.reported(headers.device_id, headers.client_id, info)
+        self._remember_host(headers.device_id, host)  # only the approved device's own Host
         token = await self.store.deliver(device)
         self._add_firmware(answer, headers.device_id, info, host)
         answer.update(self._credentials(device, headers, token, host))
@@ -343,6 +374,17 @@ class Provisioning:
         key = device_key(headers.device_id, headers.client_id, checked=checked)
         limited = self.limits.device_refusal(kind, key)
         return None if limited is None else refusal(429, limited, **{"Retry-After": "10"})
+
+    def _remember_host(self, device_id: str, host: str | None) -> None:
+        """The host the device reached us at: its vision URL uses it (a bounded table). Only
+        for a request that passed the Client-Id check: a stranger's Host must never send a
+        device's photos and token elsewhere."""
+        if not host:
+            return
+        self._device_hosts[device_id] = self._hostname(host)
+        self._device_hosts.move_to_end(device_id)
+        while len(self._device_hosts) > MAX_REMEMBERED_HOSTS:
+            self._device_hosts.popitem(last=False)
 
     @property
     def _shared_token(self) -> str | None:

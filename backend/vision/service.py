@@ -1,0 +1,225 @@
+"""`VisionService`: who may upload a photo, how much and how often, and what the model says.
+
+Tokens: a device's vision token is `vtk_` + URL-safe base64 of HMAC-SHA256(the bridge's
+credential secret, "vision-token", device id, generation), so nothing is stored and re-approving
+a device (a new generation) changes it. It is neither the admin token nor the device's transport
+token: it only lets that device upload photos. With `device_auth = "device"` the device must also
+be approved with the Client-Id it sends.
+
+An upload is answered with JSON, which the firmware hands to the model verbatim as the tool's
+result (protocol reference §4.5): `{"success": true, "text": ...}` with the model's answer, or
+`{"success": false, "text": ...}` with a sentence the assistant can say (no vision model
+configured, the model failed). Requests that are not a good upload get 400/401/413/415/429 with
+`{"success": false, "error": ...}`.
+"""
+
+import base64
+import hashlib
+import hmac
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import httpx
+import structlog
+
+from backend.config import Settings
+from backend.provisioning.ratelimit import host_of
+from backend.provisioning.tokens import bare_token
+from backend.transports.admission import HandshakeRefused, normalize_device_id
+from backend.transports.throttle import ExemptNetworks, KeyedLimiter
+from backend.vision.model import VisionFailed, VisionModel
+from backend.vision.upload import Upload
+
+log = structlog.get_logger("vision")
+
+VISION_PATH = "/vision/explain"
+TOKEN_PREFIX = "vtk_"
+AUDIT_TOOL = "vision.explain"
+NO_MODEL = (
+    "I took the photo, but no vision model is configured on the bridge, so I cannot tell what is "
+    "in it. An administrator can set one up."
+)
+MODEL_FAILED = "I took the photo, but the vision model did not answer, so I cannot describe it."
+
+
+class DeviceDirectory(Protocol):
+    """What the provisioning store tells about a device (its credentials' generation)."""
+
+    def device(self, device_id: str) -> Any: ...
+
+    def approved_for(self, device_id: str, client_id: str | None) -> Any: ...
+
+
+class UploadAudit(Protocol):
+    def record_upload(
+        self,
+        device_id: str,
+        *,
+        tool: str,
+        question: str,
+        size: int,
+        outcome: str,
+        error: str | None,
+        duration_ms: float,
+    ) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class VisionAnswer:
+    status: int
+    body: dict[str, Any]
+    headers: dict[str, str] = field(default_factory=dict)
+    device_id: str | None = None  # the Device-Id a refused upload claimed (for the audit row)
+
+
+def refused(status: int, message: str, **headers: str) -> VisionAnswer:
+    return VisionAnswer(status, {"success": False, "error": message}, headers)
+
+
+@dataclass(frozen=True, slots=True)
+class Uploader:
+    """A device whose token checked out."""
+
+    device_id: str
+    client_id: str | None
+
+
+class VisionService:
+    def __init__(
+        self,
+        settings: Settings,
+        secret: bytes,
+        devices: DeviceDirectory,
+        *,
+        audit: UploadAudit | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.settings = settings
+        self.max_bytes = settings.vision_max_bytes
+        self._secret = secret
+        self._devices = devices
+        self.audit = audit
+        by_ip, by_device = settings.rate_limits["vision_ip"], settings.rate_limits["vision_device"]
+        self._ip_limit = KeyedLimiter(by_ip.per_s, by_ip.burst, clock=clock)
+        self._device_limit = KeyedLimiter(by_device.per_s, by_device.burst, clock=clock)
+        self._exempt = ExemptNetworks(settings.rate_limit_exempt)
+        self.model: VisionModel | None = None
+        if settings.vision_base_url:
+            key = settings.vision_api_key
+            self.model = VisionModel(
+                settings.vision_base_url,
+                settings.vision_model,
+                key.get_secret_value() if key is not None else None,
+                settings.vision_timeout_s,
+                transport=transport,
+            )
+
+    async def aclose(self) -> None:
+        if self.model is not None:
+            await self.model.aclose()
+
+    # ---- tokens --------------------------------------------------------------------------------
+
+    def token_for(self, device_id: str) -> str:
+        device = self._devices.device(device_id)
+        generation = device.generation if device is not None else 0
+        message = f"vision-token\0{device_id}\0{generation}".encode()
+        digest = hmac.new(self._secret, message, hashlib.sha256).digest()
+        return TOKEN_PREFIX + base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
+    # ---- an upload, step by step ---------------------------------------------------------------
+
+    def admit(self, headers: dict[str, str | None], remote: str | None) -> Uploader | VisionAnswer:
+        """Address limit, then the token, then the device's own limit (a stranger with a wrong
+        token never spends the device's budget)."""
+        ip = host_of(remote)
+        if ip is not None and ip not in self._exempt and not self._ip_limit.allow(ip):
+            return refused(429, "too many uploads from this address; slow down", **_RETRY)
+        try:
+            device_id = normalize_device_id(headers.get("device_id"))
+        except HandshakeRefused as exc:
+            return refused(401, f"{exc.reason}: the vision token is checked against it")
+        client_id = (headers.get("client_id") or "").strip() or None
+        problem = self._token_problem(device_id, client_id, headers.get("authorization"))
+        if problem is not None:
+            return replace(refused(401, problem, **_CHALLENGE), device_id=device_id)
+        if not self._device_limit.allow(device_id):
+            answer = refused(429, "too many uploads from this device; slow down", **_RETRY)
+            return replace(answer, device_id=device_id)
+        return Uploader(device_id, client_id)
+
+    def _token_problem(
+        self, device_id: str, client_id: str | None, authorization: str | None
+    ) -> str | None:
+        token = bare_token(authorization)
+        if not token:
+            return "missing Authorization: Bearer <vision token>"
+        if not hmac.compare_digest(token.encode(), self.token_for(device_id).encode()):
+            return "the vision token is not this device's"
+        if (
+            self.settings.device_auth == "device"
+            and self._devices.approved_for(device_id, client_id) is None
+        ):
+            return "this device is not approved (or not with this Client-Id)"
+        return None
+
+    async def explain(self, who: Uploader, upload: Upload) -> VisionAnswer:
+        """The model's answer to the upload (200 either way: the device reads out the text)."""
+        if self.model is None:
+            return VisionAnswer(200, {"success": False, "text": NO_MODEL})
+        try:
+            text = await self.model.describe(upload.question, upload.image, upload.media_type)
+        except VisionFailed as exc:
+            log.warning("vision model failed", device_id=who.device_id, reason=str(exc))
+            return VisionAnswer(200, {"success": False, "text": MODEL_FAILED})
+        return VisionAnswer(200, {"success": True, "text": text})
+
+    def record(
+        self,
+        device_id: str | None,
+        *,
+        question: str,
+        size: int,
+        answer: VisionAnswer,
+        started: float,
+    ) -> None:
+        """An audit row and a log line for the upload (never the image, never the token)."""
+        duration_ms = (time.monotonic() - started) * 1000
+        outcome = _outcome(answer)
+        error = answer.body.get("error") if answer.status != 200 else None
+        if answer.status == 200 and not answer.body.get("success"):
+            error = "no vision model" if answer.body.get("text") == NO_MODEL else "model failed"
+        log.info(
+            "vision upload",
+            device_id=device_id,
+            bytes=size,
+            status=answer.status,
+            outcome=outcome,
+            duration_ms=round(duration_ms, 1),
+        )
+        if self.audit is not None and device_id is not None:
+            self.audit.record_upload(
+                device_id,
+                tool=AUDIT_TOOL,
+                question=question,
+                size=size,
+                outcome=outcome,
+                error=error,
+                duration_ms=duration_ms,
+            )
+
+
+_RETRY = {"Retry-After": "10"}
+_CHALLENGE = {"WWW-Authenticate": 'Bearer realm="vision"'}
+_OUTCOMES = {401: "unauthorized", 413: "too_large", 415: "not_image", 429: "refused"}
+
+
+def _outcome(answer: VisionAnswer) -> str:
+    if answer.status == 200:
+        if answer.body.get("success"):
+            return "ok"
+        return "no_model" if answer.body.get("text") == NO_MODEL else "error"
+    return _OUTCOMES.get(answer.status, "bad_request")
