@@ -514,7 +514,9 @@ async def list_all_tools(session: CallSession) -> list[Tool]:
         result = await session.list_tools(params=params)
         for item in result.tools:
             try:
-                tool = Tool.model_validate(item.model_dump(by_alias=True, mode="json"))
+                tool = Tool.model_validate(
+                    item.model_dump(by_alias=True, mode="json", exclude_none=True)
+                )
             except ValueError as exc:
                 log.warning("mcp server tool skipped", tool=str(item.name)[:80], error=str(exc))
                 continue

@@ -11,6 +11,7 @@ Every external call is audited like a device call (one `tool_called` registry ev
 into the turn: failures come back as an error `ToolOutcome` the model is told about.
 """
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
@@ -71,6 +72,11 @@ class CombinedToolBox:
             # Shown for intent detection when alone, as a lone DeviceToolBox does.
             return external or self.device_box.functions()
         return self.device_box.functions() + external
+
+    def external_functions(self) -> list[FunctionSpec]:
+        """The external servers' functions alone: ChatService offers them on every turn that
+        passed the guardrail, while a device's tools wait for a turn about the device."""
+        return self._external_functions()
 
     def _external_functions(self) -> list[FunctionSpec]:
         device = self._callable_device_functions()
@@ -161,6 +167,9 @@ class CombinedToolBox:
         except McpServerError as exc:
             error = type(exc).__name__
             return ToolOutcome(f"error: {exc}", is_error=True, failed=True)
+        except asyncio.CancelledError:  # the turn went away (client gone, bridge stopping)
+            error = "cancelled"
+            raise
         except Exception as exc:  # a bug below: the turn goes on, the log keeps the traceback
             error = type(exc).__name__
             log.warning("mcp server call failed", server=server.name, tool=tool_name, exc_info=True)
