@@ -84,8 +84,8 @@ async def test_ddgs_adapter_parses_real_html_over_http(canned: CannedDdg) -> Non
     search = DdgsSearch(timeout_s=3, backend="fakeddg")
     results = await search.search("how often floss", 5)
     assert [(r.title, r.link, r.origin) for r in results] == [
-        ("Flossing daily", "https://example.org/floss", "web"),
-        ("Brushing", "https://example.org/brush", "web"),
+        ("Flossing daily", "https://example.org/floss", "duckduckgo"),
+        ("Brushing", "https://example.org/brush", "duckduckgo"),
     ]
     assert results[0].content == "Floss once a day to clean between teeth."
     assert b"q=how+often+floss" in canned.forms[0]

@@ -108,7 +108,11 @@ _KB_SCHEMA: dict[str, Any] = {
 SEARCH_TOOLS = [
     types.Tool(
         name=WEB_SEARCH,
-        description="Search the web with DuckDuckGo; title, content and link per result.",
+        # The seed's name; it searches with the configured providers (search_providers).
+        description=(
+            "Search the web (the bridge's search providers in their configured order, "
+            "DuckDuckGo by default); title, content and link per result."
+        ),
         input_schema=_QUERY_SCHEMA,
         annotations=types.ToolAnnotations(read_only_hint=True, open_world_hint=True),
     ),

@@ -30,11 +30,15 @@ from backend.chat.memory import (
 )
 from backend.chat.search import (
     DdgsSearch,
+    FallbackSearch,
+    GoogleSearch,
     KnowledgeBase,
     SearchFailed,
     SearchResult,
+    SearxngSearch,
     WebSearch,
     format_results,
+    web_search_from_settings,
 )
 from backend.chat.service import (
     MAX_QUERY_CHARS,
@@ -56,6 +60,8 @@ __all__ = [
     "DdgsSearch",
     "DeviceToolBox",
     "Done",
+    "FallbackSearch",
+    "GoogleSearch",
     "Guardrail",
     "InputMessage",
     "KnowledgeBase",
@@ -63,6 +69,7 @@ __all__ = [
     "NoTools",
     "SearchFailed",
     "SearchResult",
+    "SearxngSearch",
     "SourceItem",
     "Sources",
     "SqliteMemoryStore",
@@ -80,4 +87,5 @@ __all__ = [
     "collect",
     "format_results",
     "parse_event",
+    "web_search_from_settings",
 ]
