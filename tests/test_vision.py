@@ -486,3 +486,34 @@ async def test_a_flood_of_bad_tokens_does_not_spend_the_devices_budget(
     for _ in range(5):
         assert (await upload(bridge, token="vtk_guess")).status == 401
     assert (await upload(bridge)).status == 200
+
+
+async def test_a_flood_from_one_address_is_limited_whatever_device_it_claims(
+    bridge_factory: Callable[..., Any],
+) -> None:
+    bridge = await bridge_factory(
+        rate_limit_exempt=[], rate_limits={"vision_ip": {"per_s": 0.01, "burst": 2}}
+    )
+    devices = [f"a4:cf:00:00:00:{index:02x}" for index in range(4)]
+    statuses = [(await upload(bridge, device_id=device)).status for device in devices]
+    assert statuses == [200, 200, 429, 429]  # 200: no model configured, the sentence
+
+
+async def test_the_vision_token_never_reaches_the_logs(
+    bridge_factory: Callable[..., Any], model: FakeVisionModel
+) -> None:
+    from structlog.testing import capture_logs
+
+    bridge = await bridge_factory(vision_base_url=model.url, vision_api_key="vision-key")
+    device = WireDevice(bridge.ws_url, DEVICE_TOKEN, MAC)
+    with capture_logs() as logs:
+        await device.connect()
+        try:
+            await wait_state(bridge, MAC)
+            assert (await upload(bridge)).status == 200
+            assert (await upload(bridge, token="vtk_wrong-guess")).status == 401
+        finally:
+            await device.close()
+    assert any(entry.get("event") == "vision upload" for entry in logs)
+    for secret in (token_of(bridge), "vtk_wrong-guess", "vision-key"):
+        assert secret not in repr(logs)
