@@ -228,7 +228,8 @@ async def test_only_keys_with_the_servers_scope_get_its_tools(bridge_factory, fa
     fake_llm.script("chat", Reply(calls=[FakeCall("fake__echo", {"text": "x"})]), Reply("No."))
     async with client(bridge, key) as http:
         events = await stream(http, {"message": "Echo x"})
-    assert all(e["status"] == "error" for e in tool_events(events))
+    failed = tool_events(events)[-1]
+    assert failed["status"] == "error" and "no function 'fake__echo'" in failed["error"]
     assert not any(row["outcome"] == "ok" for row in await _admin_audit(bridge))
 
 
