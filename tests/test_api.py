@@ -29,7 +29,12 @@ async def test_admin_routes_need_the_admin_token(bridge, authorization, method, 
         response = await client.request(method, path, json={"name": "x"})
     assert response.status_code == 401
     assert response.json() == {
-        "error": {"code": "unauthorized", "message": "missing or invalid admin token"}
+        "error": {
+            "message": "missing or invalid admin token",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "unauthorized",
+        }
     }
 
 

@@ -1,13 +1,19 @@
-"""The admin API against its own OpenAPI description, with schemathesis: generated requests to
-every documented operation of a real `esp32-bridge serve` (with one simulated device), checked
-for no 500 and for errors in the `{"error": {"code", "message"}}` shape.
+"""The HTTP API against its own OpenAPI description, with schemathesis: the `schemathesis run`
+CLI over the whole document of a real `esp32-bridge serve` (with one simulated device), every
+phase (examples, coverage, fuzzing, stateful) and every check schemathesis has, plus the API's
+own error shape (tests/schemathesis_hooks.py): no 500, every status and content type and header
+documented, responses matching their schemas, bad input refused, unsupported methods 405 with
+`Allow`, auth not ignored, a deleted resource gone.
 
+Each check left out for an operation is listed in SCHEMATHESIS_CONFIG with the reason.
 `SCHEMATHESIS_EXAMPLES` sets the examples per operation (a few in the default run).
 """
 
 import json
 import os
+import re
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,8 +22,6 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, settings
-from schemathesis.checks import not_a_server_error
 
 from simulator.fleet import device_id_for
 from tests.helpers import ADMIN_TOKEN, CLI, DEVICE_TOKEN
@@ -37,6 +41,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         "BRIDGE_DEVICE_AUTH": "shared",
         "BRIDGE_LLM_PROVIDER": "none",  # chat routes answer offline: no model, no internet
         "BRIDGE_SEARCH_ENABLED": "false",
+        "BRIDGE_VOICE_ENABLED": "false",
     }
     serve = [*CLI, "serve", "--data-dir", str(data_dir), "--ws-port", "0", "--http-port", "0"]
     serve += ["--device-http-port", "0"]
@@ -84,41 +89,102 @@ def api_schema(served: str) -> Any:
     return schemathesis.openapi.from_url(f"{served}/openapi.json")
 
 
-def error_shape(ctx: Any, response: Any, case: Any) -> None:
-    """Every error is `{"error": {"code": str, "message": str}}`."""
-    if response.status_code < 400:
-        return
-    where = (
-        f"{case.method} {case.formatted_path} -> {response.status_code}: {response.text[:200]!r}"
+# Checks left out, each for the operations it cannot apply to, and why. Everything else runs
+# everywhere. `positive_data_acceptance` expects every request the schema allows to succeed
+# (or be 404/409); these operations refuse some schema-valid requests for reasons a JSON Schema
+# cannot say, and answer 422 (400 under /v1) with a message saying which.
+SCHEMATHESIS_CONFIG = """
+# Every check schemathesis 4 has (`--checks all` on the command line would override the
+# per-operation lines below). max_response_time is left at its default (off): no timing
+# thresholds in tests.
+[checks]
+not_a_server_error.enabled = true
+status_code_conformance.enabled = true
+content_type_conformance.enabled = true
+response_schema_conformance.enabled = true
+response_headers_conformance.enabled = true
+positive_data_acceptance.enabled = true
+negative_data_rejection.enabled = true
+use_after_free.enabled = true
+ensure_resource_availability.enabled = true
+missing_required_header.enabled = true
+ignored_auth.enabled = true
+object_level_authorization.enabled = true
+unsupported_method.enabled = true
+allow_header_conformance.enabled = true
+openai_error_shape.enabled = true
+
+# Ids that exist, so generated requests reach past the lookup (the coverage phase still sends
+# ids that do not).
+[parameters]
+"path.device_id" = "{device_id}"
+"path.model" = "dental-duckduckgo"
+
+# The file must exist in the bridge's firmware folder: state, not shape.
+[[operations]]
+include-path = "/api/firmware"
+include-method = "POST"
+checks.positive_data_acceptance.enabled = false
+
+# A version already published is refused (unpublish first), and the image must be readable.
+[[operations]]
+include-path = "/api/firmware/{{board}}/{{version}}"
+include-method = "PUT"
+checks.positive_data_acceptance.enabled = false
+
+# The question is the *last* user message, which must hold text (not only spaces) and
+# at most 4,000 characters (context_length_exceeded): a rule over the order of array items.
+[[operations]]
+include-path = "/v1/chat/completions"
+checks.positive_data_acceptance.enabled = false
+
+# A serial number is 1 to 64 *printable* characters after stripping (str.isprintable: no
+# control, format, private-use or unassigned character), a Unicode-category rule that the
+# document's regex dialect cannot say portably; the length is in the schema.
+[[operations]]
+include-path = "/api/provisioning/serial-keys/{{serial}}"
+include-method = "PUT"
+checks.positive_data_acceptance.enabled = false
+
+# A scope is a known name or mcp:<server>; the list of scopes is being widened by the
+# external MCP servers work (backend/keys/store.py) and the schema says it in words only.
+[[operations]]
+include-path = "/api/keys"
+include-method = "POST"
+checks.positive_data_acceptance.enabled = false
+"""
+
+
+def test_schemathesis_finds_nothing_over_the_whole_document(served: str, tmp_path: Path) -> None:
+    config = tmp_path / "schemathesis.toml"
+    config.write_text(SCHEMATHESIS_CONFIG.format(device_id=device_id_for(1)))
+    run = [
+        str(Path(sys.executable).with_name("schemathesis")),
+        "--config-file",
+        str(config),
+        "--no-color",
+        "run",
+        f"{served}/openapi.json",
+        "--phases",
+        "examples,coverage,fuzzing,stateful",
+        "--max-examples",
+        str(EXAMPLES),
+        "--generation-deterministic",
+        "--workers",
+        "1",
+        "--header",
+        f"Authorization: Bearer {ADMIN_TOKEN}",
+    ]
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.schemathesis_hooks"}
+    result = subprocess.run(
+        run, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900, check=False
     )
-    try:
-        body = response.json()
-    except ValueError:
-        raise AssertionError(f"not JSON: {where}") from None
-    error = body.get("error") if isinstance(body, dict) else None
-    assert isinstance(error, dict), where
-    assert isinstance(error.get("code"), str) and isinstance(error.get("message"), str), where
-
-
-def test_no_500_and_every_error_in_one_shape(api_schema: Any, served: str) -> None:
-    operations = [result.ok() for result in api_schema.get_all_operations()]
-    assert len(operations) >= 8
-    for operation in operations:
-
-        @given(case=operation.as_strategy())
-        @settings(
-            max_examples=EXAMPLES,
-            deadline=None,
-            suppress_health_check=list(HealthCheck),
-            derandomize=True,
-            database=None,
-        )
-        def check(case: Any) -> None:
-            case.call_and_validate(
-                base_url=served, headers=AUTH, checks=[not_a_server_error, error_shape]
-            )
-
-        check()
+    report = result.stdout + result.stderr
+    assert result.returncode == 0, report[-20000:]
+    tested = re.search(r"Tested:\s+(\d+)", report)  # every operation reached, none skipped
+    selected = re.search(r"Selected:\s+(\d+)/(\d+)", report)
+    assert tested and selected, report[-3000:]
+    assert int(tested[1]) == int(selected[1]) == int(selected[2]) >= 30, report[-3000:]
 
 
 def test_the_schema_covers_the_admin_routes(api_schema: Any) -> None:

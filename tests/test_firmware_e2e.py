@@ -181,6 +181,8 @@ async def check_refusals(
         "code": "invalid_arguments",
         "message": f"invalid arguments for '{SET_VOLUME}': "
         "volume: 101 is greater than the maximum of 100",
+        "type": "invalid_request_error",
+        "param": None,
     }
     # Every stock argument error is caught that way. The device's own check answers only when the
     # bridge cannot check: a tool whose schema is not valid JSON Schema is left to the device
@@ -197,6 +199,8 @@ async def check_refusals(
     assert response.json()["error"] == {
         "code": "device_error",
         "message": "Value exceeds maximum allowed: 100",  # the stock firmware's text
+        "type": "server_error",
+        "param": None,
     }
     assert (await status(api, device_id))["audio_speaker"] == {"volume": 42}
     assert not any("volume = 101" in line for line in firmware.lines)

@@ -1,27 +1,40 @@
 """Admin API: list devices (live and remembered) and their tools, call a tool, forget a device.
 
 Bearer admin token or API key on every route but `/healthz`, each route requiring its scope
-(backend/api/scopes.py); errors are JSON `{"error": {"code", "message"}}` with the status and
-code of `backend.api.errors.ERROR_TABLE`. The front ends (keys, chat, `/mcp`) come in as extra
-routers and routes from the bridge.
+(backend/api/scopes.py); errors are OpenAI's JSON `{"error": {"message", "type", "param",
+"code"}}` with the status and code of `backend.api.errors.ERROR_TABLE` (400 for any bad request
+under `/v1`). The front ends (keys, chat, `/mcp`) come in as extra routers and routes from the
+bridge. The OpenAPI document lists every error status of each route with that schema; CORS is
+off unless `cors_origins` lists origins.
 """
 
 import json
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Annotated, Any
 
 import structlog
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import BaseRoute, Route
+from starlette.routing import BaseRoute, Match, Route
 
 from backend import __version__
-from backend.api.errors import http_status
+from backend.api.errors import (
+    ErrorBody,
+    error_body,
+    error_headers,
+    error_response,
+    errors,
+    http_status,
+    openai_status,
+    param_of,
+)
 from backend.api.gate import OPEN_PATHS, AdminGate
+from backend.api.openapi import add_checked_constraints
 from backend.api.scopes import actor_of, needs, principal_of
 from backend.devices import DeviceRegistry, DeviceState
 from backend.devices.registry import LIVE_STATES, is_user_only, iso_time
@@ -38,10 +51,11 @@ CALL_PATH = "/api/devices/{device_id}/tools/call"
 class ApiError(Exception):
     """An HTTP-level refusal (auth, request shape) with its own status and code."""
 
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(self, status: int, code: str, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
+        self.param = param  # the request field at fault, as OpenAI's error.param
 
 
 class ToolCallRequest(BaseModel):
@@ -87,15 +101,26 @@ def create_app(
     resolve_key: Callable[[str], Principal | None] | None = None,
     routers: Iterable[APIRouter] = (),
     routes: Iterable[BaseRoute] = (),
+    cors_origins: Iterable[str] = (),
 ) -> FastAPI:
     """The HTTP API; every route but the open ones sits behind `AdminGate`, which resolves
-    the admin token and (with `resolve_key`) API keys to principals."""
+    the admin token and (with `resolve_key`) API keys to principals. With `cors_origins`, a
+    browser page from those origins may call it (the preflight needs no key; the call does)."""
     app = FastAPI(title="esp32-mcp-bridge admin API", version=__version__)
     _install_error_handlers(app)
     app.add_middleware(
         AdminGate, admin_token=admin_token, max_body_bytes=max_body_bytes, resolve_key=resolve_key
     )
-    _declare_bearer_auth(app)
+    origins = list(cors_origins)
+    if origins:  # added last, so outermost: it answers preflights before the gate asks for a key
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=origins,
+            allow_methods=["GET", "POST", "PUT", "DELETE"],
+            allow_headers=["Authorization", "Content-Type"],
+            expose_headers=["X-Conversation-Id", "Retry-After"],
+        )
+    _describe(app)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
@@ -118,17 +143,17 @@ def create_app(
         page = registry.listing(states=states, after=cursor, limit=limit)
         return DeviceList(devices=page.devices, next_cursor=page.next_cursor, total=page.total)
 
-    @app.get("/api/devices/{device_id}")
+    @app.get("/api/devices/{device_id}", responses=errors(404))
     async def get_device(device_id: str, principal: Reader) -> dict[str, Any]:
         principal.require_read(device_id)
         return registry.summary(device_id)
 
-    @app.delete("/api/devices/{device_id}", status_code=204)
+    @app.delete("/api/devices/{device_id}", status_code=204, responses=errors(404, 409, 503))
     async def forget_device(device_id: str, _admin: Admin) -> Response:
         registry.forget(device_id)
         return Response(status_code=204)
 
-    @app.get("/api/devices/{device_id}/tools")
+    @app.get("/api/devices/{device_id}/tools", responses=errors(404))
     async def list_tools(
         device_id: str,
         principal: Reader,
@@ -168,7 +193,10 @@ def create_app(
         try:
             call = _CALL_REQUEST.validate_json(await request.body())
         except ValidationError as exc:  # names no call: not audited, answered 422
-            raise ApiError(422, "invalid_request", _first_error(exc)) from None
+            first = exc.errors(include_url=False)[0]
+            raise ApiError(
+                422, "invalid_request", _first_error(exc), param=param_of(first["loc"])
+            ) from None
         try:
             device = registry.require(device_id)
         except BridgeError as exc:
@@ -204,6 +232,7 @@ def create_app(
     @app.post(
         CALL_PATH,
         response_model=ToolCallResponse,
+        responses=errors(404, 409, 422, 428, 429, 502, 503, 504),
         openapi_extra={
             "requestBody": {
                 "required": True,
@@ -262,59 +291,125 @@ def _first_error(exc: ValidationError) -> str:
     return f"{where}: {first['msg']}" if where else first["msg"]
 
 
-def _declare_bearer_auth(app: FastAPI) -> None:
-    """Say in the OpenAPI description that every route but the open ones needs the token."""
+def _describe(app: FastAPI) -> None:
+    """Make the OpenAPI document say what the routes do: every route but the open ones needs
+    the token, and each operation lists the errors every guarded route can answer (401, 403,
+    413 with a body, 400 or 422 for bad input, 500) in the one error schema, in place of
+    FastAPI's own 422 schema, which this API never sends."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
             return app.openapi_schema
         schema = build()
-        schema.setdefault("components", {})["securitySchemes"] = {
-            "bearer": {"type": "http", "scheme": "bearer"}
-        }
+        components = schema.setdefault("components", {})
+        components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        schemas = components.setdefault("schemas", {})
+        for unused in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(unused, None)
+        error_schema = ErrorBody.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(error_schema.pop("$defs", {}))
+        schemas["ErrorBody"] = error_schema
         for path, operations in schema.get("paths", {}).items():
-            if path in OPEN_PATHS:
-                continue
             for operation in operations.values():
-                operation["security"] = [{"bearer": []}]
+                _describe_operation(path, operation)
+        add_checked_constraints(schema)
         app.openapi_schema = schema
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
 
 
+def _describe_operation(path: str, operation: dict[str, Any]) -> None:
+    responses: dict[str, Any] = operation.setdefault("responses", {})
+    statuses = {500}
+    if path not in OPEN_PATHS:
+        operation["security"] = [{"bearer": []}]
+        statuses |= {401, 403}
+    takes_input = "requestBody" in operation or bool(operation.get("parameters"))
+    openai = path.startswith("/v1/")
+    if takes_input or "422" in responses:
+        # Under /v1 every bad request is 400; elsewhere a lone surrogate is 400, the rest 422.
+        statuses |= {400} if openai else {400, 422}
+    if openai:
+        responses.pop("422", None)
+    if "requestBody" in operation:
+        statuses.add(413)
+    for status in sorted(statuses):
+        answer = error_response(status)
+        declared = responses.setdefault(str(status), {"description": answer["description"]})
+        declared["content"] = {
+            "application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}
+        }
+        if "headers" in answer:
+            declared["headers"] = answer["headers"]
+
+
 _JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
 
-def _error(status: int, code: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)
+def _error(
+    request: Request,
+    status: int,
+    code: str,
+    message: str,
+    param: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
+    status, code = openai_status(request.url.path, status, code)
+    return JSONResponse(
+        error_body(status, code, message, param),
+        status_code=status,
+        headers={**error_headers(status), **(headers or {})},
+    )
+
+
+def _allowed_methods(app: FastAPI, request: Request) -> list[str]:
+    """Every method some route takes at this path (a path may have a route per method, and
+    included routers hide theirs), found by asking each route whether it takes the method."""
+    return [
+        method
+        for method in _METHODS
+        if any(
+            route.matches({**request.scope, "method": method})[0] == Match.FULL
+            for route in app.router.routes
+        )
+    ]
+
+
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
 
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        return _error(exc.status, exc.code, str(exc))
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return _error(request, exc.status, exc.code, str(exc), exc.param)
 
     @app.exception_handler(BridgeError)
-    async def bridge_error(_request: Request, exc: BridgeError) -> JSONResponse:
+    async def bridge_error(request: Request, exc: BridgeError) -> JSONResponse:
         status, code = http_status(exc)
-        return _error(status, code, str(exc))
+        return _error(request, status, code, str(exc))
 
     @app.exception_handler(RequestValidationError)
-    async def bad_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"] if part != "body")
+        param = param_of(first["loc"])
+        where = param or ""
         if first["type"] == "string_unicode":  # a lone surrogate: invalid text, as chat says
-            return _error(400, "invalid_text", f"{where}: a lone surrogate is not Unicode text")
-        return _error(422, "invalid_request", f"{where}: {first['msg']}" if where else first["msg"])
+            message = f"{where}: a lone surrogate is not Unicode text"
+            return _error(request, 400, "invalid_text", message, param)
+        message = f"{where}: {first['msg']}" if where else first["msg"]
+        return _error(request, 422, "invalid_request", message, param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(exc.status_code, "http_error", str(exc.detail))
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # Starlette's Allow names the first route's methods only
+            headers["Allow"] = ", ".join(_allowed_methods(app, request))
+        return _error(request, exc.status_code, "http_error", str(exc.detail), None, headers)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         # A bug: logged with its traceback, answered in the API's one error shape.
         log.error("unexpected error in the admin API", path=request.url.path, exc_info=exc)
-        return _error(500, "internal_error", "internal error (logged by the bridge)")
+        return _error(request, 500, "internal_error", "internal error (logged by the bridge)")

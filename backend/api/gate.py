@@ -9,13 +9,18 @@ for the routes, which each require their scope (backend/api/scopes.py). The gate
 request bodies: a declared `Content-Length` over the cap is refused at once (413), a streamed
 body is cut off the moment it passes the cap. The one exception is a firmware upload
 (`PUT /api/firmware/<board>/<version>` by an admin principal), capped at `upload_bytes`
-instead. Refusals use the API's JSON error shape.
+instead. Refusals use the API's JSON error shape (OpenAI's, backend/api/errors.py).
+
+`/.well-known/...` needs no token either: MCP clients probe
+`/.well-known/oauth-protected-resource` before they send a key, and a 401 there would tell them
+to look for an OAuth server this bridge does not have; no route answers it, so it is 404.
 """
 
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from backend.api.errors import error_body, error_headers, openai_status
 from backend.auth import token_matches
 from backend.keys.store import Principal, admin_principal
 
@@ -27,6 +32,7 @@ AsgiApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # Readable without a token: health for probes, and the API's own description.
 OPEN_PATHS = frozenset({"/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+OPEN_PREFIX = "/.well-known/"  # public metadata by definition (RFC 8615)
 # Front ends used with API keys rather than the admin token (only the 401 message differs).
 KEY_PATHS = ("/v1/", "/mcp", "/api/chat/")
 PRINCIPAL = "principal"
@@ -73,18 +79,18 @@ class AdminGate:
         headers = _headers(scope)
         path: str = scope["path"]
         limit = self._max_body_bytes
-        if path not in OPEN_PATHS:
+        if path not in OPEN_PATHS and not path.startswith(OPEN_PREFIX):
             principal = self.principal(headers.get(b"authorization", b"").decode("latin-1"))
             if principal is None:
                 what = "API key" if path.startswith(KEY_PATHS) else "admin token"
-                await _refuse(send, 401, "unauthorized", f"missing or invalid {what}")
+                await _refuse(send, path, 401, "unauthorized", f"missing or invalid {what}")
                 return
             scope.setdefault("state", {})[PRINCIPAL] = principal
             if principal.is_admin and scope["method"] == "PUT" and path.startswith(UPLOAD_PREFIX):
                 limit = self._upload_bytes
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            await _refuse(send, 413, "body_too_large", self._too_large(limit))
+            await _refuse(send, path, 413, "body_too_large", self._too_large(limit))
             return
         capped = _CappedReceive(receive, limit)
         started = False
@@ -94,7 +100,7 @@ class AdminGate:
             if capped.exceeded:  # the app answered a body it could not read (FastAPI: 400)
                 if not started:
                     started = True
-                    await _refuse(send, 413, "body_too_large", self._too_large(limit))
+                    await _refuse(send, path, 413, "body_too_large", self._too_large(limit))
                 return
             started = True
             await send(message)
@@ -103,7 +109,7 @@ class AdminGate:
             await self.app(scope, capped, watched_send)
         except BodyTooLarge:
             if not started:
-                await _refuse(send, 413, "body_too_large", self._too_large(limit))
+                await _refuse(send, path, 413, "body_too_large", self._too_large(limit))
 
     @staticmethod
     def _too_large(limit: int) -> str:
@@ -135,13 +141,13 @@ def _headers(scope: Scope) -> dict[bytes, bytes]:
     return {name.lower(): value for name, value in scope["headers"]}
 
 
-async def _refuse(send: Send, status: int, code: str, message: str) -> None:
-    body = json.dumps({"error": {"code": code, "message": message}}).encode()
+async def _refuse(send: Send, path: str, status: int, code: str, message: str) -> None:
+    status, code = openai_status(path, status, code)
+    body = json.dumps(error_body(status, code, message)).encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
     ]
-    if status == 401:
-        headers.append((b"www-authenticate", b"Bearer"))
+    headers += [(k.lower().encode(), v.encode()) for k, v in error_headers(status).items()]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

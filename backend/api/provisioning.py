@@ -23,8 +23,11 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import Path as PathParam
+from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, Field
 
+from backend.api.errors import errors
 from backend.api.scopes import actor_of, needs
 from backend.devices.audit import AuditLog
 from backend.keys import Principal, Scope
@@ -33,6 +36,15 @@ from backend.provisioning.service import Provisioning
 from backend.transports.mqtt_credentials import mosquitto_password_file
 
 Admin = Annotated[Principal, Depends(needs(Scope.ADMIN))]
+# The checks of backend/firmware/releases.py (check_board, check_version) and of the serial key
+# store, said in the schema; the code's own checks stay, with their messages.
+BOARD_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"
+VERSION_PATTERN = r"^[0-9]{1,9}(\.[0-9]{1,9}){0,3}$"
+Board = Annotated[str, PathParam(json_schema_extra={"pattern": BOARD_PATTERN})]
+Version = Annotated[str, PathParam(json_schema_extra={"pattern": VERSION_PATTERN})]
+Serial = Annotated[
+    str, PathParam(min_length=1, max_length=64, description="1 to 64 printable characters")
+]
 TransportName = Literal["websocket", "mqtt"]
 
 
@@ -53,13 +65,26 @@ class EnrollmentRequest(BaseModel):
 
 
 class SerialKeyRequest(BaseModel):
-    key: str = Field(min_length=32, max_length=128, pattern="^[0-9A-Fa-f]+$")
+    key: str = Field(
+        min_length=32,
+        max_length=128,
+        pattern="^[0-9A-Fa-f]+$",
+        # Whole bytes: the route's own check (with its message) refuses an odd count.
+        json_schema_extra={"pattern": "^([0-9A-Fa-f]{2})+$"},
+    )
 
 
 class PublishRequest(BaseModel):
-    board: str = Field(min_length=1, max_length=64)
-    version: str = Field(min_length=1, max_length=40)
-    path: str = Field(min_length=1, max_length=4096)
+    board: str = Field(min_length=1, max_length=64, json_schema_extra={"pattern": BOARD_PATTERN})
+    version: str = Field(
+        min_length=1, max_length=40, json_schema_extra={"pattern": VERSION_PATTERN}
+    )
+    path: str = Field(
+        min_length=1,
+        max_length=4096,
+        description="a file inside the bridge's firmware folder: relative to it, or an absolute"
+        " path that resolves (symlinks followed) inside it; anything else is 422",
+    )
 
 
 def provisioning_router(service: Provisioning, audit: AuditLog) -> APIRouter:
@@ -70,7 +95,7 @@ def provisioning_router(service: Provisioning, audit: AuditLog) -> APIRouter:
     async def pending(_admin: Admin) -> dict[str, Any]:
         return {"pending": store.pending_json()}
 
-    @router.post("/api/provisioning/approve")
+    @router.post("/api/provisioning/approve", responses=errors(404, 409, 503))
     async def approve(body: ApproveRequest, principal: Admin) -> dict[str, Any]:
         device = await service.approve(
             body.target, by=actor_of(principal), transport=body.transport
@@ -81,17 +106,17 @@ def provisioning_router(service: Provisioning, audit: AuditLog) -> APIRouter:
     async def devices(_admin: Admin) -> dict[str, Any]:
         return {"devices": [device.to_json() for device in store.devices()]}
 
-    @router.post("/api/provisioning/devices/{device_id}/revoke")
+    @router.post("/api/provisioning/devices/{device_id}/revoke", responses=errors(404, 503))
     async def revoke(device_id: str, principal: Admin) -> dict[str, Any]:
         return (await service.revoke(device_id, by=actor_of(principal))).to_json()
 
-    @router.put("/api/provisioning/devices/{device_id}/transport")
+    @router.put("/api/provisioning/devices/{device_id}/transport", responses=errors(404, 503))
     async def set_transport(
         device_id: str, body: TransportRequest, _admin: Admin
     ) -> dict[str, Any]:
         return (await store.set_transport(device_id, body.transport)).to_json()
 
-    @router.post("/api/provisioning/enrollment-codes", status_code=201)
+    @router.post("/api/provisioning/enrollment-codes", status_code=201, responses=errors(503))
     async def create_enrollment(body: EnrollmentRequest, _admin: Admin) -> dict[str, Any]:
         enrollment, code = await store.create_enrollment(
             body.name, uses=body.uses, ttl_s=body.ttl_s, transport=body.transport
@@ -102,7 +127,7 @@ def provisioning_router(service: Provisioning, audit: AuditLog) -> APIRouter:
     async def enrollments(_admin: Admin) -> dict[str, Any]:
         return {"enrollment_codes": [e.to_json() for e in store.enrollments()]}
 
-    @router.delete("/api/provisioning/enrollment-codes/{enrollment_id}")
+    @router.delete("/api/provisioning/enrollment-codes/{enrollment_id}", responses=errors(404, 503))
     async def revoke_enrollment(enrollment_id: str, _admin: Admin) -> dict[str, Any]:
         return (await store.revoke_enrollment(enrollment_id)).to_json()
 
@@ -110,33 +135,51 @@ def provisioning_router(service: Provisioning, audit: AuditLog) -> APIRouter:
     async def serial_keys(_admin: Admin) -> dict[str, Any]:
         return {"serial_numbers": store.serial_numbers()}
 
-    @router.put("/api/provisioning/serial-keys/{serial}", status_code=204)
-    async def set_serial_key(serial: str, body: SerialKeyRequest, _admin: Admin) -> Response:
+    @router.put("/api/provisioning/serial-keys/{serial}", status_code=204, responses=errors(503))
+    async def set_serial_key(serial: Serial, body: SerialKeyRequest, _admin: Admin) -> Response:
         if len(body.key) % 2:
             raise InvalidInput("the key must be an even number of hex digits")
         await store.set_serial_key(serial, bytes.fromhex(body.key))
         return Response(status_code=204)
 
-    @router.delete("/api/provisioning/serial-keys/{serial}", status_code=204)
-    async def remove_serial_key(serial: str, _admin: Admin) -> Response:
+    @router.delete(
+        "/api/provisioning/serial-keys/{serial}", status_code=204, responses=errors(404, 503)
+    )
+    async def remove_serial_key(serial: Serial, _admin: Admin) -> Response:
         await store.remove_serial_key(serial)
         return Response(status_code=204)
 
-    @router.get("/api/provisioning/mosquitto-passwd")
+    @router.get("/api/provisioning/mosquitto-passwd", response_class=PlainTextResponse)
     async def mosquitto_passwd(_admin: Admin) -> Response:
         logins = store.broker_logins()
         text = mosquitto_password_file(logins) if logins else ""
         return Response(text, media_type="text/plain")
 
-    @router.post("/api/firmware", status_code=201)
+    @router.post("/api/firmware", status_code=201, responses=errors(422))
     async def publish(body: PublishRequest, _admin: Admin) -> dict[str, Any]:
         if "\x00" in body.path:
             raise InvalidRelease("the path contains a NUL character")
         release = await service.releases.publish(body.board, body.version, Path(body.path))
         return release.to_json()
 
-    @router.put("/api/firmware/{board}/{version}", status_code=201)
-    async def upload(board: str, version: str, request: Request, _admin: Admin) -> dict[str, Any]:
+    @router.put(
+        "/api/firmware/{board}/{version}",
+        status_code=201,
+        responses=errors(422),
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/octet-stream": {
+                        "schema": {"type": "string", "format": "binary", "minLength": 1}
+                    }
+                },
+            }
+        },
+    )
+    async def upload(
+        board: Board, version: Version, request: Request, _admin: Admin
+    ) -> dict[str, Any]:
         # The gate lets an admin's body here reach 32 MiB; the store streams it to disk.
         release = await service.releases.upload(board, version, request.stream())
         return release.to_json()
@@ -145,11 +188,11 @@ def provisioning_router(service: Provisioning, audit: AuditLog) -> APIRouter:
     async def releases(_admin: Admin) -> dict[str, Any]:
         return {"releases": [release.to_json() for release in service.releases.releases()]}
 
-    @router.delete("/api/firmware/{board}/{version}")
-    async def unpublish(board: str, version: str, _admin: Admin) -> dict[str, Any]:
+    @router.delete("/api/firmware/{board}/{version}", responses=errors(404))
+    async def unpublish(board: Board, version: Version, _admin: Admin) -> dict[str, Any]:
         return (await service.releases.unpublish(board, version)).to_json()
 
-    @router.get("/api/audit")
+    @router.get("/api/audit", responses=errors(503))
     async def audit_entries(
         _admin: Admin,
         device_id: str | None = None,

@@ -248,7 +248,11 @@ class FirmwareReleases:
                 f"only files inside the firmware folder ({self.directory}) can be published;"
                 " upload the file instead (esp32-bridge firmware publish does)"
             )
-        if not resolved.is_file():
+        try:
+            is_file = resolved.is_file()
+        except OSError:  # a name too long for the file system (ENAMETOOLONG) names no file
+            is_file = False
+        if not is_file:
             raise InvalidRelease(f"no such file in the firmware folder: {str(source)[:200]}")
         if resolved.relative_to(root).parts[0] == UPLOADS:
             raise InvalidRelease("files of uploads in progress cannot be published")

@@ -1,0 +1,38 @@
+"""Schemathesis hooks for tests/test_api_schemathesis.py (loaded by the CLI through
+`SCHEMATHESIS_HOOKS=tests.schemathesis_hooks`): the API's own error shape as one more check."""
+
+from typing import Any
+
+import schemathesis
+
+FIELDS = {"message", "type", "param", "code"}
+TYPES = {
+    "invalid_request_error",
+    "permission_error",
+    "not_found_error",
+    "rate_limit_error",
+    "server_error",
+}
+
+
+@schemathesis.check
+def openai_error_shape(ctx: Any, response: Any, case: Any) -> None:
+    """Every error is `{"error": {"message", "type", "param", "code"}}` (OpenAI's shape), and
+    under /v1 a refused request is never 422 (the openai SDKs expect 400)."""
+    if response.status_code < 400:
+        return
+    where = (
+        f"{case.method} {case.formatted_path} -> {response.status_code}: {response.text[:200]!r}"
+    )
+    try:
+        body = response.json()
+    except ValueError:
+        raise AssertionError(f"not JSON: {where}") from None
+    error = body.get("error") if isinstance(body, dict) else None
+    assert isinstance(body, dict) and set(body) == {"error"}, where
+    assert isinstance(error, dict) and set(error) == FIELDS, where
+    assert isinstance(error["message"], str) and isinstance(error["code"], str), where
+    assert error["type"] in TYPES, where
+    assert error["param"] is None or isinstance(error["param"], str), where
+    if case.path.startswith("/v1/"):
+        assert response.status_code != 422, where
