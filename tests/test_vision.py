@@ -335,6 +335,7 @@ async def test_chunked_oversize_is_413_at_the_chunk_that_crosses_the_cap(
     answer = await send_raw(url_of(bridge), head, endless())
 
     assert answer.status == 413
+    assert answer.headers["connection"] == "close"  # the rest of the body is not read
     assert model.requests == []
     (row,) = await audit_rows(bridge)
     assert row["outcome"] == "too_large"
@@ -409,6 +410,7 @@ async def test_an_upload_that_stalls_is_given_up(
 
     answer = await send_raw(url_of(bridge), head, stalls())
     assert answer.status == 408
+    assert answer.headers["connection"] == "close"
     assert "did not arrive" in json.loads(answer.body)["error"]
 
 

@@ -4,6 +4,7 @@
 The body is read as it arrives: refused at once when its Content-Length is over the cap, and at
 the chunk that crosses the cap when it is chunked (stock firmware sends it chunked), so no more
 than `vision_max_bytes` is ever held. A body that stalls is given up after `BODY_DEADLINE_S`.
+Every refusal closes the connection (stock firmware opens one per photo).
 """
 
 import asyncio
@@ -55,11 +56,16 @@ async def explain(service: VisionService, request: Request) -> Response:
             answer = await service.explain(admitted, upload)
         size = reader.size if reader is not None else 0
     service.record(device_id, question=question, size=size, answer=answer, started=started)
+    headers = dict(answer.headers)
+    if answer.status != 200:
+        # The rest of a refused body may still be coming: without this, the connection would
+        # read (and drop) it until it ends, holding a slot of the listener meanwhile.
+        headers["Connection"] = "close"
     return Response(
         _JSON.encode(answer.body),
         status_code=answer.status,
         media_type="application/json",
-        headers=answer.headers or None,
+        headers=headers,
     )
 
 
