@@ -72,11 +72,12 @@ def kinds(events: list[dict[str, Any]]) -> list[str]:
 
 async def test_completion_with_the_official_client(client, http, fake_llm):
     raw = await client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=[{"role": "user", "content": QUESTION}]
+        model=MODEL, messages=[{"role": "user", "content": QUESTION}], store=True
     )
     completion = raw.parse()
     conversation_id = completion.system_fingerprint
     assert conversation_id and raw.headers["x-conversation-id"] == conversation_id
+    assert completion.model_extra == {"conversation_id": conversation_id}
     assert completion.model == MODEL and completion.object == "chat.completion"
     [choice] = completion.choices
     assert choice.finish_reason == "stop" and choice.message.role == "assistant"
@@ -123,9 +124,9 @@ async def test_streamed_completion_with_the_official_client(client, llm_bridge):
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert text.startswith(ANSWER + "\n\nSources:\n1. ")
     assert len(chunks) > 4  # the answer arrives piece by piece
-    [conversation_id] = {c.system_fingerprint for c in chunks}
-    stored = await llm_bridge.frontends.memory.get(conversation_id, with_messages=True)
-    assert stored.messages[1].content == text
+    # No chat_id, no store: the client keeps its own history and nothing is stored.
+    assert {c.system_fingerprint for c in chunks} == {"fp_esp32_bridge"}
+    assert (await llm_bridge.frontends.memory.list_conversations(limit=5)).total == 0
 
 
 async def test_stream_ends_with_done_marker(llm_bridge, http):
@@ -133,7 +134,7 @@ async def test_stream_ends_with_done_marker(llm_bridge, http):
     async with http.stream("POST", "/v1/chat/completions", json=body) as response:
         events = await sse_events(response)
     assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "stop"
-    assert response.headers["x-conversation-id"] == events[0]["system_fingerprint"]
+    assert "x-conversation-id" not in response.headers  # nothing stored without chat_id/store
 
 
 async def test_models_and_unknown_model(client):
@@ -159,10 +160,12 @@ async def test_models_and_unknown_model(client):
         ),
     ],
 )
-async def test_malformed_completion_requests_are_422(http, fake_llm, body, fragment):
+async def test_malformed_completion_requests_are_400(http, fake_llm, body, fragment):
     response = await http.post("/v1/chat/completions", json=body)
-    assert response.status_code == 422, response.text
-    assert response.json()["error"]["code"] == "invalid_request"
+    assert response.status_code == 400, response.text  # OpenAI's status: BadRequestError
+    too_long = "4,000" in fragment
+    code = "context_length_exceeded" if too_long else "invalid_request"
+    assert response.json()["error"]["code"] == code
     assert fragment in response.json()["error"]["message"]
     assert not fake_llm.requests
 

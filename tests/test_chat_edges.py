@@ -108,7 +108,9 @@ async def test_a_device_text_turn_with_a_lone_surrogate_is_answered(
 
 
 def long_summary(number: int) -> str:
-    return f"Summary {number}: " + "the patient asked about brushing and flossing. " * 25
+    # ~720 characters in 107 words: longer than the 600-character bound, within the 120 tokens
+    # a summary may take (the fake model honours max_tokens, a word a token)
+    return f"Summary {number}: " + "the patient asked about brushing and flossing. " * 15
 
 
 async def test_the_summary_and_the_prompt_stay_bounded_over_many_turns(

@@ -15,6 +15,7 @@ from typing import Any
 
 from backend.chat.llm.base import Message
 from backend.chat.offline import extractive_summary
+from backend.chat.prompts import SOURCES_HEADING
 from backend.chat.text import Language, clip
 
 MAX_INSTRUCTIONS_CHARS = 4000
@@ -65,7 +66,7 @@ def _as_message(turn: ClientTurn) -> Message:
         return Message("assistant", f"({label} result: {clip(turn.text, _TOOL_TEXT_CHARS)})")
     if turn.role == "assistant":
         calls = [_call_text(call) for call in turn.tool_calls]
-        text = "\n".join(part for part in (turn.text, *calls) if part)
+        text = "\n".join(part for part in (without_sources(turn.text), *calls) if part)
         return Message("assistant", text)
     return Message("user", turn.text)
 
@@ -88,3 +89,12 @@ def _summary(older: Sequence[Message], language: Language) -> str:
         for message in older
     ]
     return "\n".join(lines)
+
+
+def without_sources(content: str) -> str:
+    """An answer without the sources section the bridge appended (the model never wrote it)."""
+    for heading in SOURCES_HEADING.values():
+        cut = content.rfind("\n\n" + heading)
+        if cut != -1:
+            return content[:cut]
+    return content

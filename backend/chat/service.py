@@ -27,7 +27,7 @@ from backend.chat.confirm import (
     answer_kind,
     question,
 )
-from backend.chat.context import ClientTurn, client_context
+from backend.chat.context import ClientTurn, client_context, without_sources
 from backend.chat.events import (
     ChatEvent,
     Done,
@@ -206,6 +206,7 @@ class _Turn:
     completion_tokens: int = 0
     counted: bool = False  # some usage counted by the tokenizer, not reported by the model
     deadline: float = float("inf")  # loop time
+    spoken: str = ""  # the answer without its sources section, once complete
 
     @property
     def conversation_id(self) -> str | None:
@@ -383,6 +384,7 @@ class ChatService:
         stored = bool(answer) and await self._store(turn, full, sources)
         if stored:
             await self._summarize(turn, answer)
+        turn.spoken = answer
         turn.answer = [full]
         yield Done(metadata=self._metadata(turn, verdict, stored=stored, sources=sources))
 
@@ -477,6 +479,8 @@ class ChatService:
         assert self.llm is not None
         unavailable = toolbox.unavailable_reason if turn.about_device else None
         offered = list(toolbox.functions()) if turn.about_device and unavailable is None else []
+        if not offered:  # external MCP servers' tools are not device tools (backend/mcp_servers)
+            offered = list(getattr(toolbox, "external_functions", list)())
         if unavailable is not None:
             failed = self._unavailable_event(turn, toolbox, functions, unavailable)
             if failed is not None:
@@ -557,6 +561,9 @@ class ChatService:
         assert self.llm is not None
         budget = self._answer_budget(turn)
         sampling = _with_max_tokens(turn.request.sampling, budget)
+        # The model counts with its own tokenizer: the bridge cuts only a server that clearly
+        # ignores max_tokens (one that keeps talking), with room for the tokenizers to differ.
+        budget += budget // 2 + 8
         stream = self.llm.stream(messages, tools=tools, sampling=sampling)
         said: list[str] = []
         calls: list[ToolCall] = []
@@ -873,7 +880,7 @@ class ChatService:
         prompt, completion, counted = turn.prompt_tokens, turn.completion_tokens, turn.counted
         if prompt == 0 and completion == 0:
             prompt = count_prompt([turn.query])
-            completion = count_tokens("".join(turn.answer))
+            completion = count_tokens(turn.spoken or "".join(turn.answer))
             counted = True
         return TurnUsage(
             prompt_tokens=prompt,
@@ -945,15 +952,7 @@ def _limited(turn: _Turn, text: str) -> str:
 
 
 def _history_message(message: StoredMessage) -> Message:
-    return Message(message.role, _without_sources(message.content))
-
-
-def _without_sources(content: str) -> str:
-    for heading in prompts.SOURCES_HEADING.values():
-        cut = content.rfind("\n\n" + heading)
-        if cut != -1:
-            return content[:cut]
-    return content
+    return Message(message.role, without_sources(message.content))
 
 
 async def collect(events: AsyncIterator[ChatEvent]) -> list[ChatEvent]:
