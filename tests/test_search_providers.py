@@ -265,6 +265,21 @@ async def test_searxng_that_never_answers_times_out(api: FakeSearchApi) -> None:
     )
 
 
+async def test_searxng_behind_basic_auth_keeps_its_password_out_of_logs(
+    api: FakeSearchApi, caplog: pytest.LogCaptureFixture
+) -> None:
+    api.answer = Answer(document=searxng_page("q", searxng_results(1)))
+    caplog.set_level(logging.DEBUG)
+    url = api.base.replace("http://", "http://bridge:s3cret-pass@")
+    assert len(await SearxngSearch(url).search("floss", 5)) == 1
+    assert api.seen[0].headers["Authorization"] == "Basic YnJpZGdlOnMzY3JldC1wYXNz"
+    api.answer = Answer(500, raw=b"down")
+    with pytest.raises(SearchFailed) as caught:
+        await SearxngSearch(url).search("floss", 5)
+    assert any(r.name == "httpx" for r in caplog.records)
+    assert "s3cret-pass" not in caplog.text and "s3cret-pass" not in str(caught.value)
+
+
 def test_searxng_needs_an_http_url() -> None:
     with pytest.raises(ValueError):
         SearxngSearch("searx.example")

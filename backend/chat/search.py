@@ -380,6 +380,12 @@ class SearxngSearch(_HttpSearch):
             raise ValueError(f"the SearxNG URL must start with http:// or https://: {url!r}")
         super().__init__(timeout_s=timeout_s, max_bytes=max_bytes, transport=transport)
         self.url = url.rstrip("/") + "/search"
+        # An instance behind basic auth (`https://user:password@searx.lan`): httpx sends the
+        # credentials, and the password is masked like an API key.
+        password = httpx.URL(url).password
+        if password:
+            self._secrets = (password,)
+            _HTTPX_LOG_FILTER.secrets.add(password)
 
     async def search(self, query: str, n: int) -> list[SearchResult]:
         answer = await self._get_json(self.url, {"q": query, "format": "json"})
