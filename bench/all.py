@@ -22,6 +22,7 @@ BENCHMARKS = (
     "mqtt_churn",
     "ota",
     "vision",
+    "mcp_servers",
     "voice",
     "firmware_memory",
 )
