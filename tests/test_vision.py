@@ -519,3 +519,26 @@ async def test_the_vision_token_never_reaches_the_logs(
     assert any(entry.get("event") == "vision upload" for entry in logs)
     for secret in (token_of(bridge), "vtk_wrong-guess", "vision-key"):
         assert secret not in repr(logs)
+
+
+async def test_a_device_that_goes_away_mid_upload_leaves_an_audit_row_and_no_error(
+    bridge_factory: Callable[..., Any], model: FakeVisionModel
+) -> None:
+    bridge = await bridge_factory(vision_base_url=model.url)
+    head = stock_head(url_of(bridge), device_id=MAC, client_id=CLIENT_ID, token=token_of(bridge))
+    _reader, writer = await asyncio.open_connection("127.0.0.1", bridge.provisioning.http_port)
+    writer.write(head + chunked(stock_parts(QUESTION, fake_jpeg(8192))[:3], last=False))
+    await writer.drain()
+    writer.close()  # the camera loses Wi-Fi mid-photo
+    await writer.wait_closed()
+
+    async def audited() -> list[dict[str, Any]]:
+        while not (rows := await audit_rows(bridge)):  # noqa: ASYNC110 - rows have no event
+            await asyncio.sleep(0.01)
+        return rows
+
+    (row,) = await asyncio.wait_for(audited(), 10)
+    assert row["outcome"] == "bad_request"
+    assert row["error"] == "the device went away during the upload"
+    assert model.requests == []
+    assert (await upload(bridge)).status == 200  # and the endpoint goes on

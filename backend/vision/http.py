@@ -11,11 +11,11 @@ import asyncio
 import json
 import time
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from backend.vision.service import VisionAnswer, VisionService, refused
-from backend.vision.upload import UploadError, UploadReader
+from backend.vision.upload import Upload, UploadError, UploadReader
 
 BODY_DEADLINE_S = 30.0  # a 2 MB photo over a slow Wi-Fi link takes a few seconds
 _JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
@@ -25,37 +25,46 @@ async def explain(service: VisionService, request: Request) -> Response:
     started = time.monotonic()
     headers = request.headers
     client = request.client
-    remote = f"{client.host}:{client.port}" if client is not None else None
     admitted = service.admit(
         {
             "device_id": headers.get("device-id"),
             "client_id": headers.get("client-id"),
             "authorization": headers.get("authorization"),
         },
-        remote,
+        f"{client.host}:{client.port}" if client is not None else None,
     )
-    question, size = "", 0
     if isinstance(admitted, VisionAnswer):
-        device_id, answer = admitted.device_id, admitted
+        service.record(admitted.device_id, question="", size=0, answer=admitted, started=started)
+        return _response(admitted)
+    read, size = await _read_upload(request, service.max_bytes)
+    if isinstance(read, VisionAnswer):
+        answer, question = read, ""
     else:
-        device_id = admitted.device_id
-        reader: UploadReader | None = None
-        try:
-            reader = UploadReader(headers.get("content-type"), service.max_bytes)
-            _check_declared(headers.get("content-length"), service.max_bytes)
-            async with asyncio.timeout(BODY_DEADLINE_S):
-                async for chunk in request.stream():
-                    reader.feed(chunk)
-            upload = reader.finish()
-        except UploadError as exc:
-            answer = refused(exc.status, exc.message)
-        except TimeoutError:
-            answer = refused(408, f"the upload did not arrive within {BODY_DEADLINE_S:g} s")
-        else:
-            question = upload.question
-            answer = await service.explain(admitted, upload)
-        size = reader.size if reader is not None else 0
-    service.record(device_id, question=question, size=size, answer=answer, started=started)
+        answer, question = await service.explain(admitted, read), read.question
+    service.record(admitted.device_id, question=question, size=size, answer=answer, started=started)
+    return _response(answer)
+
+
+async def _read_upload(request: Request, max_bytes: int) -> tuple[Upload | VisionAnswer, int]:
+    """The upload, or the refusal; and the body bytes read."""
+    reader: UploadReader | None = None
+    try:
+        reader = UploadReader(request.headers.get("content-type"), max_bytes)
+        _check_declared(request.headers.get("content-length"), max_bytes)
+        async with asyncio.timeout(BODY_DEADLINE_S):
+            async for chunk in request.stream():
+                reader.feed(chunk)
+        upload: Upload | VisionAnswer = reader.finish()
+    except UploadError as exc:
+        upload = refused(exc.status, exc.message)
+    except TimeoutError:
+        upload = refused(408, f"the upload did not arrive within {BODY_DEADLINE_S:g} s")
+    except ClientDisconnect:
+        upload = refused(400, "the device went away during the upload")  # for the audit
+    return upload, reader.size if reader is not None else 0
+
+
+def _response(answer: VisionAnswer) -> Response:
     headers = dict(answer.headers)
     if answer.status != 200:
         # The rest of a refused body may still be coming: without this, the connection would

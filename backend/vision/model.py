@@ -2,6 +2,7 @@
 `image_url` content part holding a `data:` URL (OpenAI, vLLM, LM Studio, llama.cpp server,
 Ollama's `/v1`)."""
 
+import asyncio
 import base64
 from typing import Any
 
@@ -34,6 +35,7 @@ class VisionModel:
             f"{base}/chat/completions" if base.endswith("/v1") else f"{base}/v1/chat/completions"
         )
         self.model = model
+        self._timeout_s = timeout_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s), headers=headers, transport=transport
@@ -60,9 +62,11 @@ class VisionModel:
             ],
         }
         try:
-            response = await self._client.post(self.url, json=body)
-        except httpx.TimeoutException:
-            raise VisionFailed(f"no answer within {self._client.timeout.read} s") from None
+            # httpx times each read; this bounds the whole answer (a model trickling bytes).
+            async with asyncio.timeout(self._timeout_s):
+                response = await self._client.post(self.url, json=body)
+        except (httpx.TimeoutException, TimeoutError):
+            raise VisionFailed(f"no answer within {self._timeout_s:g} s") from None
         except httpx.HTTPError as exc:
             raise VisionFailed(f"unreachable ({type(exc).__name__}: {exc})") from None
         if response.status_code != 200:
