@@ -1,0 +1,230 @@
+"""The xiaozhi-style MCP endpoint: MCP servers dial in over a WebSocket and lend their tools.
+
+Most tests serve `DialInEndpoint` alone on loopback (tests/dialin_helpers.py) with a real hub;
+the last ones go through the whole bridge (keys, `/api/mcp/servers`, a chat turn).
+"""
+
+import asyncio
+import json
+import os
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from backend.keys import Scope
+from backend.mcp_dialin.endpoint import DialInLimits, server_name
+from backend.mcp_servers.hub import CallTimedOut, McpServerError, ServerState
+from tests.dialin_helpers import (
+    EndpointHost,
+    RawPipe,
+    closed_with,
+    wait_for,
+    write_stdio_server,
+)
+
+TOKEN = "esk_0123456789ab_secret"
+NAME = server_name("0123456789ab")
+DEVICE = "aa:bb:cc:dd:ee:01"
+
+
+@pytest.fixture
+async def host() -> AsyncIterator[EndpointHost]:
+    running = await EndpointHost(DialInLimits(init_timeout_s=1.0, max_frame_bytes=4096)).start()
+    running.add_key(TOKEN)
+    yield running
+    await running.stop()
+
+
+async def test_raw_pipe_registers_its_tools_and_answers_calls(host: EndpointHost) -> None:
+    pipe = await RawPipe(host.url(TOKEN)).start()
+    await wait_for(lambda: host.hub.get(NAME) is not None)
+    server = host.hub.get(NAME)
+    assert server is not None
+    assert server.kind == "dialin"
+    assert server.state is ServerState.READY
+    assert server.bound_device_ids == frozenset({DEVICE})
+    assert [tool.name for tool in server.tools] == ["echo"]
+    assert server.serves_device(DEVICE) and not server.serves_device("aa:bb:cc:dd:ee:99")
+
+    result = await server.call("echo", {"text": "hi"})
+    assert result.content == [{"type": "text", "text": "echo: hi"}]
+    assert pipe.calls == [{"name": "echo", "arguments": {"text": "hi"}}]
+
+    await pipe.close()
+    await wait_for(lambda: host.hub.get(NAME) is None)
+    assert server.state is ServerState.FAILED
+    await wait_for(lambda: host.endpoint.open_count == 0)
+
+
+async def test_bearer_header_is_accepted_too(host: EndpointHost) -> None:
+    pipe = await RawPipe(host.url(), headers={"Authorization": f"Bearer {TOKEN}"}).start()
+    await wait_for(lambda: host.hub.get(NAME) is not None)
+    await pipe.close()
+
+
+@pytest.mark.parametrize(
+    "token", [None, "", "garbage", "esk_0123456789ab_wrong", "esk_0123456789ac_secret"]
+)
+async def test_bad_tokens_are_closed_alike(host: EndpointHost, token: str | None) -> None:
+    url = host.url(token) if token is not None else host.url()
+    assert await closed_with(url) == (4401, "invalid or revoked API key")
+    assert len(host.hub) == 0
+
+
+async def test_revoked_key_is_closed_like_an_unknown_one(host: EndpointHost) -> None:
+    del host.keys[TOKEN]  # what KeyStore.revoke does to its index
+    assert await closed_with(host.url(TOKEN)) == (4401, "invalid or revoked API key")
+
+
+async def test_key_without_the_scope_or_devices_is_refused(host: EndpointHost) -> None:
+    host.add_key("chat", scopes=frozenset({Scope.CHAT_USE, Scope.DEVICES_CALL}))
+    host.add_key("unbound", devices=None, key_id="0123456789ac")
+    host.add_key("empty", devices=frozenset(), key_id="0123456789ad")
+    assert await closed_with(host.url("chat")) == (4403, "this key lacks the scope mcp:endpoint")
+    for token in ("unbound", "empty"):
+        assert await closed_with(host.url(token)) == (4403, "this key is not bound to any device")
+    assert len(host.hub) == 0
+
+
+async def test_per_key_and_global_caps_refuse_more_dial_ins() -> None:
+    limits = DialInLimits(max_per_key=2, max_connections=3, init_timeout_s=60)
+    host = await EndpointHost(limits).start()
+    try:
+        host.add_key("a", key_id="aaaaaaaaaaaa")
+        host.add_key("b", key_id="bbbbbbbbbbbb")
+        silent = [
+            await RawPipe(host.url("a"), answer_initialize=False).start(),
+            await RawPipe(host.url("a"), answer_initialize=False).start(),
+        ]
+        await wait_for(lambda: host.endpoint.open_count == 2)
+        assert await closed_with(host.url("a")) == (
+            1013,
+            "too many dial-in connections with this key",
+        )
+        silent.append(await RawPipe(host.url("b"), answer_initialize=False).start())
+        await wait_for(lambda: host.endpoint.open_count == 3)
+        assert await closed_with(host.url("b")) == (1013, "too many dial-in connections")
+        for pipe in silent:
+            await pipe.close()
+        await wait_for(lambda: host.endpoint.open_count == 0)
+        pipe = await RawPipe(host.url("b")).start()  # room again
+        await wait_for(lambda: host.hub.get(server_name("bbbbbbbbbbbb")) is not None)
+        await pipe.close()
+    finally:
+        await host.stop()
+
+
+async def test_a_server_that_never_answers_initialize_is_closed_unregistered(
+    host: EndpointHost,
+) -> None:
+    pipe = await RawPipe(host.url(TOKEN), answer_initialize=False).start()
+    assert await pipe.close_info() == (4408, "no answer to initialize in 1 s")
+    assert host.hub.get(NAME) is None
+    await wait_for(lambda: host.endpoint.open_count == 0)
+
+
+@pytest.mark.parametrize(
+    ("frame", "expected"),
+    [
+        (b'{"jsonrpc":"2.0","id":1,"result":{}}', (1003, "binary frame")),
+        ("this is not json", (1007, "frame is not a JSON-RPC message")),
+        ('{"jsonrpc":"1.0","id":1}', (1007, "frame is not a JSON-RPC message")),
+        ("[1, 2, 3]", (1007, "frame is not a JSON-RPC message")),
+        (json.dumps({"pad": "x" * 5000}), (1009, "frame larger than 4096 bytes")),
+    ],
+)
+async def test_frames_that_break_the_format_close_the_pipe(
+    host: EndpointHost, frame: str | bytes, expected: tuple[int, str]
+) -> None:
+    async with connect(host.url(TOKEN)) as ws:
+        initialize = json.loads(await ws.recv())
+        assert initialize["method"] == "initialize"  # the bridge speaks first
+        await ws.send(frame)
+        with pytest.raises(ConnectionClosed):
+            while True:
+                await ws.recv()
+        code, reason = ws.close_code, ws.close_reason or ""
+    assert code == expected[0]
+    assert reason.startswith(expected[1])
+    assert host.hub.get(NAME) is None
+
+
+async def test_a_second_pipe_with_the_same_key_replaces_the_first(host: EndpointHost) -> None:
+    first = await RawPipe(host.url(TOKEN)).start()
+    await wait_for(lambda: host.hub.get(NAME) is not None)
+    old = host.hub.get(NAME)
+    shout = dict(name="shout", description="Shout.", inputSchema={"type": "object"})
+    second = await RawPipe(host.url(TOKEN), tools=[shout]).start()
+    assert await first.close_info() == (4409, "replaced by a newer connection with the same key")
+    await wait_for(lambda: host.hub.get(NAME) is not old and host.hub.get(NAME) is not None)
+    server = host.hub.get(NAME)
+    assert server is not None
+    assert [tool.name for tool in server.tools] == ["shout"]
+    assert len(host.hub) == 1
+    await second.close()
+    await wait_for(lambda: host.hub.get(NAME) is None)
+
+
+async def test_disconnect_mid_call_fails_the_call_at_once() -> None:
+    host = await EndpointHost(DialInLimits(call_timeout_s=600)).start()
+    try:
+        host.add_key(TOKEN)
+        pipe = await RawPipe(host.url(TOKEN), hold_calls=True).start()
+        await wait_for(lambda: host.hub.get(NAME) is not None)
+        server = host.hub.get(NAME)
+        assert server is not None
+        call = asyncio.create_task(server.call("echo", {"text": "hi"}))
+        await pipe.call_seen.wait()
+        await pipe.close()
+        with pytest.raises(McpServerError) as failure:
+            await call
+        assert not isinstance(failure.value, CallTimedOut)
+        assert NAME in str(failure.value)
+        await wait_for(lambda: host.hub.get(NAME) is None)
+    finally:
+        await host.stop()
+
+
+async def test_stock_pipe_relays_a_stdio_server_to_the_endpoint(tmp_path: Path) -> None:
+    """`xiaozhi-mcp` (PyPI) is xiaozhi's `mcp_pipe.py` packaged: it relays lines between its
+    stdio server and the WebSocket without parsing them, as the stock sample does."""
+    # The pipe starts its stdio server (a Python process importing the SDK) and relays our
+    # initialize to it: on a loaded machine that takes seconds, so the handshake gets a minute.
+    host = await EndpointHost(DialInLimits(init_timeout_s=60)).start()
+    host.add_key(TOKEN)
+    write_stdio_server(tmp_path)
+    env = {
+        **os.environ,
+        "MCP_ENDPOINT": host.url(TOKEN),
+        "MCP_CONFIG": str(tmp_path / "mcp_config.json"),
+    }
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "xiaozhi_mcp",
+        "adder",
+        env=env,
+        cwd=tmp_path,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        await wait_for(lambda: host.hub.get(NAME) is not None or process.returncode is not None)
+        server = host.hub.get(NAME)
+        assert server is not None, "the pipe did not register"
+        assert [tool.name for tool in server.tools] == ["add"]
+        result = await server.call("add", {"a": 2, "b": 40})
+        assert not result.is_error
+        assert result.content == [{"type": "text", "text": "sum=42"}]
+        process.terminate()
+        await process.wait()
+        await wait_for(lambda: host.hub.get(NAME) is None)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        await host.stop()
