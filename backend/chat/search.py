@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
-import certifi
 import httpx
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -159,7 +158,7 @@ def _one_line(exc: BaseException) -> str:
 def _tls() -> ssl.SSLContext:
     """One TLS context for every search request: building one (loading the CA bundle) costs
     ~10 ms, more than the rest of a client's setup."""
-    return ssl.create_default_context(cafile=certifi.where())
+    return httpx.create_ssl_context()  # httpx's own default: the certifi bundle
 
 
 class _SecretFilter(logging.Filter):
