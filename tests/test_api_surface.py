@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from backend.api.errors import error_type, openai_status, param_of
 from backend.server import Bridge
 from tests.helpers import ADMIN_TOKEN, create_key, eventually, wait_state
 from tests.stock_device import WireDevice, hang_and_signal
@@ -365,3 +366,48 @@ def _param(operation: dict[str, Any], name: str) -> dict[str, Any]:
     found = next(p for p in operation["parameters"] if p["name"] == name)
     schema: dict[str, Any] = found["schema"]
     return schema
+
+
+# ---- a bug is a 500 in the same shape, without its details --------------------------------------
+
+
+async def test_an_unexpected_error_is_a_server_error(
+    bridge: Bridge, client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def broken(*_args: Any, **_kwargs: Any) -> Any:
+        raise RuntimeError("secret detail of a bug")
+
+    monkeypatch.setattr(bridge.frontends.memory, "list_conversations", broken)
+    with pytest.raises(openai.InternalServerError) as caught:
+        await client.get("/conversations", cast_to=object)
+    error = error_of(caught.value.response)
+    assert (error["type"], error["code"]) == ("server_error", "internal_error")
+    assert "secret" not in caught.value.response.text
+
+
+@pytest.mark.parametrize(
+    "status, kind",
+    [
+        (400, "invalid_request_error"),
+        (401, "invalid_request_error"),
+        (403, "permission_error"),
+        (404, "not_found_error"),
+        (409, "invalid_request_error"),
+        (422, "invalid_request_error"),
+        (429, "rate_limit_error"),
+        (500, "server_error"),
+        (503, "server_error"),
+        (504, "server_error"),
+    ],
+)
+def test_error_types_follow_openai(status: int, kind: str) -> None:
+    assert error_type(status) == kind
+
+
+def test_param_and_status_under_v1() -> None:
+    assert param_of(("body", "messages", 0, "content", 1, "text")) == "messages[0].content[1].text"
+    assert param_of(("query", "limit")) == "limit" and param_of(("body",)) is None
+    assert openai_status("/v1/chat/completions", 422, "invalid_request") == (400, "invalid_request")
+    assert openai_status("/v1/models", 401, "unauthorized") == (401, "invalid_api_key")
+    assert openai_status("/api/keys", 422, "invalid_request") == (422, "invalid_request")
+    assert openai_status("/v1x", 422, "x") == (422, "x")  # only the /v1/ routes
