@@ -17,8 +17,8 @@ Like a real server it honours `max_tokens` (one word = one token here; `finish_r
 `report_usage` is off. It can also misbehave as real model servers were seen to: a `Reply.fault`
 of "empty" (a stream with no chunk and no `[DONE]`), "no_done" (text, then the stream just ends),
 "endless" (words until the client leaves, `max_tokens` ignored); `reject_null_content` answers a
-message whose `content` is null with HTTP 500; `drop_after_stream` closes a kept-alive connection
-without an answer when it brings a request after a streamed reply (llama.cpp's server did).
+message whose `content` is null with HTTP 500; `drop_after_stream` closes the connection of the
+first request after a streamed reply, unanswered (llama.cpp's server did so to kept-alive ones).
 """
 
 import contextlib
@@ -86,6 +86,7 @@ class FakeLlm(LoopbackHttpServer):
         self.reject_null_content = False
         self.drop_after_stream = False
         self.dropped = 0  # connections closed by drop_after_stream
+        self._drop_next = False
         self.endless_words = 0  # words sent by "endless" replies
 
     # ---- control ------------------------------------------------------------------------------
@@ -93,6 +94,17 @@ class FakeLlm(LoopbackHttpServer):
     def script(self, kind: str, *replies: Reply) -> None:
         with self._lock:
             self.scripts[kind].extend(replies)
+
+    def streamed(self) -> None:
+        with self._lock:
+            self._drop_next = self.drop_after_stream
+
+    def take_drop(self) -> bool:
+        """Whether to drop this request: the first one after a streamed reply, once."""
+        with self._lock:
+            drop, self._drop_next = self._drop_next, False
+            self.dropped += drop
+            return drop
 
     def of_kind(self, kind: str) -> list[Recorded]:
         return [request for request in self.requests if request.kind == kind]
@@ -188,8 +200,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         data = self.rfile.read(length)
-        if getattr(self, "_streamed", False) and self.owner.drop_after_stream:
-            self.owner.dropped += 1
+        if self.owner.take_drop():
             self.close_connection = True  # no answer at all: the client sees the socket close
             return
         body = json.loads(data or b"{}")
@@ -207,15 +218,15 @@ class _Handler(BaseHTTPRequestHandler):
         stream = bool(body.get("stream", self.path == "/api/chat"))
         if self.path == "/v1/chat/completions":
             if stream:
-                self._streamed = True
                 self._stream("text/event-stream", self._openai_chunks(reply, body), reply.fault)
+                self.owner.streamed()
             else:
                 self._send(200, "application/json", json.dumps(self._openai(reply, body)).encode())
         elif self.path == "/api/chat":
             if stream:
-                self._streamed = True
                 lines = self._ollama_lines(body, reply)
                 self._stream("application/x-ndjson", lines, reply.fault)
+                self.owner.streamed()
             else:
                 self._send(200, "application/json", json.dumps(self._ollama(body, reply)).encode())
         else:
@@ -271,7 +282,7 @@ class _Handler(BaseHTTPRequestHandler):
             for fragment in _fragments(_raw_arguments(call)):
                 piece = {"index": index, "function": {"arguments": fragment}}
                 out.append(chunk({"tool_calls": [piece]}))
-        if reply.fault == "no_done":
+        if reply.fault in ("no_done", "endless"):
             return out
         out.append(chunk({}, finish))
         if self.owner.report_usage and (body.get("stream_options") or {}).get("include_usage"):
@@ -330,7 +341,7 @@ class _Handler(BaseHTTPRequestHandler):
             usage = _usage(body, text, reply)
             last["prompt_eval_count"] = usage["prompt_tokens"]
             last["eval_count"] = usage["completion_tokens"]
-        if reply.fault != "no_done":
+        if reply.fault not in ("no_done", "endless"):
             lines.append(last)
         return [json.dumps(line).encode() + b"\n" for line in lines]
 
