@@ -11,6 +11,7 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
@@ -18,6 +19,8 @@ from websockets.exceptions import ConnectionClosed
 from backend.keys import Scope
 from backend.mcp_dialin.endpoint import DialInLimits, server_name
 from backend.mcp_servers.hub import CallTimedOut, McpServerError, ServerState
+from backend.server import Bridge
+from simulator.llm_server import FakeCall, FakeLlm, Reply
 from tests.dialin_helpers import (
     EndpointHost,
     RawPipe,
@@ -25,6 +28,7 @@ from tests.dialin_helpers import (
     wait_for,
     write_stdio_server,
 )
+from tests.helpers import ADMIN_TOKEN, create_key, sse_events
 
 TOKEN = "esk_0123456789ab_secret"
 NAME = server_name("0123456789ab")
@@ -228,3 +232,77 @@ async def test_stock_pipe_relays_a_stdio_server_to_the_endpoint(tmp_path: Path) 
             process.kill()
             await process.wait()
         await host.stop()
+
+
+# ---- through the whole bridge -----------------------------------------------------------------
+
+
+def _key_id(token: str) -> str:
+    return token.split("_")[1]
+
+
+def _dialin_url(bridge: Bridge, token: str) -> str:
+    return f"ws://127.0.0.1:{bridge.http_port}/v1/mcp-endpoint/?token={token}"
+
+
+async def test_a_dialed_in_tool_in_a_bound_devices_chat_turn(
+    bridge_factory, fake_llm: FakeLlm, simulated_devices
+) -> None:
+    bridge: Bridge = await bridge_factory(llm_provider="openai", llm_base_url=fake_llm.url)
+    sim = await simulated_devices(bridge)
+    token = await create_key(bridge, "mcp:endpoint", devices=[sim.device_id])
+    name = server_name(_key_id(token))
+    pipe = await RawPipe(_dialin_url(bridge, token)).start()
+    await wait_for(lambda: bridge.mcp_servers.get(name) is not None)
+    function = f"{name}__echo"
+    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    async with httpx.AsyncClient(base_url=bridge.api_url, headers=headers, timeout=60) as http:
+        listed = (await http.get("/api/mcp/servers")).json()
+        rows = [row for row in listed["servers"] if row["name"] == name]
+        assert [(r["kind"], r["state"], r["bound_device_ids"]) for r in rows] == [
+            ("dialin", "ready", [sim.device_id])
+        ]
+        fake_llm.script(
+            "chat", Reply(calls=[FakeCall(function, {"text": "hello"})]), Reply("It echoed.")
+        )
+        body = {"message": "Echo hello", "device_id": sim.device_id}
+        async with http.stream("POST", "/api/chat/stream", json=body) as response:
+            assert response.status_code == 200
+            events = await sse_events(response)
+        completed = [e for e in events if e["type"] == "mcp_tool" and e["status"] == "completed"]
+        assert [e["result"] for e in completed] == [[{"type": "text", "text": "echo: hello"}]]
+        assert pipe.calls == [{"name": "echo", "arguments": {"text": "hello"}}]
+        audit = (await http.get("/api/audit", params={"device_id": f"mcp:{name}"})).json()
+        assert [(r["tool"], r["outcome"]) for r in audit["entries"]] == [("echo", "ok")]
+
+        # A turn without the device is not offered the tool: the server is bound to it.
+        fake_llm.script("chat", Reply("No tools."))
+        async with http.stream("POST", "/api/chat/stream", json={"message": "Hi"}) as response:
+            await sse_events(response)
+        offered = [t["function"]["name"] for t in fake_llm.of_kind("chat")[-1].tools or []]
+        assert function not in offered
+
+        await pipe.close()
+        await wait_for(lambda: bridge.mcp_servers.get(name) is None)
+        listed = (await http.get("/api/mcp/servers")).json()
+        assert name not in [row["name"] for row in listed["servers"]]
+
+
+async def test_the_bridge_checks_real_keys(bridge_factory) -> None:
+    bridge: Bridge = await bridge_factory()
+    chat = await create_key(bridge, "chat:use", "devices:call")
+    dial = await create_key(bridge, "mcp:endpoint", devices=["aa:bb:cc:dd:ee:01"])
+    assert await closed_with(_dialin_url(bridge, ADMIN_TOKEN)) == (
+        4401,
+        "invalid or revoked API key",
+    )
+    assert await closed_with(_dialin_url(bridge, chat)) == (
+        4403,
+        "this key lacks the scope mcp:endpoint",
+    )
+    pipe = await RawPipe(_dialin_url(bridge, dial)).start()
+    name = server_name(_key_id(dial))
+    await wait_for(lambda: bridge.mcp_servers.get(name) is not None)
+    await pipe.close()
+    await bridge.frontends.keys.revoke(_key_id(dial))
+    assert await closed_with(_dialin_url(bridge, dial)) == (4401, "invalid or revoked API key")

@@ -38,6 +38,7 @@ from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket
 
 from backend import __version__
+from backend.config import Settings
 from backend.keys import Principal, Scope
 from backend.mcp_dialin.pipe import (
     CLOSE_GOING_AWAY,
@@ -257,3 +258,13 @@ class DialInEndpoint:
 def _describe(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text}"[:100] if text else type(exc).__name__
+
+
+def dialin_limits(settings: Settings) -> DialInLimits:
+    """The endpoint's bounds from the bridge settings (`mcp_endpoint_*`)."""
+    return DialInLimits(
+        max_connections=settings.mcp_endpoint_max_connections,
+        max_per_key=settings.mcp_endpoint_max_per_key,
+        init_timeout_s=settings.mcp_endpoint_init_timeout_s,
+        max_frame_bytes=settings.mcp_endpoint_max_frame_bytes,
+    )
