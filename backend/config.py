@@ -4,19 +4,29 @@ Precedence, highest first: command-line flags, environment (`BRIDGE_WS_PORT=9000
 file (`--config` or `BRIDGE_CONFIG`), the defaults below. Every default is listed in the README.
 """
 
+import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
 )
 
 from backend.errors import BridgeError
+from backend.mcp_servers.settings import McpServerSettings, check_server_list
 
 
 class ConfigError(BridgeError):
@@ -24,6 +34,8 @@ class ConfigError(BridgeError):
 
 
 DeviceAuth = Literal["device", "shared", "off"]
+# Web search providers (backend/chat/search.py), tried in the order `search_providers` lists.
+SearchProvider = Literal["duckduckgo", "google", "searxng"]
 
 
 class RateLimit(BaseModel):
@@ -43,6 +55,9 @@ DEFAULT_RATE_LIMITS: dict[str, RateLimit] = {
     "ota_device": RateLimit(per_s=1, burst=10),
     "activate_ip": RateLimit(per_s=10, burst=100),
     "activate_device": RateLimit(per_s=1, burst=10),
+    # Photo uploads to the bridge's vision endpoint (each one costs a model call).
+    "vision_ip": RateLimit(per_s=1, burst=20),
+    "vision_device": RateLimit(per_s=0.2, burst=3),
 }
 DEFAULT_CONFIRM_TOOLS = ("*.reboot", "*upgrade*", "*reconfigure*", "*.set_download_url")
 
@@ -84,6 +99,9 @@ class Settings(BaseSettings):
     # Per address (outside `rate_limit_exempt`): idle sockets from one host cannot fill the cap.
     max_pending_handshakes_per_address: int = Field(64, ge=1)
     max_http_body_bytes: int = Field(65536, ge=1024)  # admin API bodies; larger: 413
+    # Browser origins (`https://app.example`) allowed to call the HTTP API (CORS). Empty: no
+    # cross-origin call is allowed (no Access-Control-* header is ever sent).
+    cors_origins: list[str] = Field(default_factory=list)
     hello_timeout_s: float = Field(10.0, gt=0)
     init_timeout_s: float = Field(10.0, gt=0)
     call_timeout_s: float = Field(10.0, gt=0)
@@ -92,9 +110,18 @@ class Settings(BaseSettings):
     )
     ping_interval_s: float | None = Field(20.0, gt=0)
     list_user_tools: bool = True
-    # Sent to devices in initialize as capabilities.vision (used by self.camera.take_photo).
+    # Sent to devices in initialize as capabilities.vision (used by self.camera.take_photo): an
+    # external vision server and its one token. Unset: the bridge's own endpoint (POST
+    # /vision/explain on the device HTTP listener, docs/vision.md), each device its own token.
     vision_url: str | None = None
     vision_token: SecretStr | None = None
+    # The OpenAI-compatible model the bridge's endpoint asks (`POST {base}/v1/chat/completions`
+    # with the photo as a data: URL). Unset: devices hear that no vision model is configured.
+    vision_base_url: str | None = None
+    vision_api_key: SecretStr | None = None
+    vision_model: str = "gpt-4o-mini"
+    vision_timeout_s: float = Field(20.0, gt=0)  # under the take_photo tool's 30 s
+    vision_max_bytes: int = Field(2 * 1024 * 1024, ge=1024)  # the upload body; larger: 413
     # Downlink audio parameters announced in the server hello (Opus devices; a device whose
     # hello says `format: "pcm16"` gets PCM16 at 16 kHz, or the rate its hello asks for).
     audio_sample_rate: int = Field(24000, ge=8000, le=48000)
@@ -147,6 +174,21 @@ class Settings(BaseSettings):
     udp_host: str = "0.0.0.0"
     udp_port: int = Field(8884, ge=0, le=65535)
     udp_public_host: str | None = None  # the UDP address devices are told in the hello
+    # ---- external MCP servers the chat may use (docs/mcp-servers.md): [[mcp_servers]] tables,
+    # each a stdio command or a Streamable HTTP url; an API key needs the scope mcp:<name>.
+    mcp_servers: list[McpServerSettings] = Field(default_factory=list)
+    # ---- the MCP endpoint users' MCP servers dial in to (ws://<api>/v1/mcp-endpoint/?token=,
+    # backend/mcp_dialin): dial-ins open or handshaking, in all and per key; the initialize +
+    # tools/list deadline; the largest text frame (the API listener's WebSocket frame cap too).
+    mcp_endpoint_max_connections: int = Field(64, ge=1)
+    mcp_endpoint_max_per_key: int = Field(2, ge=1)
+    mcp_endpoint_init_timeout_s: float = Field(10.0, gt=0)
+    mcp_endpoint_max_frame_bytes: int = Field(1 << 20, ge=1024)
+
+    @field_validator("mcp_servers")
+    @classmethod
+    def _unique_mcp_servers(cls, value: list[McpServerSettings]) -> list[McpServerSettings]:
+        return check_server_list(value)
 
     @field_validator("device_auth", mode="before")
     @classmethod
@@ -169,6 +211,42 @@ class Settings(BaseSettings):
                 f"unknown rate limit(s) {sorted(unknown)}: {sorted(DEFAULT_RATE_LIMITS)}"
             )
         return {**DEFAULT_RATE_LIMITS, **value}
+
+    @field_validator("search_providers", mode="before")
+    @classmethod
+    def _provider_list(cls, value: Any) -> Any:
+        """`BRIDGE_SEARCH_PROVIDERS=searxng,duckduckgo` as well as a JSON or TOML list."""
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                try:
+                    return json.loads(text)
+                except ValueError:
+                    raise ValueError(f"not a JSON list of provider names: {text}") from None
+            return [part.strip().lower() for part in text.split(",") if part.strip()]
+        return value
+
+    @field_validator("search_providers")
+    @classmethod
+    def _providers_once(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"a provider is listed twice: {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _search_configured(self) -> "Settings":
+        """A listed provider must be usable: caught at start-up rather than at the first turn."""
+        if not self.search_enabled:
+            return self
+        google = self.search_google_api_key is not None and self.search_google_engine_id
+        if "google" in self.search_providers and not google:
+            raise ValueError(
+                "search_providers lists google: set search_google_api_key and "
+                "search_google_engine_id"
+            )
+        if "searxng" in self.search_providers and not self.search_searxng_url:
+            raise ValueError("search_providers lists searxng: set search_searxng_url")
+        return self
 
     @field_validator("ws_path", "ota_path")
     @classmethod
@@ -212,11 +290,28 @@ class Settings(BaseSettings):
     guardrail_model: str = "qwen2.5:3b-instruct"
     llm_timeout_s: float = Field(60.0, gt=0)
     search_enabled: bool = True
-    search_timeout_s: float = Field(3.0, gt=0)
+    # Tried in this order until one answers with results (env: "searxng,duckduckgo" or JSON).
+    search_providers: Annotated[list[SearchProvider], NoDecode] = Field(
+        default_factory=lambda: list[SearchProvider](["duckduckgo"]), min_length=1
+    )
+    search_timeout_s: float = Field(3.0, gt=0)  # per provider tried
     search_results: int = Field(5, ge=1, le=20)
+    # Google Programmable Search (Custom Search JSON API): an API key and the engine id (`cx`).
+    search_google_api_key: SecretStr | None = None
+    search_google_engine_id: str | None = None
+    search_google_url: str = "https://www.googleapis.com/customsearch/v1"
+    search_searxng_url: str | None = None  # a SearxNG instance allowing format=json
+    # Knowledge-base entries less relevant than this (BM25 × the share of the question's words
+    # they hold; real questions 2.5 and up) are neither sent to the model nor shown.
+    kb_min_score: float = Field(2.0, ge=0)
     # The conversation summary kept and sent to the model (docs/chat.md, step 9).
     chat_summary_max_chars: int = Field(4000, ge=200, le=200_000)
     chat_summary_max_tokens: int = Field(1000, ge=50, le=50_000)
+    # A whole chat turn ends within this (every model round, tool call and the summary), and an
+    # answer within this many tokens (`finish_reason: "length"`); a client's `max_tokens` may
+    # ask for less, never more.
+    chat_turn_timeout_s: float = Field(120.0, gt=0, le=3600)
+    chat_max_answer_tokens: int = Field(1024, ge=16, le=128_000)
 
     # ---- provisioning (backend/provisioning, docs/provisioning.md) -------------------------------
     # The device-facing HTTP listener: the OTA/activation endpoint and firmware downloads.
@@ -258,6 +353,7 @@ def load_settings(config_file: Path | str | None = None, **overrides: Any) -> Se
     except ValidationError as exc:
         error = exc.errors(include_url=False)[0]
         where = ".".join(str(part) for part in error["loc"])
-        raise ConfigError(f"invalid setting {where!r}: {error['msg']}") from None
+        what = f"setting {where!r}" if where else "settings"  # no loc: a check across settings
+        raise ConfigError(f"invalid {what}: {error['msg']}") from None
     except ValueError as exc:  # TOML syntax errors
         raise ConfigError(f"cannot read config {path}: {exc}") from None

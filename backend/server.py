@@ -31,8 +31,11 @@ from backend.devices.catalog import DEVICE_MIGRATIONS, DeviceCatalog
 from backend.devices.confirm import ConfirmationPolicy
 from backend.devices.conversation import ConversationHub
 from backend.devices.gateway import DeviceGateway
-from backend.devices.registry import SHUTDOWN
+from backend.devices.registry import SHUTDOWN, EventKind
 from backend.frontends import FRONTEND_MIGRATIONS, FrontEnds
+from backend.mcp_dialin.endpoint import DialInEndpoint, dialin_limits
+from backend.mcp_servers.api import mcp_servers_router
+from backend.mcp_servers.hub import McpServerHub, attach_hub
 from backend.provisioning.service import MIGRATIONS as PROVISIONING_MIGRATIONS
 from backend.provisioning.service import Provisioning
 from backend.runtime import remove_runtime_file, write_runtime_file
@@ -100,9 +103,12 @@ class Bridge:
             ),
             created=self.tokens.created,
             clock=clock,
+            audit=self.audit,  # a row per photo upload to the vision endpoint
         )
         self.admission = Admission(self._device_credentials(), self.provisioning.handshake_limits)
-        self.gateway = DeviceGateway(self.registry, self.conversations, settings)
+        self.gateway = DeviceGateway(
+            self.registry, self.conversations, settings, self.provisioning.vision_capability
+        )
         self.websocket = WebSocketTransport(settings, self.admission)
         self.transports: list[Transport] = [self.websocket]
         # MQTT + UDP (docs/mqtt.md) when `mqtt_url` is set; `secrets_created` lists new files.
@@ -120,6 +126,18 @@ class Bridge:
         if self.mqtt is not None:
             self.transports.append(self.mqtt)
         self.frontends = FrontEnds(settings, self.database, self.registry, self.conversations)
+        # External MCP servers for the chat (docs/mcp-servers.md), found through the registry.
+        self.mcp_servers = McpServerHub.from_settings(
+            settings.mcp_servers,
+            audit=lambda device_id, **detail: self.registry.emit(
+                EventKind.TOOL_CALLED, device_id, **detail
+            ),
+        )
+        attach_hub(self.registry, self.mcp_servers)
+        # Users' MCP servers dialing in join the hub while connected (backend/mcp_dialin).
+        self.mcp_dialin = DialInEndpoint(
+            self.mcp_servers, self.frontends.keys.resolve, dialin_limits(settings)
+        )
         self.app = create_app(
             self.registry,
             self.tokens.admin,
@@ -128,8 +146,10 @@ class Bridge:
             routers=[
                 *self.frontends.routers(),
                 provisioning_router(self.provisioning, self.audit),
+                mcp_servers_router(self.mcp_servers),
             ],
-            routes=self.frontends.routes(),
+            routes=[*self.frontends.routes(), *self.mcp_dialin.routes],
+            cors_origins=settings.cors_origins,
         )
         self._started: list[Transport] = []
         self._api: _ApiServer | None = None
@@ -174,6 +194,7 @@ class Bridge:
             await self.catalog.load()
             self.catalog.start()
             await self.frontends.start()
+            await self.mcp_servers.start()
             await self.provisioning.start()
             self.audit.start()
             for transport in self.transports:
@@ -201,7 +222,15 @@ class Bridge:
 
     async def _start_api(self) -> None:
         self._api_socket = _bind(self.settings.http_host, self.settings.http_port)
-        config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off")
+        config = uvicorn.Config(
+            self.app,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            # The only WebSocket here is the MCP endpoint: a bigger frame is refused (1009)
+            # before it is buffered whole.
+            ws_max_size=self.settings.mcp_endpoint_max_frame_bytes,
+        )
         self._api = _ApiServer(config)
         self._api_task = asyncio.create_task(self._api.serve(sockets=[self._api_socket]))
         while not self._api.started:
@@ -222,6 +251,8 @@ class Bridge:
         for transport in reversed(self._started):
             await transport.stop()
         await self.frontends.stop_sessions()
+        await self.mcp_dialin.stop()
+        await self.mcp_servers.stop()
         if self._api is not None and self._api_task is not None:
             self._api.should_exit = True
             await self._api_task

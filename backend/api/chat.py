@@ -21,18 +21,29 @@ turn goes on without them and the stream says why (an `mcp_tool` `error` event).
 device is 404 `unknown_device`, a known offline one 503 `device_offline`.
 """
 
+import asyncio
+import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal
+from collections.abc import AsyncIterator, Awaitable
+from typing import Annotated, Any, TypeVar
 
 import structlog
-from fastapi import APIRouter, Depends, Query, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from backend.api.app import ApiError
+from backend.api.errors import errors
+from backend.api.openai_compat import (
+    MODEL_ID,
+    OWNER,
+    CompletionRequest,
+    CompletionShape,
+    check_supported,
+)
+from backend.api.openapi import ConversationIdPath, streamed
 from backend.api.scopes import actor_of, needs
 from backend.chat import (
     MAX_QUERY_CHARS,
@@ -48,16 +59,17 @@ from backend.chat import (
     ToolStarted,
     TurnRequest,
 )
+from backend.chat.llm.base import ANY_SAMPLING, Sampling
 from backend.chat.memory import Conversation, ConversationNotFound, check_conversation_id
 from backend.chat.text import first_surrogate
 from backend.devices import DeviceRegistry
 from backend.keys import Principal, Scope
 
 log = structlog.get_logger("api.chat")
+_T = TypeVar("_T")
 
-MODEL_ID = "dental-duckduckgo"
-OWNER = "esp32-mcp-bridge"
 CONVERSATION_HEADER = "X-Conversation-Id"
+USAGE_HEADER = "X-Usage-Counted-By"  # "provider" (the model's counts) or "tokenizer"
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 Chatter = Annotated[Principal, Depends(needs(Scope.CHAT_USE))]
@@ -90,18 +102,6 @@ def unknown_model(model: str) -> ApiError:
 
 
 # ---- request bodies ---------------------------------------------------------------------------
-
-
-class CompletionRequest(BaseModel):
-    """OpenAI's chat completion request; sampling options are accepted and ignored."""
-
-    model_config = ConfigDict(extra="allow")
-
-    model: str = MODEL_ID
-    messages: list[InputMessage] = Field(min_length=1)
-    stream: bool = False
-    chat_id: str | None = Field(default=None, max_length=128, description="conversation id")
-    device_id: str | None = Field(default=None, description="use this device's tools")
 
 
 class StreamRequest(BaseModel):
@@ -193,21 +193,41 @@ class ChatFront:
         text: str | None = None,
         conversation_id: str | None,
         device_id: str | None,
+        client_context: bool = False,
+        store: bool = True,
+        sampling: Sampling = ANY_SAMPLING,
     ) -> TurnRequest:
         """A checked turn request with its conversation id settled before the turn starts
-        (so a streamed answer can carry it in its headers)."""
+        (so a streamed answer can carry it in its headers). `client_context`: the messages are
+        the context (OpenAI clients without `chat_id`), stored only with `store`."""
         try:
-            request = TurnRequest(messages=messages or [], text=text, device_id=device_id)
+            request = TurnRequest(
+                messages=messages or [],
+                text=text,
+                device_id=device_id,
+                context="messages" if client_context else "memory",
+                store=store,
+                sampling=sampling,
+                count_usage=messages is not None,  # the OpenAI front end reports usage
+            )
         except ValidationError as exc:
             message = exc.errors(include_url=False)[0]["msg"].removeprefix("Value error, ")
-            raise ApiError(422, "invalid_request", message) from None
+            too_long = len(TurnRequest.model_construct(messages=messages or [], text=text).query)
+            code = "context_length_exceeded" if too_long > MAX_QUERY_CHARS else "invalid_request"
+            raise ApiError(400, code, message, param="messages" if messages else "text") from None
         if device_id is not None:
             device = self.registry.require(device_id)  # 404 unknown, 503 offline
             reason = principal.call_denied_reason(device_id)
             request.toolbox = DeviceToolBox(
                 device, unavailable_reason=reason, actor=f"chat:{actor_of(principal)}"
             )
-        if conversation_id is not None:
+        # External MCP servers this key may use (scope mcp:<name>) join the device's tools.
+        from backend.mcp_servers.hub import toolbox_for_turn
+
+        request.toolbox = toolbox_for_turn(self.registry, principal, device_id, request.toolbox)
+        if client_context:
+            request.conversation_id = uuid.uuid4().hex if store else None
+        elif conversation_id is not None:
             request.conversation_id = check_conversation_id(conversation_id)
         elif device_id is not None:
             request.conversation_id = await self.chat.memory.device_conversation_id(device_id)
@@ -252,46 +272,59 @@ def chat_router(chat: ChatService, registry: DeviceRegistry) -> APIRouter:
     async def list_models(_chatter: Chatter) -> dict[str, Any]:
         return {"object": "list", "data": [_model()]}
 
-    @router.get("/v1/models/{model}")
+    @router.get("/v1/models/{model}", responses=errors(404))
     async def get_model(model: str, _chatter: Chatter) -> dict[str, Any]:
         if model != MODEL_ID:
             raise unknown_model(model)
         return _model()
 
-    @router.post("/v1/chat/completions", response_model=None)
-    async def completions(body: CompletionRequest, principal: Chatter) -> Response:
+    @router.post(
+        "/v1/chat/completions", response_model=None, responses=streamed(404, 503, json_too=True)
+    )
+    async def completions(
+        body: CompletionRequest, principal: Chatter, http_request: Request
+    ) -> Response:
         check_text(body.model_dump())
         if body.model != MODEL_ID:
             raise unknown_model(body.model)
+        check_supported(body)
+        client_context = body.chat_id is None
         request = await front.prepare(
             principal,
             messages=body.messages,
             conversation_id=body.chat_id,
             device_id=body.device_id,
+            client_context=client_context,
+            store=bool(body.store) if client_context else True,
+            sampling=body.sampling(),
         )
-        conversation_id = request.conversation_id or ""
-        headers = {CONVERSATION_HEADER: conversation_id}
-        completion = _Completion(conversation_id)
+        conversation_id = request.conversation_id
+        headers = {CONVERSATION_HEADER: conversation_id} if conversation_id else {}
+        shape = CompletionShape(conversation_id)
         events = front.events(request, principal, "openai")
         if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(
-                completion.chunks(events),
+                _completion_chunks(shape, events, include_usage),
                 media_type="text/event-stream",
                 headers={**headers, **_SSE_HEADERS},
             )
-        answer = ""
-        async for event in events:
-            if isinstance(event, Done):
-                answer = event.metadata.answer
+        done = await _unless_client_leaves(http_request, _last_done(events))
+        if done is None:
+            return Response(status_code=499)  # nobody is there to read it
+        metadata = done.metadata
+        whole = shape.whole(metadata.answer, metadata.finish_reason, metadata.usage)
+        if metadata.usage is not None:
+            headers[USAGE_HEADER] = metadata.usage.counted_by
         return Response(
-            json.dumps(completion.whole(answer), ensure_ascii=False),
+            json.dumps(whole, ensure_ascii=False),
             media_type="application/json",
             headers=headers,
         )
 
     # ---- conversations ------------------------------------------------------------------------
 
-    @router.get("/v1/conversations")
+    @router.get("/v1/conversations", responses=errors(503))
     async def list_conversations(
         _chatter: Chatter,
         limit: Annotated[int, Query(ge=1, le=500)] = 50,
@@ -309,20 +342,26 @@ def chat_router(chat: ChatService, registry: DeviceRegistry) -> APIRouter:
             "next_offset": end if end < page.total else None,
         }
 
-    @router.get("/v1/conversations/{conversation_id}")
-    async def get_conversation(conversation_id: str, _chatter: Chatter) -> dict[str, Any]:
+    @router.get("/v1/conversations/{conversation_id}", responses=errors(404, 503))
+    async def get_conversation(
+        conversation_id: ConversationIdPath, _chatter: Chatter
+    ) -> dict[str, Any]:
         found = await chat.memory.get(conversation_id, with_messages=True)
         return conversation_json(found, with_messages=True)
 
-    @router.delete("/v1/conversations/{conversation_id}", status_code=204)
-    async def delete_conversation(conversation_id: str, _chatter: Chatter) -> Response:
+    @router.delete(
+        "/v1/conversations/{conversation_id}", status_code=204, responses=errors(404, 503)
+    )
+    async def delete_conversation(
+        conversation_id: ConversationIdPath, _chatter: Chatter
+    ) -> Response:
         if not await chat.memory.delete(conversation_id):
             raise ConversationNotFound(conversation_id)
         return Response(status_code=204)
 
     # ---- seed 002: SSE ------------------------------------------------------------------------
 
-    @router.post("/api/chat/stream", response_model=None)
+    @router.post("/api/chat/stream", response_model=None, responses=streamed(404, 503))
     async def stream(body: StreamRequest, principal: Chatter) -> StreamingResponse:
         check_text(body.model_dump())
         request = await front.prepare(
@@ -354,52 +393,63 @@ async def _seed_stream(events: AsyncIterator[ChatEvent]) -> AsyncIterator[bytes]
         yield sse({"type": "error", "error": f"internal error: {type(exc).__name__}"})
 
 
-class _Completion:
-    """OpenAI's response shapes for one completion."""
+async def _last_done(events: AsyncIterator[ChatEvent]) -> Done:
+    done: Done | None = None
+    async for event in events:
+        if isinstance(event, Done):
+            done = event
+    assert done is not None, "a turn always ends with Done"
+    return done
 
-    def __init__(self, conversation_id: str) -> None:
-        self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        self.created = int(time.time())
-        self.conversation_id = conversation_id
 
-    def _base(self, kind: Literal["chat.completion", "chat.completion.chunk"]) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": kind,
-            "created": self.created,
-            "model": MODEL_ID,
-            "system_fingerprint": self.conversation_id,
+async def _unless_client_leaves(request: Request, work: Awaitable[_T]) -> _T | None:
+    """The work's result, or None once the client has gone (the work is then cancelled: a
+    non-streamed turn kept the model busy for 719 s after its client left)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_client_gone(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    log.info("chat request abandoned by its client", step="request", front="openai")
+    return None
+
+
+async def _client_gone(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _completion_chunks(
+    shape: CompletionShape, events: AsyncIterator[ChatEvent], include_usage: bool
+) -> AsyncIterator[bytes]:
+    yield sse(shape.chunk({"role": "assistant", "content": ""}))
+    done: Done | None = None
+    try:
+        async for event in events:
+            if isinstance(event, Token):
+                yield sse(shape.chunk({"content": event.text}))
+            elif isinstance(event, Sources):
+                yield sse(shape.chunk({"content": "\n\n" + event.section}))
+            elif isinstance(event, Done):
+                done = event
+    except Exception as exc:  # the status line is gone: an OpenAI-style error in the stream
+        log.exception("chat completion stream failed")
+        error = {
+            "message": f"internal error: {type(exc).__name__}",
+            "type": "server_error",
+            "param": None,
+            "code": "internal_error",
         }
-
-    def whole(self, answer: str) -> dict[str, Any]:
-        return {
-            **self._base("chat.completion"),
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": answer},
-                    "finish_reason": "stop",
-                    "logprobs": None,
-                }
-            ],
-        }
-
-    def chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-        return sse({**self._base("chat.completion.chunk"), "choices": [choice]})
-
-    async def chunks(self, events: AsyncIterator[ChatEvent]) -> AsyncIterator[bytes]:
-        yield self.chunk({"role": "assistant", "content": ""})
-        try:
-            async for event in events:
-                if isinstance(event, Token):
-                    yield self.chunk({"content": event.text})
-                elif isinstance(event, Sources):
-                    yield self.chunk({"content": "\n\n" + event.section})
-        except Exception as exc:  # the status line is gone: an OpenAI-style error in the stream
-            log.exception("chat completion stream failed")
-            error = {"message": f"internal error: {type(exc).__name__}", "type": "server_error"}
-            yield sse({"error": error})
-            return
-        yield self.chunk({}, "stop")
-        yield sse("[DONE]")
+        yield sse({"error": error})
+        return
+    finish = done.metadata.finish_reason if done is not None else "stop"
+    yield sse(shape.chunk({}, finish))
+    if include_usage:
+        yield sse(shape.usage_chunk(done.metadata.usage if done is not None else None))
+    yield sse("[DONE]")

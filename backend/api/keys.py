@@ -4,18 +4,30 @@
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from backend.api.app import ApiError
+from backend.api.errors import errors
 from backend.api.scopes import needs
 from backend.keys import ApiKey, KeyStore, Principal, Scope
+from backend.keys.store import parse_scopes
 
 Admin = Annotated[Principal, Depends(needs(Scope.ADMIN))]
 
 
 class KeyCreate(BaseModel):
-    name: str = Field(min_length=1, max_length=100)
-    scopes: list[Scope] = Field(min_length=1)
+    name: str = Field(min_length=1, max_length=100)  # KeyStore.create checks it too
+    scopes: list[str] = Field(
+        min_length=1,
+        max_length=64,
+        description="chat:use, devices:read, devices:call, admin, or mcp:<server>",
+    )
+
+    @field_validator("scopes")
+    @classmethod
+    def _known_scopes(cls, value: list[str]) -> list[str]:
+        parse_scopes(value)  # ValueError names the unknown one (422 on `scopes`)
+        return value
     device_ids: list[str] | None = Field(
         default=None, description="limit devices:read/devices:call to these devices"
     )
@@ -56,7 +68,7 @@ def key_view(key: ApiKey) -> dict[str, Any]:
 def keys_router(keys: KeyStore) -> APIRouter:
     router = APIRouter(prefix="/api/keys", tags=["keys"])
 
-    @router.post("", status_code=201)
+    @router.post("", status_code=201, responses=errors(503))
     async def create_key(body: KeyCreate, _admin: Admin) -> CreatedKeyView:
         try:
             created = await keys.create(body.name, body.scopes, device_ids=body.device_ids)
@@ -72,7 +84,7 @@ def keys_router(keys: KeyStore) -> APIRouter:
         listed = await keys.list(include_revoked=revoked)
         return KeyList(keys=[KeyView(**key_view(key)) for key in listed])
 
-    @router.delete("/{key_id}")
+    @router.delete("/{key_id}", responses=errors(404, 503))
     async def revoke_key(key_id: str, _admin: Admin) -> KeyView:
         return KeyView(**key_view(await keys.revoke(key_id)))
 
