@@ -3,6 +3,7 @@ API) and SearxNG answering in their real JSON shapes and failing the ways they d
 broken JSON, oversize, no answer), the fallback order, the settings that choose them, the
 knowledge base's minimum score, and each result's origin carried to a turn's Sources."""
 
+import gzip
 import logging
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -159,6 +160,32 @@ async def test_oversize_answers_are_not_read(api: FakeSearchApi) -> None:
     api.answer = Answer(document=big, length=-1)  # no Content-Length: counted while reading
     assert "answer over 1024 bytes" in await failure(google(api, max_bytes=1024))
     assert len(await google(api).search("floss", 5)) == 2  # the default limit reads it
+
+
+async def test_deeply_nested_json_is_a_failure_not_a_crash(api: FakeSearchApi) -> None:
+    api.answer = Answer(raw=b"[" * 200_000 + b"]" * 200_000)  # past the parser's recursion limit
+    assert "not JSON" in await failure(google(api))
+
+
+async def test_compressed_answers_are_not_inflated(api: FakeSearchApi) -> None:
+    # A gzip bomb: 50 KB on the wire, 50 MB inflated. The request asked for no compression;
+    # the answer is read as it came and fails as JSON instead of filling memory.
+    bomb = gzip.compress(b"[" + b" " * 50_000_000 + b"]")
+    api.answer = Answer(raw=bomb, headers={"Content-Encoding": "gzip"})
+    assert "not JSON" in await failure(google(api))
+    assert api.seen[0].headers["Accept-Encoding"] == "identity"
+
+
+async def test_an_answer_that_trickles_forever_times_out(api: FakeSearchApi) -> None:
+    api.answer = Answer(drip=True)  # headers, then a byte now and then, never the end
+    assert await failure(google(api, timeout_s=0.5)) == "google: no answer within 0.5 s"
+
+
+async def test_a_flood_of_items_gives_n_results(api: FakeSearchApi) -> None:
+    api.answer = Answer(document=google_page(google_items(20_000)))  # ~4 MB...
+    assert "(limit 2097152)" in await failure(google(api))  # ...is over the 2 MiB limit
+    api.answer = Answer(document=google_page(google_items(5_000)))
+    assert len(await google(api).search("floss", 10)) == 10
 
 
 async def test_hostile_items_never_become_sources(api: FakeSearchApi) -> None:

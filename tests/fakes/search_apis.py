@@ -74,16 +74,18 @@ def searxng_page(query: str, results: list[dict[str, Any]]) -> dict[str, Any]:
 
 @dataclass
 class Answer:
-    """What the fake answers next: a status and a JSON document, or raw bytes; `hang` answers
-    nothing until the server stops; `length` overrides Content-Length (None: the real one,
-    -1: none, the body then ends with the connection)."""
+    """What the fake answers next: a status and a JSON document, or raw bytes (with extra
+    `headers`); `hang` answers nothing until the server stops; `length` overrides
+    Content-Length (None: the real one, -1: none, the body then ends with the connection)."""
 
     status: int = 200
     document: Any = None
     raw: bytes | None = None
     hang: bool = False
+    drip: bool = False  # headers, then one byte every 50 ms until the server stops
     length: int | None = None
     content_type: str = "application/json; charset=UTF-8"
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -122,6 +124,15 @@ class FakeSearchApi:
                 )
                 self.send_response(answer.status)
                 self.send_header("Content-Type", answer.content_type)
+                for name, value in answer.headers.items():
+                    self.send_header(name, value)
+                if answer.drip:
+                    self.send_header("Content-Length", "1000000")
+                    self.end_headers()
+                    while not owner.stopping.wait(0.05):
+                        self.wfile.write(b" ")
+                        self.wfile.flush()
+                    return
                 if answer.length != -1:
                     length = len(body) if answer.length is None else answer.length
                     self.send_header("Content-Length", str(length))
