@@ -28,7 +28,7 @@ from tests.dialin_helpers import (
     wait_for,
     write_stdio_server,
 )
-from tests.helpers import ADMIN_TOKEN, create_key, sse_events
+from tests.helpers import ADMIN_TOKEN, create_key, run_cli, sse_events
 
 TOKEN = "esk_0123456789ab_secret"
 NAME = server_name("0123456789ab")
@@ -306,3 +306,85 @@ async def test_the_bridge_checks_real_keys(bridge_factory) -> None:
     await pipe.close()
     await bridge.frontends.keys.revoke(_key_id(dial))
     assert await closed_with(_dialin_url(bridge, dial)) == (4401, "invalid or revoked API key")
+
+
+async def test_a_rude_pipe_does_not_disturb_its_calls(host: EndpointHost) -> None:
+    pipe = await RawPipe(host.url(TOKEN)).start()
+    await wait_for(lambda: host.hub.get(NAME) is not None)
+    server = host.hub.get(NAME)
+    assert server is not None and pipe.ws is not None
+    rude = [
+        {"jsonrpc": "2.0", "id": "s1", "method": "sampling/createMessage", "params": {}},
+        {"jsonrpc": "2.0", "id": "r1", "method": "roots/list"},
+        {"jsonrpc": "2.0", "id": 999, "result": {}},  # a reply to nothing
+        *(
+            {"jsonrpc": "2.0", "method": "notifications/message", "params": {"level": "info"}}
+            for _ in range(300)
+        ),
+    ]
+    for message in rude:
+        await pipe.ws.send(json.dumps(message))
+    shout = {"name": "shout", "description": "Shout.", "inputSchema": {"type": "object"}}
+    pipe.tools = [shout]
+    await pipe.ws.send(json.dumps({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"}))
+    await wait_for(lambda: [tool.name for tool in server.tools] == ["shout"])
+    pipe.tools = [shout, {**shout, "name": "echo"}]
+    await pipe.ws.send(json.dumps({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"}))
+    await wait_for(lambda: len(server.tools) == 2)
+    result = await server.call("echo", {"text": "still here"})
+    assert result.content == [{"type": "text", "text": "echo: still here"}]
+    await pipe.close()
+
+
+async def test_a_risky_dialed_in_tool_waits_for_a_yes_and_the_cli_lists_it(
+    bridge_factory, fake_llm: FakeLlm, simulated_devices
+) -> None:
+    bridge: Bridge = await bridge_factory(llm_provider="openai", llm_base_url=fake_llm.url)
+    sim = await simulated_devices(bridge)
+    token = await create_key(bridge, "mcp:endpoint", devices=[sim.device_id])
+    name = server_name(_key_id(token))
+    wipe = {
+        "name": "wipe",
+        "description": "Wipe the notes.",
+        "inputSchema": {"type": "object"},
+        "annotations": {"destructiveHint": True},
+    }
+    pipe = await RawPipe(_dialin_url(bridge, token), tools=[wipe]).start()
+    await wait_for(lambda: bridge.mcp_servers.get(name) is not None)
+
+    code, out, err = await run_cli(
+        "mcp", "servers", "--server", bridge.api_url, "--token", ADMIN_TOKEN
+    )
+    assert code == 0, err
+    assert name in out and "dialin" in out and "wipe (risky)" in out
+
+    fake_llm.script("chat", Reply(calls=[FakeCall(f"{name}__wipe", {})]), Reply("Asked."))
+    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    body = {"message": "Wipe my notes", "device_id": sim.device_id}
+    async with httpx.AsyncClient(base_url=bridge.api_url, headers=headers, timeout=60) as http:
+        async with http.stream("POST", "/api/chat/stream", json=body) as response:
+            first = [e for e in await sse_events(response) if e["type"] == "mcp_tool"]
+        assert first[-1]["status"] == "error" and "not run yet" in first[-1]["error"]
+        assert pipe.calls == []
+        body = {"message": "yes", "device_id": sim.device_id}
+        async with http.stream("POST", "/api/chat/stream", json=body) as response:
+            second = [e for e in await sse_events(response) if e["type"] == "mcp_tool"]
+    assert second[-1]["status"] == "completed"
+    assert pipe.calls == [{"name": "wipe", "arguments": {}}]
+    await pipe.close()
+
+
+async def test_the_bridge_caps_frames_and_closes_dial_ins_when_it_stops(bridge_factory) -> None:
+    bridge: Bridge = await bridge_factory(mcp_endpoint_max_frame_bytes=1024)
+    token = await create_key(bridge, "mcp:endpoint", devices=["aa:bb:cc:dd:ee:01"])
+    async with connect(_dialin_url(bridge, token), max_size=None) as ws:
+        assert json.loads(await ws.recv())["method"] == "initialize"
+        await ws.send(json.dumps({"pad": "x" * 2000}))
+        with pytest.raises(ConnectionClosed):
+            while True:
+                await ws.recv()
+        assert ws.close_code == 1009
+    pipe = await RawPipe(_dialin_url(bridge, token)).start()
+    await wait_for(lambda: bridge.mcp_servers.get(server_name(_key_id(token))) is not None)
+    await bridge.stop()
+    assert await pipe.close_info() == (1001, "bridge shutting down")
