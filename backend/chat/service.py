@@ -339,10 +339,13 @@ class ChatService:
 
         began = time.perf_counter()
         verdict, dental = await self._guardrail(turn, functions)
-        # A dental question does not get the device's functions (a toothache question made a
-        # real model raise the screen brightness), unless it also asks something of the device.
+        # A clearly dental question does not get the device's functions (a toothache question
+        # made a real model raise the screen brightness), unless it also asks something of the
+        # device. Whatever the rules could not place keeps them (the model judged it).
         turn.about_device = bool(functions) and (
-            not dental or self.detector.is_device_request(turn.query, functions)
+            verdict.by != "rules"
+            or not dental
+            or self.detector.is_device_request(turn.query, functions)
         )
         turn.log_step("guardrail", began, verdict=verdict.verdict, by=verdict.by)
         if verdict.verdict == "refused":
