@@ -612,3 +612,25 @@ async def test_all_providers_down_leaves_the_knowledge_base(
     assert (done.metadata.search_error or "").startswith("google: HTTP 403")
     assert KEY not in (done.metadata.search_error or "")
     assert {s.origin for s in done.metadata.sources} == {"kb"}
+
+
+async def test_the_chat_service_is_built_with_the_configured_search(
+    tmp_path: Path, memory: SqliteMemoryStore
+) -> None:
+    configured = settings(
+        tmp_path,
+        llm_provider="none",
+        search_providers=["searxng", "duckduckgo"],
+        search_searxng_url="http://127.0.0.1:9",
+        kb_min_score=7.5,
+    )
+    service = ChatService.from_settings(configured, memory)
+    assert isinstance(service.web, FallbackSearch)
+    assert service.web.names == ["searxng", "duckduckgo"]
+    assert service.knowledge.min_score == 7.5
+    off = ChatService.from_settings(
+        settings(tmp_path, llm_provider="none", search_enabled=False), memory
+    )
+    assert off.web is None
+    await service.aclose()
+    await off.aclose()
