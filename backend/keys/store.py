@@ -8,7 +8,8 @@ no slow KDF is needed for random tokens).
 
 Scopes: `chat:use` (talk to the assistant), `devices:read` (list devices and tools),
 `devices:call` (call tools, optionally only on some device ids; includes `devices:read`),
-`admin` (everything, including key management).
+`admin` (everything, including key management), and `mcp:<server>` (use that external MCP
+server's tools in chat turns; backend/mcp_servers).
 
 The running bridge checks keys without touching the database: `load()` reads the active keys
 into an in-memory index (key id → hash and principal) that `create` and `revoke` keep current,
@@ -21,6 +22,7 @@ import contextlib
 import hashlib
 import hmac
 import json
+import re
 import secrets
 import sqlite3
 import time
@@ -67,6 +69,36 @@ class Scope(StrEnum):
     ADMIN = "admin"
 
 
+_MCP_SCOPE = re.compile(r"mcp:[a-z0-9_-]{1,32}")
+
+
+class McpScope(str):
+    """`mcp:<server>`: may use that external MCP server's tools in chat turns
+    (docs/mcp-servers.md). Not a `Scope` member: server names come from the configuration."""
+
+    __slots__ = ()
+
+    def __new__(cls, value: str) -> "McpScope":
+        if not isinstance(value, str) or _MCP_SCOPE.fullmatch(value) is None:
+            raise ValueError(f"not an MCP server scope: {str(value)[:60]!r} (mcp:<server>)")
+        return super().__new__(cls, value)
+
+    @property
+    def server(self) -> str:
+        return self[4:]
+
+
+AnyScope = Scope | McpScope
+
+
+def parse_scope(value: str) -> AnyScope:
+    """A `Scope`, or an `mcp:<server>` scope; ValueError otherwise."""
+    try:
+        return Scope(value)
+    except ValueError:
+        return McpScope(value)
+
+
 class InvalidKey(BridgeError):
     """The presented token is malformed, unknown or revoked (one message for all: no oracle)."""
 
@@ -94,12 +126,16 @@ class Principal:
 
     key_id: str
     name: str
-    scopes: frozenset[Scope]
+    scopes: frozenset[AnyScope]
     device_ids: frozenset[str] | None = None  # None: every device
 
     @property
     def is_admin(self) -> bool:
         return Scope.ADMIN in self.scopes
+
+    def may_use_server(self, server: str) -> bool:
+        """May use the external MCP server `server` in chat (admin, or `mcp:<server>`)."""
+        return self.is_admin or f"mcp:{server}" in self.scopes
 
     def has(self, scope: Scope | str) -> bool:
         """Admin has every scope; devices:call includes devices:read."""
@@ -159,7 +195,7 @@ class ApiKey:
 
     id: str
     name: str
-    scopes: frozenset[Scope]
+    scopes: frozenset[AnyScope]
     device_ids: frozenset[str] | None
     created_at: datetime
     last_used_at: datetime | None
@@ -183,14 +219,14 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8")).hexdigest()
 
 
-def parse_scopes(values: Iterable[str]) -> frozenset[Scope]:
-    scopes = set()
+def parse_scopes(values: Iterable[str]) -> frozenset[AnyScope]:
+    scopes: set[AnyScope] = set()
     for value in values:
         try:
-            scopes.add(Scope(value.strip()))
+            scopes.add(parse_scope(value.strip()))
         except ValueError:
             known = ", ".join(scope.value for scope in Scope)
-            raise ValueError(f"unknown scope {value!r} (known: {known})") from None
+            raise ValueError(f"unknown scope {value!r} (known: {known}, mcp:<server>)") from None
     if not scopes:
         raise ValueError("a key needs at least one scope")
     return frozenset(scopes)
@@ -436,10 +472,12 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
-def _scopes(text: str) -> frozenset[Scope]:
-    return frozenset(
-        Scope(value) for value in json.loads(text) if value in Scope._value2member_map_
-    )
+def _scopes(text: str) -> frozenset[AnyScope]:
+    scopes: set[AnyScope] = set()
+    for value in json.loads(text):
+        with contextlib.suppress(ValueError, TypeError):
+            scopes.add(parse_scope(value))
+    return frozenset(scopes)
 
 
 def _devices(text: str | None) -> frozenset[str] | None:
