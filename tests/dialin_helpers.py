@@ -74,11 +74,13 @@ class RawPipe:
         tools: list[dict[str, Any]] | None = None,
         answer_initialize: bool = True,
         hold_calls: bool = False,
+        refuse_initialize: bool = False,
     ) -> None:
         self.url = url
         self.headers = headers
         self.tools = tools if tools is not None else [ECHO_TOOL]
         self.answer_initialize = answer_initialize
+        self.refuse_initialize = refuse_initialize  # answer initialize with an error
         self.hold_calls = hold_calls  # receive tools/call and never answer it
         self.calls: list[dict[str, Any]] = []
         self.call_seen = asyncio.Event()
@@ -125,6 +127,9 @@ class RawPipe:
         if "id" not in message or method is None:
             return None  # a notification or a reply
         if method == "initialize":
+            if self.refuse_initialize:
+                error = {"code": -32602, "message": "unsupported protocol version"}
+                return {"jsonrpc": "2.0", "id": message["id"], "error": error}
             if not self.answer_initialize:
                 return None
             result: dict[str, Any] = {

@@ -131,6 +131,14 @@ async def test_a_server_that_never_answers_initialize_is_closed_unregistered(
     await wait_for(lambda: host.endpoint.open_count == 0)
 
 
+async def test_an_error_reply_to_initialize_is_closed_unregistered(host: EndpointHost) -> None:
+    pipe = await RawPipe(host.url(TOKEN), refuse_initialize=True).start()
+    code, reason = await pipe.close_info()
+    assert code == 4400
+    assert reason.startswith("handshake failed:") and "unsupported protocol version" in reason
+    assert host.hub.get(NAME) is None
+
+
 @pytest.mark.parametrize(
     ("frame", "expected"),
     [
@@ -388,3 +396,31 @@ async def test_the_bridge_caps_frames_and_closes_dial_ins_when_it_stops(bridge_f
     await wait_for(lambda: bridge.mcp_servers.get(server_name(_key_id(token))) is not None)
     await bridge.stop()
     assert await pipe.close_info() == (1001, "bridge shutting down")
+
+
+async def test_an_api_key_needs_the_servers_scope_for_dialed_in_tools(
+    bridge_factory, fake_llm: FakeLlm, simulated_devices
+) -> None:
+    bridge: Bridge = await bridge_factory(llm_provider="openai", llm_base_url=fake_llm.url)
+    sim = await simulated_devices(bridge)
+    token = await create_key(bridge, "mcp:endpoint", devices=[sim.device_id])
+    name = server_name(_key_id(token))
+    pipe = await RawPipe(_dialin_url(bridge, token)).start()
+    await wait_for(lambda: bridge.mcp_servers.get(name) is not None)
+    offered: dict[str, list[str]] = {}
+    for scopes in (("chat:use", "devices:call"), ("chat:use", "devices:call", f"mcp:{name}")):
+        chat_key = await create_key(bridge, *scopes)
+        fake_llm.script("chat", Reply("Fine."))
+        headers = {"Authorization": f"Bearer {chat_key}"}
+        body = {"message": "Echo something", "device_id": sim.device_id}
+        async with (
+            httpx.AsyncClient(base_url=bridge.api_url, headers=headers, timeout=60) as http,
+            http.stream("POST", "/api/chat/stream", json=body) as response,
+        ):
+            assert response.status_code == 200
+            await sse_events(response)
+        tools = fake_llm.of_kind("chat")[-1].tools or []
+        offered[scopes[-1]] = [tool["function"]["name"] for tool in tools]
+    assert f"{name}__echo" not in offered["devices:call"]
+    assert f"{name}__echo" in offered[f"mcp:{name}"]
+    await pipe.close()
