@@ -9,7 +9,8 @@ no slow KDF is needed for random tokens).
 Scopes: `chat:use` (talk to the assistant), `devices:read` (list devices and tools),
 `devices:call` (call tools, optionally only on some device ids; includes `devices:read`),
 `admin` (everything, including key management), and `mcp:<server>` (use that external MCP
-server's tools in chat turns; backend/mcp_servers).
+server's tools in chat turns; backend/mcp_servers). `mcp:endpoint` is a scope of its own, not
+a server: a user's MCP server may dial in with the key (backend/mcp_dialin).
 
 The running bridge checks keys without touching the database: `load()` reads the active keys
 into an in-memory index (key id → hash and principal) that `create` and `revoke` keep current,
@@ -67,6 +68,8 @@ class Scope(StrEnum):
     DEVICES_READ = "devices:read"
     DEVICES_CALL = "devices:call"
     ADMIN = "admin"
+    # A user's MCP server may dial in with it (backend/mcp_dialin; the key's devices get its tools).
+    MCP_ENDPOINT = "mcp:endpoint"
 
 
 _MCP_SCOPE = re.compile(r"mcp:[a-z0-9_-]{1,32}")
