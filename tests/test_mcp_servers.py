@@ -37,7 +37,7 @@ from backend.mcp_servers.settings import McpServerSettings
 from backend.mcp_session import Tool
 from backend.server import Bridge
 from simulator.llm_server import FakeCall, FakeLlm, Reply
-from tests.helpers import ADMIN_TOKEN, create_key, run_cli, sse_events
+from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, create_key, run_cli, sse_events, wait_state
 from tests.mcp_servers_helpers import (
     http_mcp_server,
     server_of,
@@ -45,6 +45,7 @@ from tests.mcp_servers_helpers import (
     wait_ready,
     wait_until,
 )
+from tests.stock_device import WireDevice
 
 VOLUME_LLM = "self_audio_speaker_set_volume"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -70,6 +71,15 @@ async def stream(http: httpx.AsyncClient, body: dict[str, Any]) -> list[dict[str
 
 def tool_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [event for event in events if event["type"] == "mcp_tool"]
+
+
+def detect(device: WireDevice, text: str) -> dict[str, Any]:
+    """A text turn from a device (what the stock firmware sends for typed text)."""
+    return {"session_id": device.session_id, "type": "listen", "state": "detect", "text": text}
+
+
+def tts_stops(device: WireDevice) -> int:
+    return sum(1 for m in device.messages if m.get("type") == "tts" and m["state"] == "stop")
 
 
 def offered(fake_llm: FakeLlm, index: int = -1) -> list[str]:
@@ -529,3 +539,64 @@ async def test_bound_servers_serve_only_their_devices_and_names_never_collide():
     everyone.detach("disconnected")
     assert [spec.llm_name for spec in other.functions()] == []
     assert (await other.call("fs__echo", {})).failed
+
+
+# ---- a device's own turns; a server that never starts -----------------------------------------
+
+
+async def test_a_devices_own_turn_gets_the_servers_bound_to_it_or_to_all(bridge_factory, fake_llm):
+    mine, other = "02:00:00:00:00:0a", "02:00:00:00:00:0b"
+    bridge = await start(
+        bridge_factory,
+        fake_llm,
+        stdio_entry("shared"),
+        stdio_entry("home", device_ids=[mine]),
+    )
+    await wait_ready(bridge, "shared")
+    await wait_ready(bridge, "home")
+    devices = [WireDevice(bridge.ws_url, DEVICE_TOKEN, device_id) for device_id in (mine, other)]
+    try:
+        for device in devices:
+            await device.connect()
+            await wait_state(bridge, device.device_id)
+        fake_llm.script(
+            "chat", Reply(calls=[FakeCall("home__echo", {"text": "lamp"})]), Reply("Lamp echoed.")
+        )
+        await devices[0].send(detect(devices[0], "Echo lamp"))
+        await devices[0].wait_for_count(lambda: tts_stops(devices[0]), 1)
+        offered_to_mine = offered(fake_llm, 0)
+        await devices[1].send(detect(devices[1], "Echo lamp"))
+        await devices[1].wait_for_count(lambda: tts_stops(devices[1]), 1)
+        offered_to_other = offered(fake_llm)
+    finally:
+        for device in devices:
+            await device.close()
+    assert "home__echo" in offered_to_mine and "shared__echo" in offered_to_mine
+    assert "shared__echo" in offered_to_other and "home__echo" not in offered_to_other
+    assert "echo:lamp" in tool_messages(fake_llm, 1)
+    async with client(bridge) as http:
+        rows = await audit_rows(http, "mcp:home")
+    assert [(r["tool"], r["outcome"], r["actor"]) for r in rows] == [
+        ("echo", "ok", f"device:{mine}")
+    ]
+
+
+async def test_a_server_that_never_answers_initialize_backs_off_and_hurts_no_turn(
+    bridge_factory, fake_llm
+):
+    silent = {
+        "name": "silent",
+        "command": sys.executable,
+        "args": ["-c", "import time; time.sleep(3600)"],
+        "connect_timeout_s": 0.3,
+    }
+    bridge = await start(bridge_factory, fake_llm, silent, stdio_entry("fake"))
+    await wait_ready(bridge, "fake")
+    server = server_of(bridge, "silent")
+    await wait_until(lambda: server.last_error is not None)
+    assert server.state is not ServerState.READY and "Timeout" in (server.last_error or "")
+    fake_llm.script("chat", Reply(calls=[FakeCall("fake__echo", {"text": "ok"})]), Reply("Ok."))
+    async with client(bridge) as http:
+        events = await stream(http, {"message": "echo ok"})
+    assert tool_events(events)[-1]["result"][0]["text"] == "echo:ok"
+    assert not any(name.startswith("silent__") for name in offered(fake_llm))
