@@ -430,6 +430,7 @@ async def test_a_huge_result_is_cut_to_max_result_bytes(bridge_factory, fake_llm
         {"name": "hdr", "command": "x", "bearer_token": "t"},
         {"name": "args", "url": "http://127.0.0.1/mcp", "args": ["a"]},
         {"name": "scheme", "url": "file:///etc/passwd"},
+        {"name": "userinfo", "url": "https://user:pw@x.test/mcp"},
         {"name": "small", "command": "x", "max_result_bytes": 10},
         {"name": "extra", "command": "x", "unknown": 1},
     ],

@@ -9,6 +9,7 @@ first), false (none), a list of tool-name patterns, or unset (tools marked `dest
 
 import re
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
@@ -63,6 +64,9 @@ class McpServerSettings(BaseModel):
             raise ValueError(f"MCP server {self.name!r}: headers and bearer_token need a url")
         if self.url is not None and (self.args or self.env or self.cwd):
             raise ValueError(f"MCP server {self.name!r}: args, env and cwd need a command")
+        if self.url is not None and "@" in urlsplit(self.url).netloc:
+            # Errors and logs may quote the URL: credentials go in headers or bearer_token.
+            raise ValueError(f"MCP server {self.name!r}: no user:password in the url")
         return self
 
     @property
