@@ -6,6 +6,7 @@ Values under secret-looking keys are masked, so tokens never reach the logs.
 
 import functools
 import logging
+import re
 import sys
 import time
 from collections import OrderedDict
@@ -30,6 +31,36 @@ def redact_secrets(
         if _is_secret_key(key):
             event[key] = "***"
     return event
+
+
+_QUERY_TOKEN = re.compile(r"([?&]token=)[^&\s\"']+", re.IGNORECASE)
+
+
+def mask_query_token(text: str) -> str:
+    """`...?token=<secret>` as `...?token=***` (the MCP endpoint takes its key in the query)."""
+    return _QUERY_TOKEN.sub(r"\1***", text) if "token=" in text.lower() else text
+
+
+class QueryTokenFilter(logging.Filter):
+    """Masks `token=` query values in a library's log record: uvicorn logs every WebSocket's
+    path with its query at INFO (`"WebSocket /v1/mcp-endpoint/?token=esk_..." [accepted]`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str):
+            record.msg = mask_query_token(record.msg)
+        if isinstance(record.args, tuple):
+            record.args = tuple(
+                mask_query_token(arg) if isinstance(arg, str) else arg for arg in record.args
+            )
+        return True
+
+
+def mask_uvicorn_query_tokens() -> None:
+    """Put `QueryTokenFilter` on uvicorn's logger once (a filter on the logger, not a handler,
+    so every handler, pytest's included, sees only the masked line)."""
+    logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(existing, QueryTokenFilter) for existing in logger.filters):
+        logger.addFilter(QueryTokenFilter())
 
 
 def configure_logging(level: str = "info", fmt: str = "auto") -> None:

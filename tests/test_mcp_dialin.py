@@ -6,6 +6,7 @@ the last ones go through the whole bridge (keys, `/api/mcp/servers`, a chat turn
 
 import asyncio
 import json
+import logging
 import os
 import sys
 from collections.abc import AsyncIterator
@@ -33,6 +34,7 @@ from tests.helpers import ADMIN_TOKEN, create_key, run_cli, sse_events
 TOKEN = "esk_0123456789ab_secret"
 NAME = server_name("0123456789ab")
 DEVICE = "aa:bb:cc:dd:ee:01"
+INVALID = "invalid or revoked API key"
 
 
 @pytest.fixture
@@ -424,3 +426,15 @@ async def test_an_api_key_needs_the_servers_scope_for_dialed_in_tools(
     assert f"{name}__echo" not in offered["devices:call"]
     assert f"{name}__echo" in offered[f"mcp:{name}"]
     await pipe.close()
+
+
+async def test_the_key_in_the_url_never_reaches_the_log(
+    host: EndpointHost, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    pipe = await RawPipe(host.url(TOKEN)).start()
+    await wait_for(lambda: host.hub.get(NAME) is not None)
+    await pipe.close()
+    assert await closed_with(host.url("esk_0123456789ab_wrong")) == (4401, INVALID)
+    assert "/v1/mcp-endpoint/?token=***" in caplog.text  # uvicorn logs the path and its query
+    assert TOKEN not in caplog.text and "esk_0123456789ab_wrong" not in caplog.text

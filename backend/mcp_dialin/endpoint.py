@@ -40,6 +40,7 @@ from starlette.websockets import WebSocket
 from backend import __version__
 from backend.config import Settings
 from backend.keys import Principal, Scope
+from backend.logs import mask_uvicorn_query_tokens
 from backend.mcp_dialin.pipe import (
     CLOSE_GOING_AWAY,
     CLOSE_NORMAL,
@@ -110,6 +111,7 @@ class DialInEndpoint:
         self._open: dict[str, int] = {}  # key id -> sockets past the checks (handshaking or live)
         self._live: dict[str, tuple[SessionServer, WebSocketPipe]] = {}  # by server name
         self._stopping = False
+        mask_uvicorn_query_tokens()  # uvicorn logs each WebSocket's path with its ?token=
 
     @property
     def routes(self) -> list[BaseRoute]:
