@@ -7,6 +7,7 @@ that hangs, one that dies mid-call, one that floods notifications, one that answ
 """
 
 import asyncio
+import itertools
 import json
 import shutil
 import sys
@@ -25,6 +26,7 @@ from backend.config import Settings
 from backend.devices import DeviceRegistry
 from backend.keys import McpScope, Principal, Scope
 from backend.keys.store import parse_scopes
+from backend.mcp_servers.connectors import ConfiguredServer
 from backend.mcp_servers.hub import (
     McpServerHub,
     RiskyRule,
@@ -601,3 +603,28 @@ async def test_a_server_that_never_answers_initialize_backs_off_and_hurts_no_tur
         events = await stream(http, {"message": "echo ok"})
     assert tool_events(events)[-1]["result"][0]["text"] == "echo:ok"
     assert not any(name.startswith("silent__") for name in offered(fake_llm))
+
+
+async def test_reconnects_back_off_exponentially_up_to_the_cap():
+    settings = McpServerSettings(name="gone", command=sys.executable, args=["-c", "pass"])
+    server = ConfiguredServer(settings, backoff_initial_s=0.01, backoff_max_s=0.08)
+    waits: list[float] = []
+    enough = asyncio.Event()
+
+    async def record(seconds: float) -> None:
+        waits.append(seconds)
+        if len(waits) >= 6:
+            enough.set()
+        await asyncio.sleep(0)
+
+    server._sleep = record
+    await server.start()
+    try:
+        await asyncio.wait_for(enough.wait(), 60)
+    finally:
+        await server.stop()
+    assert server.connects == 0 and server.state is ServerState.STOPPED
+    assert server.last_error is not None
+    assert all(later > earlier for earlier, later in itertools.pairwise(waits[:4]))
+    assert 0.008 <= waits[0] <= 0.012 and all(wait <= 0.08 * 1.2 for wait in waits)
+    assert waits[-1] >= 0.08 * 0.8  # reached the cap

@@ -73,6 +73,7 @@ class ConfiguredServer(SessionServer):
         self._task: asyncio.Task[None] | None = None
         self._lost = asyncio.Event()
         self._stopping = False
+        self._sleep = asyncio.sleep  # the wait between attempts (a test records it)
 
     async def start(self) -> None:
         if self._task is None or self._task.done():
@@ -130,7 +131,7 @@ class ConfiguredServer(SessionServer):
             self.detach(error, state=ServerState.BACKING_OFF)
             self.next_attempt_in_s = round(wait, 3)
             log.warning("mcp server down", server=self.name, error=error, retry_in_s=wait)
-            await asyncio.sleep(wait)
+            await self._sleep(wait)
             delay = min(delay * 2, self.backoff_max_s)
 
     async def _connect_and_watch(self) -> bool:
