@@ -18,7 +18,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from backend.keys import Scope
-from backend.mcp_dialin.endpoint import DialInLimits, server_name
+from backend.mcp_dialin.endpoint import REPLACED, DialInLimits, server_name
 from backend.mcp_servers.hub import CallTimedOut, McpServerError, ServerState
 from backend.server import Bridge
 from simulator.llm_server import FakeCall, FakeLlm, Reply
@@ -181,6 +181,25 @@ async def test_a_second_pipe_with_the_same_key_replaces_the_first(host: Endpoint
     assert len(host.hub) == 1
     await second.close()
     await wait_for(lambda: host.hub.get(NAME) is None)
+
+
+async def test_pipes_of_one_key_racing_leave_exactly_one_registered() -> None:
+    host = await EndpointHost(DialInLimits(max_per_key=5)).start()
+    try:
+        host.add_key(TOKEN)
+        pipes = await asyncio.gather(*(RawPipe(host.url(TOKEN)).start() for _ in range(5)))
+        await wait_for(lambda: host.endpoint.open_count == 1 and host.hub.get(NAME) is not None)
+        replaced = [pipe for pipe in pipes if pipe.closed.done()]
+        assert len(replaced) == 4
+        for pipe in replaced:
+            assert pipe.closed.result() == (4409, REPLACED)
+        server = host.hub.get(NAME)
+        assert server is not None and server.state is ServerState.READY
+        assert (await server.call("echo", {"text": "last"})).content[0]["text"] == "echo: last"
+        for pipe in pipes:
+            await pipe.close()
+    finally:
+        await host.stop()
 
 
 async def test_disconnect_mid_call_fails_the_call_at_once() -> None:

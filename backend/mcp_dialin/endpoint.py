@@ -27,6 +27,7 @@ need two keys. On disconnect the server leaves the hub, and calls in flight fail
 ("connection closed") rather than wait for their timeout.
 """
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -66,6 +67,7 @@ CLOSE_INIT_TIMEOUT = 4408
 CLOSE_REPLACED = 4409
 CLOSE_HANDSHAKE_FAILED = 4400
 NAME_PREFIX = "dialin-"
+REPLACED = "replaced by a newer connection with the same key"
 
 KeyResolver = Callable[[str], Principal | None]
 
@@ -131,8 +133,13 @@ class DialInEndpoint:
     async def stop(self) -> None:
         """Close every dial-in (1001); their handlers unregister them."""
         self._stopping = True
-        for _server, pipe in list(self._live.values()):
-            await pipe.close(CLOSE_GOING_AWAY, "bridge shutting down")
+        # Together: a close waits for the peer's close frame (up to uvicorn's close timeout).
+        await asyncio.gather(
+            *(
+                pipe.close(CLOSE_GOING_AWAY, "bridge shutting down")
+                for _s, pipe in self._live.values()
+            )
+        )
 
     async def serve(self, websocket: WebSocket) -> None:
         """One dial-in, from the upgrade to the close."""
@@ -241,19 +248,22 @@ class DialInEndpoint:
             server.detach("disconnected")
 
     async def _register(self, server: SessionServer, pipe: WebSocketPipe) -> bool:
-        """Put `server` in the hub, replacing this key's older dial-in (closed with 4409)."""
+        """Put `server` in the hub, replacing this key's older dial-in (closed with 4409).
+
+        No await until the hub and `_live` agree again: two handshakes of one key finishing
+        together must not both take (or both lose) the name."""
         older = self._live.pop(server.name, None)
         if older is not None:
-            old_server, old_pipe = older
-            self._hub.remove(server.name, old_server)
-            old_server.detach("replaced by a newer connection with the same key")
-            await old_pipe.close(CLOSE_REPLACED, "replaced by a newer connection with the same key")
+            self._hub.remove(server.name, older[0])
+            older[0].detach(REPLACED)
         try:
             self._hub.add(server)
         except DuplicateServer:  # a configured server has this name
             await pipe.close(CLOSE_REPLACED, f"the server name {server.name} is taken")
             return False
         self._live[server.name] = (server, pipe)
+        if older is not None:
+            await older[1].close(CLOSE_REPLACED, REPLACED)
         return True
 
 
