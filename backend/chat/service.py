@@ -5,9 +5,7 @@ device tools → sources → memory with an accumulated summary; offline when no
 never raises for model, search, tool or device failures: they become events and metadata.
 """
 
-import asyncio
 import dataclasses
-import inspect
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
@@ -28,6 +26,7 @@ from backend.chat.confirm import (
     question,
 )
 from backend.chat.context import ClientTurn, client_context, without_sources
+from backend.chat.deadline import Deadline
 from backend.chat.events import (
     ChatEvent,
     Done,
@@ -205,7 +204,7 @@ class _Turn:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     counted: bool = False  # some usage counted by the tokenizer, not reported by the model
-    deadline: float = float("inf")  # loop time
+    deadline: Deadline | None = None
     spoken: str = ""  # the answer without its sources section, once complete
 
     @property
@@ -296,7 +295,7 @@ class ChatService:
         # from failing deep in the turn (SQLite, the model's client) on a lone surrogate.
         query = replace_surrogates(request.query.strip())
         turn = _Turn(request, query, device_id=request.device_id)
-        turn.deadline = asyncio.get_running_loop().time() + self.turn_timeout_s
+        turn.deadline = Deadline(self.turn_timeout_s, lambda: TurnDeadline(self.turn_timeout_s))
         began = time.perf_counter()
         outcome = "abandoned"  # the consumer stopped reading (a client went away)
         try:
@@ -308,6 +307,7 @@ class ChatService:
             outcome = "failed"
             raise
         finally:
+            turn.deadline.close()
             log.info(
                 "chat turn",
                 step="turn",
@@ -619,18 +619,11 @@ class ChatService:
         self._count(turn, messages, reply.text, reply.usage)
         return reply
 
-    async def _within(self, turn: _Turn, step: Awaitable[_T]) -> _T:
+    @staticmethod
+    async def _within(turn: _Turn, step: Awaitable[_T]) -> _T:
         """A model step within what is left of the turn's deadline."""
-        remaining = turn.deadline - asyncio.get_running_loop().time()
-        try:
-            if remaining <= 0:
-                raise TimeoutError
-            async with asyncio.timeout(remaining):
-                return await step
-        except TimeoutError:
-            if inspect.iscoroutine(step):
-                step.close()
-            raise TurnDeadline(self.turn_timeout_s) from None
+        assert turn.deadline is not None
+        return await turn.deadline.run(step)
 
     @staticmethod
     def _count(
