@@ -1,9 +1,10 @@
 """`GET /api/mcp/servers`: the external MCP servers, their state and tools (scope `devices:read`
 or `admin`). Never shows a command's arguments, environment, headers or tokens."""
 
-from typing import Annotated, Any
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends
+from pydantic import BaseModel, ConfigDict
 
 from backend.api.scopes import needs
 from backend.keys import Principal, Scope
@@ -12,11 +13,35 @@ from backend.mcp_servers.hub import McpServerHub
 Reader = Annotated[Principal, Depends(needs(Scope.DEVICES_READ))]
 
 
+class ServerToolView(BaseModel):
+    name: str
+    description: str
+    risky: bool
+
+
+class ServerView(BaseModel):
+    # Configured servers add connects, relists, next_attempt_in_s and target (command or url).
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    kind: Literal["stdio", "http", "dialin"]
+    state: Literal["connecting", "ready", "backing-off", "failed", "stopped"]
+    since: str
+    last_error: str | None
+    bound_device_ids: list[str] | None
+    calls: int
+    tools: list[ServerToolView]
+
+
+class ServerList(BaseModel):
+    servers: list[ServerView]
+
+
 def mcp_servers_router(hub: McpServerHub) -> APIRouter:
     router = APIRouter(prefix="/api/mcp", tags=["mcp servers"])
 
     @router.get("/servers")
-    async def list_servers(_reader: Reader) -> dict[str, Any]:
-        return {"servers": hub.listing()}
+    async def list_servers(_reader: Reader) -> ServerList:
+        return ServerList.model_validate({"servers": hub.listing()})
 
     return router
