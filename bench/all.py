@@ -23,6 +23,7 @@ BENCHMARKS = (
     "ota",
     "vision",
     "mcp_servers",
+    "mcp_dialin",
     "voice",
     "firmware_memory",
 )

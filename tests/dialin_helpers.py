@@ -200,7 +200,7 @@ class EndpointHost:
         return f"ws://127.0.0.1:{port}/v1/mcp-endpoint/{query}"
 
     async def start(self) -> "EndpointHost":
-        self._socket = socket.socket()
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._socket.bind(("127.0.0.1", 0))
         self._socket.listen(64)
         app = Starlette(routes=self.endpoint.routes)

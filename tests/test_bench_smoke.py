@@ -11,7 +11,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = [
     "tool_call", "sdk_compare", "hello_ready", "fleet", "disconnect", "chat", "udp", "mqtt", "fuzz",
-    "ota", "vision", "mcp_servers", "voice",
+    "ota", "vision", "mcp_servers", "mcp_dialin", "voice",
 ]  # fmt: skip
 
 
