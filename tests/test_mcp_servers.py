@@ -30,6 +30,7 @@ from backend.mcp_servers.connectors import ConfiguredServer
 from backend.mcp_servers.hub import (
     McpServerHub,
     RiskyRule,
+    ServerBusy,
     ServerState,
     SessionServer,
     attach_hub,
@@ -628,3 +629,22 @@ async def test_reconnects_back_off_exponentially_up_to_the_cap():
     assert all(later > earlier for earlier, later in itertools.pairwise(waits[:4]))
     assert 0.008 <= waits[0] <= 0.012 and all(wait <= 0.08 * 1.2 for wait in waits)
     assert waits[-1] >= 0.08 * 0.8  # reached the cap
+
+
+async def test_calls_beyond_max_pending_calls_are_refused_at_once():
+    settings = McpServerSettings(**stdio_entry("fake", max_pending_calls=2))
+    server = ConfiguredServer(settings)
+    await server.start()
+    try:
+        await wait_until(lambda: server.state is ServerState.READY)
+        hung = [asyncio.create_task(server.call("hang", {})) for _ in range(2)]
+        await wait_until(lambda: server.pending == 2)
+        with pytest.raises(ServerBusy, match="2 calls in flight"):
+            await server.call("echo", {"text": "x"})
+        for task in hung:
+            task.cancel()
+        await asyncio.gather(*hung, return_exceptions=True)
+        assert server.pending == 0
+        assert (await server.call("echo", {"text": "again"})).text == "echo:again"
+    finally:
+        await server.stop()

@@ -30,6 +30,7 @@ class ServerView(BaseModel):
     last_error: str | None
     bound_device_ids: list[str] | None
     calls: int
+    pending: int
     tools: list[ServerToolView]
 
 

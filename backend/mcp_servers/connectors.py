@@ -63,6 +63,7 @@ class ConfiguredServer(SessionServer):
             risky=RiskyRule.from_setting(settings.risky),
             timeout_s=settings.timeout_s,
             max_result_bytes=settings.max_result_bytes,
+            max_pending_calls=settings.max_pending_calls,
         )
         self.settings = settings
         self.backoff_initial_s = backoff_initial_s

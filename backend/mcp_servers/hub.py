@@ -60,6 +60,7 @@ from mcp import types as mcp_types
 
 from backend.errors import BridgeError
 from backend.mcp_servers.settings import (
+    DEFAULT_MAX_PENDING_CALLS,
     DEFAULT_MAX_RESULT_BYTES,
     DEFAULT_TIMEOUT_S,
     RESERVED_NAMES,
@@ -70,6 +71,7 @@ from backend.mcp_servers.settings import (
 from backend.mcp_session import CallResult, Tool
 
 __all__ = [
+    "DEFAULT_MAX_PENDING_CALLS",
     "DEFAULT_MAX_RESULT_BYTES",
     "DEFAULT_TIMEOUT_S",
     "RESERVED_NAMES",
@@ -80,6 +82,7 @@ __all__ = [
     "McpServerError",
     "McpServerHub",
     "RiskyRule",
+    "ServerBusy",
     "ServerConfirmationRequired",
     "ServerKind",
     "ServerNotReady",
@@ -116,6 +119,11 @@ class ServerNotReady(McpServerError):
         super().__init__(f"MCP server {name!r} is {state.value}")
         self.name = name
         self.state = state
+
+
+class ServerBusy(McpServerError):
+    def __init__(self, name: str, limit: int) -> None:
+        super().__init__(f"MCP server {name!r} has {limit} calls in flight already; try later")
 
 
 class UnknownServerTool(McpServerError):
@@ -195,6 +203,7 @@ class ExternalServer:
         risky: RiskyRule | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
+        max_pending_calls: int = DEFAULT_MAX_PENDING_CALLS,
     ) -> None:
         self.name = check_server_name(name)
         self.kind: ServerKind = kind
@@ -202,6 +211,8 @@ class ExternalServer:
         self.risky = risky or RiskyRule()
         self.timeout_s = timeout_s
         self.max_result_bytes = max_result_bytes
+        self.max_pending_calls = max_pending_calls
+        self.pending = 0  # calls in flight
         self.state = ServerState.CONNECTING
         self.last_error: str | None = None
         self.tools: tuple[Tool, ...] = ()
@@ -252,6 +263,7 @@ class ExternalServer:
                 sorted(self.bound_device_ids) if self.bound_device_ids is not None else None
             ),
             "calls": self.calls,
+            "pending": self.pending,
             "tools": [
                 {
                     "name": tool.name,
@@ -366,8 +378,12 @@ class SessionServer(ExternalServer):
             raise ServerNotReady(self.name, self.state)
         if self.tool(tool) is None:
             raise UnknownServerTool(self.name, tool)
+        if self.pending >= self.max_pending_calls:
+            # Slow or hung calls pile up here, not in the server or in this process's memory.
+            raise ServerBusy(self.name, self.max_pending_calls)
         limit = timeout_s if timeout_s is not None else self.timeout_s
         self.calls += 1
+        self.pending += 1
         try:
             async with asyncio.timeout(limit):
                 result = await session.call_tool(tool, arguments)
@@ -377,6 +393,8 @@ class SessionServer(ExternalServer):
             raise
         except Exception as exc:  # the SDK's MCPError, a closed stream, a crashed process...
             raise McpServerError(f"MCP server {self.name!r}: {describe_error(exc)}") from exc
+        finally:
+            self.pending -= 1
         return bounded_result(result, self.max_result_bytes)
 
 

@@ -17,6 +17,7 @@ _MAX_SERVERS = 64
 SERVER_NAME = re.compile(r"[a-z0-9_-]{1,32}")
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_MAX_RESULT_BYTES = 64 * 1024
+DEFAULT_MAX_PENDING_CALLS = 32
 
 # `mcp:endpoint` is the dial-in endpoint's own scope (backend/keys/store.py), not a server's.
 RESERVED_NAMES = frozenset({"endpoint"})
@@ -50,6 +51,7 @@ class McpServerSettings(BaseModel):
     timeout_s: float = Field(DEFAULT_TIMEOUT_S, gt=0, le=3600)
     connect_timeout_s: float = Field(30.0, gt=0, le=600)
     max_result_bytes: int = Field(DEFAULT_MAX_RESULT_BYTES, ge=256, le=16 << 20)
+    max_pending_calls: int = Field(DEFAULT_MAX_PENDING_CALLS, ge=1, le=10_000)
 
     @field_validator("name")
     @classmethod
