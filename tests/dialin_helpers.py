@@ -111,7 +111,7 @@ class RawPipe:
         try:
             async for frame in self.ws:
                 message = json.loads(frame)
-                reply = self._reply(message)
+                reply = self.reply(message)
                 if reply is not None:
                     await self.ws.send(json.dumps(reply))
         except ConnectionClosed:
@@ -122,7 +122,7 @@ class RawPipe:
         if not self.closed.done():
             self.closed.set_result((code, reason))
 
-    def _reply(self, message: dict[str, Any]) -> dict[str, Any] | None:
+    def reply(self, message: dict[str, Any]) -> dict[str, Any] | None:
         method = message.get("method")
         if "id" not in message or method is None:
             return None  # a notification or a reply

@@ -167,6 +167,19 @@ async def test_frames_that_break_the_format_close_the_pipe(
     assert host.hub.get(NAME) is None
 
 
+async def test_blank_frames_are_skipped(host: EndpointHost) -> None:
+    """Stock pipes relay every stdout line of their server, an empty one too."""
+    async with connect(host.url(TOKEN)) as ws:
+        initialize = json.loads(await ws.recv())
+        await ws.send("\n")
+        await ws.send("   ")
+        reply = RawPipe(host.url(TOKEN)).reply(initialize)
+        await ws.send(json.dumps(reply))
+        assert json.loads(await ws.recv())["method"] == "notifications/initialized"
+        tools_list = json.loads(await ws.recv())
+        assert tools_list["method"] == "tools/list"
+
+
 async def test_a_second_pipe_with_the_same_key_replaces_the_first(host: EndpointHost) -> None:
     first = await RawPipe(host.url(TOKEN)).start()
     await wait_for(lambda: host.hub.get(NAME) is not None)

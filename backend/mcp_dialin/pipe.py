@@ -13,6 +13,9 @@ is not worth talking to; dropping its frames would only turn its replies into ti
 - a text frame over `max_frame_bytes`: 1009 (message too big);
 - a text frame that is not one JSON-RPC message: 1007 (invalid payload).
 
+A text frame of whitespace only is skipped: `mcp_pipe.py` relays every line its server prints,
+blank ones included.
+
 Closing the socket, for whatever reason, ends the read stream, so the session fails every
 request still waiting ("connection closed") instead of leaving its caller hanging.
 """
@@ -84,6 +87,8 @@ class WebSocketPipe:
                 if frame["type"] == "websocket.disconnect":
                     self._peer_closed(int(frame.get("code") or CLOSE_NORMAL))
                     return
+                if _blank(frame):  # a pipe relaying an empty stdout line of its server
+                    continue
                 message = await self._parse(frame)
                 if message is None:
                     return
@@ -122,6 +127,11 @@ class WebSocketPipe:
                 except (WebSocketDisconnect, RuntimeError, OSError):
                     self._peer_closed(CLOSE_GOING_AWAY)
                     return
+
+
+def _blank(frame: Mapping[str, Any]) -> bool:
+    text = frame.get("text")
+    return isinstance(text, str) and len(text) < 64 and not text.strip()
 
 
 @contextlib.asynccontextmanager
