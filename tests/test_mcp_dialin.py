@@ -29,7 +29,8 @@ from tests.dialin_helpers import (
     wait_for,
     write_stdio_server,
 )
-from tests.helpers import ADMIN_TOKEN, create_key, run_cli, sse_events
+from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, create_key, run_cli, sse_events
+from tests.stock_device import WireDevice
 
 TOKEN = "esk_0123456789ab_secret"
 NAME = server_name("0123456789ab")
@@ -470,3 +471,41 @@ async def test_the_key_in_the_url_never_reaches_the_log(
     assert await closed_with(host.url("esk_0123456789ab_wrong")) == (4401, INVALID)
     assert "/v1/mcp-endpoint/?token=***" in caplog.text  # uvicorn logs the path and its query
     assert TOKEN not in caplog.text and "esk_0123456789ab_wrong" not in caplog.text
+
+
+async def test_a_bound_devices_own_text_turn_uses_the_dialed_in_tool(
+    bridge_factory, fake_llm: FakeLlm
+) -> None:
+    bridge: Bridge = await bridge_factory(llm_provider="openai", llm_base_url=fake_llm.url)
+    mine, other = "02:00:00:00:00:0a", "02:00:00:00:00:0b"
+    token = await create_key(bridge, "mcp:endpoint", devices=[mine])
+    name = server_name(_key_id(token))
+    pipe = await RawPipe(_dialin_url(bridge, token)).start()
+    await wait_for(lambda: bridge.mcp_servers.get(name) is not None)
+    devices = [WireDevice(bridge.ws_url, DEVICE_TOKEN, device_id) for device_id in (mine, other)]
+    offered: list[list[str]] = []
+    try:
+        for device in devices:
+            await device.connect()
+            await bridge.registry.wait_for_state(device.device_id)
+        fake_llm.script(
+            "chat", Reply(calls=[FakeCall(f"{name}__echo", {"text": "lamp"})]), Reply("Echoed.")
+        )
+        for device in devices:
+            # What the stock firmware sends for typed text.
+            text = {"session_id": device.session_id, "type": "listen", "state": "detect"}
+            await device.send({**text, "text": "Echo lamp"})
+            await device.wait_for_count(lambda d=device: _tts_stops(d), 1)
+            tools = fake_llm.of_kind("chat")[-1 if device is devices[1] else 0].tools or []
+            offered.append([tool["function"]["name"] for tool in tools])
+    finally:
+        for device in devices:
+            await device.close()
+        await pipe.close()
+    assert f"{name}__echo" in offered[0]
+    assert f"{name}__echo" not in offered[1]
+    assert pipe.calls == [{"name": "echo", "arguments": {"text": "lamp"}}]
+
+
+def _tts_stops(device: WireDevice) -> int:
+    return sum(1 for m in device.messages if m.get("type") == "tts" and m["state"] == "stop")
