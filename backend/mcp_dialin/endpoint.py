@@ -1,6 +1,6 @@
 """The xiaozhi-style "MCP endpoint": a user's MCP server dials *in* and lends its tools.
 
-A pipe (`mcp_pipe.py` of xiaozhi's calculator sample, `mcp2xiaozhi`, `xiaozhi-client`) opens a
+A pipe (xiaozhi's sample `mcp_pipe.py`, `xiaozhi-mcp` on PyPI, `xiaozhi-client`) opens a
 WebSocket to `ws[s]://<bridge>/v1/mcp-endpoint/?token=<API key>` and relays one JSON-RPC message
 per text frame to and from its MCP server; the bridge is the MCP **client** on that socket. The
 key may also come as `Authorization: Bearer <key>`.
