@@ -35,7 +35,7 @@ from backend.devices.registry import SHUTDOWN, EventKind
 from backend.frontends import FRONTEND_MIGRATIONS, FrontEnds
 from backend.mcp_dialin.endpoint import DialInEndpoint, dialin_limits
 from backend.mcp_servers.api import mcp_servers_router
-from backend.mcp_servers.hub import McpServerHub, attach_hub
+from backend.mcp_servers.hub import McpServerHub
 from backend.provisioning.service import MIGRATIONS as PROVISIONING_MIGRATIONS
 from backend.provisioning.service import Provisioning
 from backend.runtime import remove_runtime_file, write_runtime_file
@@ -125,15 +125,16 @@ class Bridge:
         )
         if self.mqtt is not None:
             self.transports.append(self.mqtt)
-        self.frontends = FrontEnds(settings, self.database, self.registry, self.conversations)
-        # External MCP servers for the chat (docs/mcp-servers.md), found through the registry.
+        # External MCP servers for the chat (docs/mcp-servers.md), shared by every conversation.
         self.mcp_servers = McpServerHub.from_settings(
             settings.mcp_servers,
             audit=lambda device_id, **detail: self.registry.emit(
                 EventKind.TOOL_CALLED, device_id, **detail
             ),
         )
-        attach_hub(self.registry, self.mcp_servers)
+        self.frontends = FrontEnds(
+            settings, self.database, self.registry, self.conversations, self.mcp_servers
+        )
         # Users' MCP servers dialing in join the hub while connected (backend/mcp_dialin).
         self.mcp_dialin = DialInEndpoint(
             self.mcp_servers, self.frontends.keys.resolve, dialin_limits(settings)

@@ -23,7 +23,6 @@ from pydantic import ValidationError
 from backend.chat.llm.base import FunctionSpec
 from backend.chat.tools import ToolOutcome
 from backend.config import Settings
-from backend.devices import DeviceRegistry
 from backend.keys import McpScope, Principal, Scope
 from backend.keys.store import parse_scopes
 from backend.mcp_servers.connectors import ConfiguredServer
@@ -33,8 +32,6 @@ from backend.mcp_servers.hub import (
     ServerBusy,
     ServerState,
     SessionServer,
-    attach_hub,
-    toolbox_for_turn,
 )
 from backend.mcp_servers.settings import McpServerSettings
 from backend.mcp_session import Tool
@@ -511,8 +508,6 @@ class _DeviceBox:
 
 async def test_bound_servers_serve_only_their_devices_and_names_never_collide():
     hub = McpServerHub()
-    registry = DeviceRegistry()
-    attach_hub(registry, hub)
     everyone, bound = (
         SessionServer("fs", kind="dialin"),
         SessionServer("home", kind="dialin", bound_device_ids=frozenset({"dev-1"})),
@@ -523,7 +518,7 @@ async def test_bound_servers_serve_only_their_devices_and_names_never_collide():
     hub.add(bound)
 
     device = _DeviceBox("fs__echo", "self_reboot")  # a device tool named like an external one
-    box = toolbox_for_turn(registry, None, "dev-1", device)
+    box = hub.toolbox_for(None, "dev-1", device)
     names = [spec.llm_name for spec in box.functions()]
     assert len(names) == len(set(names)) == 5
     assert "fs__echo" in names and "home__lamp" in names and "fs__read" in names
@@ -532,11 +527,9 @@ async def test_bound_servers_serve_only_their_devices_and_names_never_collide():
     assert (await box.call(external_echo, {})).text == "ran echo"
     assert box.device_tool_name(external_echo) == "fs:echo"
 
-    other = toolbox_for_turn(registry, None, "dev-2", None)
+    other = hub.toolbox_for(None, "dev-2", None)
     assert [spec.llm_name for spec in other.functions()] == ["fs__echo", "fs__read"]
-    no_device = toolbox_for_turn(
-        registry, Principal("a", "a", frozenset({Scope.ADMIN})), None, None
-    )
+    no_device = hub.toolbox_for(Principal("a", "a", frozenset({Scope.ADMIN})), None, None)
     assert "home__lamp" not in [spec.llm_name for spec in no_device.functions()]
 
     hub.remove("fs", everyone)

@@ -64,6 +64,7 @@ from backend.chat.memory import Conversation, ConversationNotFound, check_conver
 from backend.chat.text import first_surrogate
 from backend.devices import DeviceRegistry
 from backend.keys import Principal, Scope
+from backend.mcp_servers.hub import McpServerHub
 
 log = structlog.get_logger("api.chat")
 _T = TypeVar("_T")
@@ -181,9 +182,12 @@ def sse(data: dict[str, Any] | str) -> bytes:
 class ChatFront:
     """What both HTTP front ends share: the device toolbox, the conversation id, the log line."""
 
-    def __init__(self, chat: ChatService, registry: DeviceRegistry) -> None:
+    def __init__(
+        self, chat: ChatService, registry: DeviceRegistry, servers: McpServerHub | None = None
+    ) -> None:
         self.chat = chat
         self.registry = registry
+        self.servers = servers
 
     async def prepare(
         self,
@@ -221,10 +225,8 @@ class ChatFront:
             request.toolbox = DeviceToolBox(
                 device, unavailable_reason=reason, actor=f"chat:{actor_of(principal)}"
             )
-        # External MCP servers this key may use (scope mcp:<name>) join the device's tools.
-        from backend.mcp_servers.hub import toolbox_for_turn
-
-        request.toolbox = toolbox_for_turn(self.registry, principal, device_id, request.toolbox)
+        if self.servers is not None:  # external MCP servers this key may use (mcp:<name>)
+            request.toolbox = self.servers.toolbox_for(principal, device_id, request.toolbox)
         if client_context:
             request.conversation_id = uuid.uuid4().hex if store else None
         elif conversation_id is not None:
@@ -262,8 +264,10 @@ class ChatFront:
             )
 
 
-def chat_router(chat: ChatService, registry: DeviceRegistry) -> APIRouter:
-    front = ChatFront(chat, registry)
+def chat_router(
+    chat: ChatService, registry: DeviceRegistry, servers: McpServerHub | None = None
+) -> APIRouter:
+    front = ChatFront(chat, registry, servers)
     router = APIRouter(tags=["chat"])
 
     # ---- OpenAI-compatible --------------------------------------------------------------------

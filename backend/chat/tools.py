@@ -43,7 +43,8 @@ class ToolOutcome:
 
 
 class ToolBox(Protocol):
-    unavailable_reason: str | None
+    @property
+    def unavailable_reason(self) -> str | None: ...
 
     def functions(self) -> list[FunctionSpec]: ...
 

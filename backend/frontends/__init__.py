@@ -19,6 +19,7 @@ from backend.devices.conversation import ConversationHub
 from backend.frontends.device_chat import DeviceChat
 from backend.frontends.voice import build_voice
 from backend.keys import KEYS_MIGRATIONS, KeyStore
+from backend.mcp_servers.hub import McpServerHub
 from backend.storage import Database, Migration
 
 FRONTEND_MIGRATIONS: tuple[Migration, ...] = (*CHAT_MIGRATIONS, *KEYS_MIGRATIONS)
@@ -31,18 +32,20 @@ class FrontEnds:
         database: Database,
         registry: DeviceRegistry,
         hub: ConversationHub,
+        servers: McpServerHub | None = None,
     ) -> None:
         self.memory = SqliteMemoryStore(database)
         self.chat = ChatService.from_settings(settings, self.memory)
         self.keys = KeyStore(database)
         self.mcp = McpEndpoint(registry, self.chat, host=settings.http_host)
-        self.device_chat = DeviceChat(hub, registry, self.chat)
+        self.device_chat = DeviceChat(hub, registry, self.chat, servers)
         self.voice = build_voice(settings, hub, registry, self.device_chat)
         self._registry = registry
+        self._servers = servers
         self._started = False
 
     def routers(self) -> list[APIRouter]:
-        return [keys_router(self.keys), chat_router(self.chat, self._registry)]
+        return [keys_router(self.keys), chat_router(self.chat, self._registry, self._servers)]
 
     def routes(self) -> list[BaseRoute]:
         return [self.mcp.route]

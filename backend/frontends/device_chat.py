@@ -40,6 +40,7 @@ from backend.chat import (
     Done,
     Sources,
     Token,
+    ToolBox,
     ToolCompleted,
     ToolFailed,
     TurnRequest,
@@ -51,7 +52,7 @@ from backend.devices.conversation import ConversationHub, Unsubscribe
 from backend.devices.registry import EventKind
 from backend.errors import BridgeError
 from backend.logs import DeviceBudgets, LogBudget
-from backend.mcp_servers.hub import toolbox_for_turn
+from backend.mcp_servers.hub import McpServerHub
 from backend.protocol import Abort, Listen
 from backend.voice.timings import TurnTimings
 
@@ -179,11 +180,13 @@ class DeviceChat:
         hub: ConversationHub,
         registry: DeviceRegistry,
         chat: ChatService,
+        servers: McpServerHub | None = None,
         voice: VoiceOutput | None = None,
     ) -> None:
         self.hub = hub
         self.registry = registry
         self.chat = chat
+        self.servers = servers  # external MCP servers: those bound to a device or to all join
         self.voice = voice
         self._turns: dict[str, asyncio.Task[None]] = {}
         self._answers: dict[str, Answer] = {}
@@ -324,17 +327,11 @@ class DeviceChat:
             await conversation.send_stt(text)
             device = self.registry.require(device_id)
             conversation_id = await self._conversation_id(device_id)
+            toolbox: ToolBox | None = DeviceToolBox(device, actor=f"device:{device_id}")
+            if self.servers is not None:
+                toolbox = self.servers.toolbox_for(None, device_id, toolbox)
             request = TurnRequest(
-                text=text,
-                device_id=device_id,
-                conversation_id=conversation_id,
-                # plus the external MCP servers bound to this device or to all
-                toolbox=toolbox_for_turn(
-                    self.registry,
-                    None,
-                    device_id,
-                    DeviceToolBox(device, actor=f"device:{device_id}"),
-                ),
+                text=text, device_id=device_id, conversation_id=conversation_id, toolbox=toolbox
             )
             events, spoken = await self._speak_stream(request, answer, timings)
             done = next((event for event in events if isinstance(event, Done)), None)

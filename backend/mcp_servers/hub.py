@@ -35,8 +35,8 @@ Registering a dial-in session (the endpoint's side)::
 `server.message_handler` follows `notifications/tools/list_changed` by re-listing; pass it as
 the session's `message_handler` (or call `server.tools_changed()` yourself).
 
-The bridge's hub is found from its device registry: `hub_of(registry)` (backend/server.py
-attaches it with `attach_hub`).
+The bridge owns one hub (backend/server.py) and hands it to the chat front ends and the
+dial-in endpoint.
 
 Who sees which server: a chat turn asks `hub.toolbox_for(principal, device_id, device_box)`.
 A server is offered when it is READY, bound to that device or to every device
@@ -48,12 +48,11 @@ turn (`principal=None`) gets every server bound to it or to all.
 import asyncio
 import fnmatch
 import time
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import structlog
 from mcp import types as mcp_types
@@ -69,6 +68,10 @@ from backend.mcp_servers.settings import (
     check_server_name,
 )
 from backend.mcp_session import CallResult, Tool
+
+if TYPE_CHECKING:
+    from backend.chat.tools import ToolBox
+    from backend.keys import Principal
 
 __all__ = [
     "DEFAULT_MAX_PENDING_CALLS",
@@ -89,10 +92,7 @@ __all__ = [
     "ServerState",
     "SessionServer",
     "UnknownServerTool",
-    "attach_hub",
     "check_server_name",
-    "hub_of",
-    "toolbox_for_turn",
 ]
 
 log = structlog.get_logger("mcp_servers")
@@ -436,7 +436,7 @@ class McpServerHub:
     def __len__(self) -> int:
         return len(self._servers)
 
-    def usable(self, principal: Any, device_id: str | None) -> list[ExternalServer]:
+    def usable(self, principal: "Principal | None", device_id: str | None) -> list[ExternalServer]:
         """The servers a turn of `principal` (None: the device itself) about `device_id` may use,
         ready or not (the toolbox skips those not ready at the moment it lists)."""
         found = []
@@ -448,7 +448,12 @@ class McpServerHub:
             found.append(server)
         return found
 
-    def toolbox_for(self, principal: Any, device_id: str | None, device_box: Any = None) -> Any:
+    def toolbox_for(
+        self,
+        principal: "Principal | None",
+        device_id: str | None,
+        device_box: "ToolBox | None" = None,
+    ) -> "ToolBox | None":
         """The chat `ToolBox` of a turn: `device_box` (a DeviceToolBox, or None) plus the tools of
         every server `principal` (a `backend.keys.Principal`; None for a device's own turn) may
         use for `device_id` (backend/mcp_servers/toolbox.py). When no server is usable at all,
@@ -489,37 +494,10 @@ class McpServerHub:
         return hub
 
 
-# The hub of a bridge, found from its device registry: the chat front ends and the dial-in
-# endpoint reach it without every constructor between them passing it along.
-_HUBS: "weakref.WeakKeyDictionary[object, McpServerHub]" = weakref.WeakKeyDictionary()
-
-
-def attach_hub(registry: object, hub: McpServerHub) -> None:
-    """Make `hub` the external-server hub of the bridge that owns `registry`."""
-    _HUBS[registry] = hub
-
-
-def hub_of(registry: object) -> McpServerHub | None:
-    """The hub attached to `registry` (None: no external servers in this process)."""
-    return _HUBS.get(registry)
-
-
-def toolbox_for_turn(
-    registry: object, principal: Any, device_id: str | None, device_box: Any
-) -> Any:
-    """The toolbox of one chat turn: `device_box` (or None) plus the external servers that
-    `principal` (None: the device's own turn) may use for `device_id`."""
-    hub = hub_of(registry)
-    if hub is None:
-        return device_box
-    return hub.toolbox_for(principal, device_id, device_box)
-
-
-def _actor(principal: Any, device_id: str | None) -> str:
+def _actor(principal: "Principal | None", device_id: str | None) -> str:
     if principal is None:
         return f"device:{device_id}"
-    key_id = getattr(principal, "key_id", "?")
-    return "chat:admin" if key_id == "admin" else f"chat:key:{key_id}"
+    return "chat:admin" if principal.key_id == "admin" else f"chat:key:{principal.key_id}"
 
 
 async def list_all_tools(session: CallSession) -> list[Tool]:
