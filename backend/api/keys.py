@@ -28,6 +28,7 @@ class KeyCreate(BaseModel):
     def _known_scopes(cls, value: list[str]) -> list[str]:
         parse_scopes(value)  # ValueError names the unknown one (422 on `scopes`)
         return value
+
     device_ids: list[str] | None = Field(
         default=None, description="limit devices:read/devices:call to these devices"
     )
