@@ -27,7 +27,7 @@ from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
 from mcp_types import CONNECTION_CLOSED
 
-from backend.mcp_servers.hub import (
+from backend.mcp_servers.servers import (
     CallTimedOut,
     McpServerError,
     RiskyRule,

@@ -46,18 +46,30 @@ turn (`principal=None`) gets every server bound to it or to all.
 """
 
 import asyncio
-import fnmatch
-import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
-from datetime import UTC, datetime
-from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any
 
 import structlog
-from mcp import types as mcp_types
 
-from backend.errors import BridgeError
+from backend.mcp_servers.connectors import ConfiguredServer
+from backend.mcp_servers.servers import (
+    CallSession,
+    CallTimedOut,
+    DuplicateServer,
+    ExternalServer,
+    McpServerError,
+    RiskyRule,
+    ServerBusy,
+    ServerConfirmationRequired,
+    ServerKind,
+    ServerNotReady,
+    ServerState,
+    SessionServer,
+    UnknownServerTool,
+    bounded_result,
+    describe_error,
+    list_all_tools,
+)
 from backend.mcp_servers.settings import (
     DEFAULT_MAX_PENDING_CALLS,
     DEFAULT_MAX_RESULT_BYTES,
@@ -67,7 +79,7 @@ from backend.mcp_servers.settings import (
     McpServerSettings,
     check_server_name,
 )
-from backend.mcp_session import CallResult, Tool
+from backend.mcp_servers.toolbox import CombinedToolBox
 
 if TYPE_CHECKING:
     from backend.chat.tools import ToolBox
@@ -79,6 +91,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "RESERVED_NAMES",
     "SERVER_NAME",
+    "CallSession",
     "CallTimedOut",
     "DuplicateServer",
     "ExternalServer",
@@ -92,310 +105,13 @@ __all__ = [
     "ServerState",
     "SessionServer",
     "UnknownServerTool",
+    "bounded_result",
     "check_server_name",
+    "describe_error",
+    "list_all_tools",
 ]
 
 log = structlog.get_logger("mcp_servers")
-
-ServerKind = Literal["stdio", "http", "dialin"]
-MAX_TOOLS_PER_SERVER = 500
-MAX_TOOL_LIST_PAGES = 50
-
-
-class ServerState(StrEnum):
-    CONNECTING = "connecting"
-    READY = "ready"
-    BACKING_OFF = "backing-off"
-    FAILED = "failed"  # gave up (a configuration that cannot work), or a dial-in that went away
-    STOPPED = "stopped"
-
-
-class McpServerError(BridgeError):
-    """A call on an external server did not complete (not ready, timeout, crash, protocol)."""
-
-
-class ServerNotReady(McpServerError):
-    def __init__(self, name: str, state: ServerState) -> None:
-        super().__init__(f"MCP server {name!r} is {state.value}")
-        self.name = name
-        self.state = state
-
-
-class ServerBusy(McpServerError):
-    def __init__(self, name: str, limit: int) -> None:
-        super().__init__(f"MCP server {name!r} has {limit} calls in flight already; try later")
-
-
-class UnknownServerTool(McpServerError):
-    def __init__(self, name: str, tool: str) -> None:
-        super().__init__(f"MCP server {name!r} has no tool {tool[:80]!r}")
-
-
-class CallTimedOut(McpServerError):
-    def __init__(self, name: str, tool: str, timeout_s: float) -> None:
-        super().__init__(f"MCP server {name!r}: {tool[:80]!r} gave no answer in {timeout_s:g} s")
-
-
-class ServerConfirmationRequired(McpServerError):
-    """A risky tool called without `confirmed=True`."""
-
-    def __init__(self, name: str, tool: str, reason: str) -> None:
-        super().__init__(f"{name}:{tool} needs a confirmation ({reason})")
-        self.reason = reason
-
-
-class DuplicateServer(BridgeError):
-    def __init__(self, name: str) -> None:
-        super().__init__(f"an MCP server named {name!r} is already registered")
-        self.name = name
-
-
-@dataclass(frozen=True, slots=True)
-class RiskyRule:
-    """Which tools need a "yes" first: all, none, some names (fnmatch patterns), or (`None`
-    setting) the tools the server marks `destructiveHint: true`, as for devices."""
-
-    every: bool = False
-    patterns: tuple[str, ...] = ()
-    destructive_hint: bool = True
-
-    @classmethod
-    def from_setting(cls, value: bool | Iterable[str] | None) -> "RiskyRule":
-        if value is None:
-            return cls()
-        if isinstance(value, bool):
-            return cls(every=value, destructive_hint=False)
-        return cls(patterns=tuple(value), destructive_hint=False)
-
-    def reason(self, tool: Tool) -> str | None:
-        if self.every:
-            return "every tool of this server is marked risky"
-        for pattern in self.patterns:
-            if fnmatch.fnmatchcase(tool.name, pattern):
-                return f"risky rule {pattern!r}"
-        if self.destructive_hint and (tool.annotations or {}).get("destructiveHint") is True:
-            return "the tool is marked destructiveHint"
-        return None
-
-
-class CallSession(Protocol):
-    """What a server needs of an initialized `mcp.ClientSession` (so tests may pass a fake)."""
-
-    async def list_tools(self, *, params: Any = None) -> Any: ...
-
-    async def call_tool(
-        self,
-        name: str,
-        arguments: dict[str, Any] | None = None,
-        read_timeout_seconds: float | None = None,
-    ) -> Any: ...
-
-
-class ExternalServer:
-    """One external MCP server as the chat sees it: name, kind, state, tools, rules, `call`."""
-
-    def __init__(
-        self,
-        name: str,
-        *,
-        kind: ServerKind,
-        bound_device_ids: frozenset[str] | None = None,
-        risky: RiskyRule | None = None,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
-        max_pending_calls: int = DEFAULT_MAX_PENDING_CALLS,
-    ) -> None:
-        self.name = check_server_name(name)
-        self.kind: ServerKind = kind
-        self.bound_device_ids = bound_device_ids
-        self.risky = risky or RiskyRule()
-        self.timeout_s = timeout_s
-        self.max_result_bytes = max_result_bytes
-        self.max_pending_calls = max_pending_calls
-        self.pending = 0  # calls in flight
-        self.state = ServerState.CONNECTING
-        self.last_error: str | None = None
-        self.tools: tuple[Tool, ...] = ()
-        self.tools_version = 0  # bumped on every change of `tools` (toolboxes re-read then)
-        self.calls = 0
-        self.since = time.time()  # when `state` last changed
-
-    # ---- what the hub and the toolboxes use -----------------------------------------------------
-
-    def serves_device(self, device_id: str | None) -> bool:
-        if self.bound_device_ids is None:
-            return True
-        return device_id is not None and device_id in self.bound_device_ids
-
-    def tool(self, name: str) -> Tool | None:
-        for tool in self.tools:
-            if tool.name == name:
-                return tool
-        return None
-
-    def confirmation_reason(self, tool: Tool) -> str | None:
-        return self.risky.reason(tool)
-
-    async def call(
-        self, tool: str, arguments: dict[str, Any], *, timeout_s: float | None = None
-    ) -> CallResult:
-        """One tools/call; raises McpServerError subclasses when the call did not complete.
-
-        The result's text is cut to `max_result_bytes` (UTF-8) with a note saying so."""
-        raise NotImplementedError
-
-    async def start(self) -> None:
-        """Begin connecting (configured servers); a dial-in server is live when attached."""
-
-    async def stop(self) -> None:
-        """Disconnect for good (the hub stops, or the server is removed)."""
-        self._set_state(ServerState.STOPPED)
-
-    def summary(self) -> dict[str, Any]:
-        """What `GET /api/mcp/servers` shows (never a token or header value)."""
-        return {
-            "name": self.name,
-            "kind": self.kind,
-            "state": self.state.value,
-            "since": datetime.fromtimestamp(self.since, UTC).isoformat(),
-            "last_error": self.last_error,
-            "bound_device_ids": (
-                sorted(self.bound_device_ids) if self.bound_device_ids is not None else None
-            ),
-            "calls": self.calls,
-            "pending": self.pending,
-            "tools": [
-                {
-                    "name": tool.name,
-                    "description": tool.description[:500],
-                    "risky": self.confirmation_reason(tool) is not None,
-                }
-                for tool in self.tools
-            ],
-        }
-
-    # ---- for subclasses ---------------------------------------------------------------------
-
-    def _set_state(self, state: ServerState, error: str | None = None) -> None:
-        if state is not self.state:
-            self.since = time.time()
-            log.info(
-                "mcp server state",
-                server=self.name,
-                kind=self.kind,
-                state=state.value,
-                error=error,
-            )
-        self.state = state
-        if error is not None:
-            self.last_error = error
-
-    def _set_tools(self, tools: Iterable[Tool]) -> None:
-        tools = tuple(tools)
-        if tools != self.tools:
-            self.tools = tools
-            self.tools_version += 1
-
-
-class SessionServer(ExternalServer):
-    """A server reached through an initialized `mcp.ClientSession` that someone else owns: the
-    dial-in endpoint, or the hub's own connectors (backend/mcp_servers/connectors.py).
-
-    `attach(session)` lists the tools and makes the server READY; `detach(reason)` drops the
-    session (calls in flight fail, new ones get ServerNotReady) and leaves the server FAILED
-    (or, with `state=`, e.g. BACKING_OFF while a connector waits to reconnect).
-    """
-
-    def __init__(self, name: str, **options: Any) -> None:
-        super().__init__(name, **options)
-        self._session: CallSession | None = None
-        self._relist: asyncio.Task[None] | None = None
-        self._relist_again = False
-        self.relists = 0  # tools/list requests after the first (list_changed, coalesced)
-        self.notifications = 0
-
-    async def attach(self, session: CallSession) -> None:
-        """Use `session` (already initialized): list its tools, then be READY."""
-        self._session = session
-        try:
-            self._set_tools(await list_all_tools(session))
-        except BaseException:
-            self._session = None
-            raise
-        self._set_state(ServerState.READY)  # `last_error` stays: what went wrong last time
-
-    def detach(self, reason: str, *, state: ServerState = ServerState.FAILED) -> None:
-        self._session = None
-        if self._relist is not None:
-            self._relist.cancel()
-            self._relist = None
-        self._set_state(state, reason)
-
-    async def message_handler(self, message: Any) -> None:
-        """The session's `message_handler`: follows `notifications/tools/list_changed`."""
-        if isinstance(message, mcp_types.ToolListChangedNotification):
-            self.notifications += 1
-            self.tools_changed()
-        elif isinstance(message, Exception):
-            log.info("mcp server transport error", server=self.name, error=describe_error(message))
-
-    def tools_changed(self) -> None:
-        """Re-list the tools in the background. A flood of notifications costs one listing in
-        flight plus at most one more after it, whatever their number."""
-        if self._session is None:
-            return
-        if self._relist is not None and not self._relist.done():
-            self._relist_again = True
-            return
-        self._relist = asyncio.get_running_loop().create_task(self._relist_tools())
-
-    async def _relist_tools(self) -> None:
-        while True:
-            self._relist_again = False
-            session = self._session
-            if session is None:
-                return
-            self.relists += 1
-            try:
-                async with asyncio.timeout(self.timeout_s):
-                    tools = await list_all_tools(session)
-            except Exception as exc:
-                log.warning(
-                    "mcp server re-list failed", server=self.name, error=describe_error(exc)
-                )
-                self.last_error = f"tools/list: {describe_error(exc)}"
-            else:
-                if session is self._session:
-                    self._set_tools(tools)
-            if not self._relist_again:
-                return
-
-    async def call(
-        self, tool: str, arguments: dict[str, Any], *, timeout_s: float | None = None
-    ) -> CallResult:
-        session = self._session
-        if session is None or self.state is not ServerState.READY:
-            raise ServerNotReady(self.name, self.state)
-        if self.tool(tool) is None:
-            raise UnknownServerTool(self.name, tool)
-        if self.pending >= self.max_pending_calls:
-            # Slow or hung calls pile up here, not in the server or in this process's memory.
-            raise ServerBusy(self.name, self.max_pending_calls)
-        limit = timeout_s if timeout_s is not None else self.timeout_s
-        self.calls += 1
-        self.pending += 1
-        try:
-            async with asyncio.timeout(limit):
-                result = await session.call_tool(tool, arguments)
-        except TimeoutError:
-            raise CallTimedOut(self.name, tool, limit) from None
-        except McpServerError:
-            raise
-        except Exception as exc:  # the SDK's MCPError, a closed stream, a crashed process...
-            raise McpServerError(f"MCP server {self.name!r}: {describe_error(exc)}") from exc
-        finally:
-            self.pending -= 1
-        return bounded_result(result, self.max_result_bytes)
 
 
 class McpServerHub:
@@ -458,8 +174,6 @@ class McpServerHub:
         every server `principal` (a `backend.keys.Principal`; None for a device's own turn) may
         use for `device_id` (backend/mcp_servers/toolbox.py). When no server is usable at all,
         `device_box` itself (None for none)."""
-        from backend.mcp_servers.toolbox import CombinedToolBox
-
         if not self.usable(principal, device_id):
             return device_box
         actor = _actor(principal, device_id)
@@ -486,8 +200,6 @@ class McpServerHub:
         cls, servers: Iterable[McpServerSettings], *, audit: Callable[..., None] | None = None
     ) -> "McpServerHub":
         """A hub holding one `ConfiguredServer` per `[[mcp_servers]]` entry (not started)."""
-        from backend.mcp_servers.connectors import ConfiguredServer
-
         hub = cls(audit=audit)
         for settings in servers:
             hub.add(ConfiguredServer(settings))
@@ -498,55 +210,3 @@ def _actor(principal: "Principal | None", device_id: str | None) -> str:
     if principal is None:
         return f"device:{device_id}"
     return "chat:admin" if principal.key_id == "admin" else f"chat:key:{principal.key_id}"
-
-
-async def list_all_tools(session: CallSession) -> list[Tool]:
-    """Every page of tools/list, bounded (pages, tools); tools the bridge cannot read are
-    skipped with a log line rather than failing the whole server."""
-    tools: dict[str, Tool] = {}
-    cursor: str | None = None
-    for _page in range(MAX_TOOL_LIST_PAGES):
-        params = mcp_types.PaginatedRequestParams(cursor=cursor) if cursor else None
-        result = await session.list_tools(params=params)
-        for item in result.tools:
-            try:
-                tool = Tool.model_validate(
-                    item.model_dump(by_alias=True, mode="json", exclude_none=True)
-                )
-            except ValueError as exc:
-                log.warning("mcp server tool skipped", tool=str(item.name)[:80], error=str(exc))
-                continue
-            tools.setdefault(tool.name, tool)
-            if len(tools) >= MAX_TOOLS_PER_SERVER:
-                return list(tools.values())
-        cursor = result.next_cursor
-        if not cursor:
-            break
-    return list(tools.values())
-
-
-def bounded_result(result: Any, max_bytes: int) -> CallResult:
-    """The SDK's CallToolResult as the bridge's CallResult, its text cut to `max_bytes`."""
-    wire = result.model_dump(by_alias=True, mode="json", exclude_none=True)
-    content = [item for item in wire.get("content") or [] if isinstance(item, dict)]
-    kept: list[dict[str, Any]] = []
-    budget = max_bytes
-    for item in content:
-        text = item.get("text")
-        if not isinstance(text, str):
-            kept.append({"type": item.get("type", "unknown")})  # images and blobs: kind only
-            continue
-        data = text.encode("utf-8", "replace")
-        if len(data) > budget:
-            cut = data[:budget].decode("utf-8", "ignore")
-            kept.append({"type": "text", "text": f"{cut}\n[result cut at {max_bytes} bytes]"})
-            budget = 0
-            break
-        kept.append({"type": "text", "text": text})
-        budget -= len(data)
-    return CallResult(content=kept, is_error=bool(wire.get("isError")))
-
-
-def describe_error(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return f"{type(exc).__name__}: {text}"[:300] if text != type(exc).__name__ else text

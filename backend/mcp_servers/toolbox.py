@@ -20,7 +20,7 @@ import structlog
 
 from backend.chat.llm.base import FunctionSpec
 from backend.chat.tools import ToolBox, ToolOutcome
-from backend.mcp_servers.hub import (
+from backend.mcp_servers.servers import (
     ExternalServer,
     McpServerError,
     ServerConfirmationRequired,
