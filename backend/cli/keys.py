@@ -11,6 +11,7 @@ from rich.table import Table
 from backend.cli.options import ConfigOpt, DataDirOpt, ServerOpt, TokenOpt, admin_client
 from backend.cli.output import console, say
 from backend.keys import Scope
+from backend.keys.store import parse_scopes
 
 keys_app = typer.Typer(
     help="Scoped API keys for the chat APIs, /mcp and device access (needs the admin token).",
@@ -24,10 +25,19 @@ SCOPE_HELP = (
 )
 
 
+def _checked_scopes(values: list[str]) -> list[str]:
+    """A usage error (exit 2) here, before asking the bridge, as for any other bad option."""
+    try:
+        parse_scopes(values)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    return values
+
+
 @keys_app.command("create")
 def create(
     name: Annotated[str, typer.Argument(help="What the key is for, e.g. 'kitchen app'.")],
-    scope: Annotated[list[str], typer.Option("--scope", help=SCOPE_HELP)],
+    scope: Annotated[list[str], typer.Option("--scope", help=SCOPE_HELP, callback=_checked_scopes)],
     device: Annotated[
         list[str] | None,
         typer.Option("--device", help="Limit device access to this device id (repeatable)."),
