@@ -205,7 +205,6 @@ class _Turn:
     completion_tokens: int = 0
     counted: bool = False  # some usage counted by the tokenizer, not reported by the model
     deadline: Deadline | None = None
-    spoken: str = ""  # the answer without its sources section, once complete
 
     @property
     def conversation_id(self) -> str | None:
@@ -387,9 +386,9 @@ class ChatService:
         stored = bool(answer) and await self._store(turn, full, sources)
         if stored:
             await self._summarize(turn, answer)
-        turn.spoken = answer
-        turn.answer = [full]
-        yield Done(metadata=self._metadata(turn, verdict, stored=stored, sources=sources))
+        yield Done(
+            metadata=self._metadata(turn, verdict, stored=stored, sources=sources, answer=full)
+        )
 
     # ---- steps --------------------------------------------------------------------------------
 
@@ -483,7 +482,7 @@ class ChatService:
         unavailable = toolbox.unavailable_reason if turn.about_device else None
         offered = list(toolbox.functions()) if turn.about_device and unavailable is None else []
         if not offered:  # external MCP servers' tools are not device tools (backend/mcp_servers)
-            offered = list(getattr(toolbox, "external_functions", list)())
+            offered = toolbox.external_functions()
         if unavailable is not None:
             failed = self._unavailable_event(turn, toolbox, functions, unavailable)
             if failed is not None:
@@ -846,8 +845,16 @@ class ChatService:
         )
 
     def _metadata(
-        self, turn: _Turn, verdict: Guardrail, *, stored: bool, sources: Sources | None = None
+        self,
+        turn: _Turn,
+        verdict: Guardrail,
+        *,
+        stored: bool,
+        sources: Sources | None = None,
+        answer: str | None = None,
     ) -> TurnMetadata:
+        """`answer`: the full text as stored (with its sources section); the spoken tokens
+        when not given."""
         return TurnMetadata(
             conversation_id=turn.conversation_id,
             device_id=turn.device_id,
@@ -861,7 +868,7 @@ class ChatService:
             search_error=turn.search_error,
             steps_ms=dict(turn.steps),
             tool_rounds=turn.tool_rounds,
-            answer="".join(turn.answer),
+            answer="".join(turn.answer) if answer is None else answer,
             finish_reason=turn.finish_reason,
             usage=self._usage(turn),
         )
@@ -876,7 +883,7 @@ class ChatService:
         prompt, completion, counted = turn.prompt_tokens, turn.completion_tokens, turn.counted
         if prompt == 0 and completion == 0:
             prompt = count_prompt([turn.query])
-            completion = count_tokens(turn.spoken or "".join(turn.answer))
+            completion = count_tokens("".join(turn.answer).strip())
             counted = True
         return TurnUsage(
             prompt_tokens=prompt,

@@ -48,6 +48,11 @@ class ToolBox(Protocol):
 
     def functions(self) -> list[FunctionSpec]: ...
 
+    def external_functions(self) -> list[FunctionSpec]:
+        """The part of `functions()` that is not the device's (external MCP servers): offered
+        on every turn, while the device's wait for a turn about the device."""
+        ...
+
     def device_tool_name(self, llm_name: str) -> str: ...
 
     async def call(
@@ -113,6 +118,9 @@ class DeviceToolBox:
         self.refresh()
         return list(self._functions)
 
+    def external_functions(self) -> list[FunctionSpec]:
+        return []  # a device's own tools only
+
     def device_tool_name(self, llm_name: str) -> str:
         try:
             return self._names.from_llm(llm_name)
@@ -167,6 +175,9 @@ class NoTools:
     unavailable_reason: str | None = None
 
     def functions(self) -> list[FunctionSpec]:
+        return []
+
+    def external_functions(self) -> list[FunctionSpec]:
         return []
 
     def device_tool_name(self, llm_name: str) -> str:

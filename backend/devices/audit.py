@@ -129,11 +129,8 @@ class AuditLog:
     def _on_event(self, event: DeviceEvent) -> None:
         if event.kind is not EventKind.TOOL_CALLED:
             return
-        if len(self._buffer) >= self._max_buffer:
-            self.dropped += 1
-            return
         detail = event.detail
-        self._buffer.append(
+        self._push(
             (
                 time.time(),
                 detail.get("actor"),
@@ -147,7 +144,6 @@ class AuditLog:
                 None,
             )
         )
-        self._writer.wake()
 
     def record_upload(
         self,
@@ -161,11 +157,15 @@ class AuditLog:
         duration_ms: float,
     ) -> None:
         """One row for a device's upload (its size and outcome; the question only digested)."""
+        row = (time.time(), f"device:{device_id}", device_id, tool, {"question": question})
+        self._push((*row, outcome, error, 0, duration_ms, size))
+
+    def _push(self, row: tuple[Any, ...]) -> None:
+        """A row for the next flush, or counted as dropped when the buffer is full."""
         if len(self._buffer) >= self._max_buffer:
             self.dropped += 1
             return
-        row = (time.time(), f"device:{device_id}", device_id, tool, {"question": question})
-        self._buffer.append((*row, outcome, error, 0, duration_ms, size))
+        self._buffer.append(row)
         self._writer.wake()
 
     async def flush(self) -> None:

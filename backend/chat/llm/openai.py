@@ -71,6 +71,16 @@ class _Reply(BaseModel):
     usage: _Usage | None = None
 
 
+_SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "frequency_penalty",
+    "presence_penalty",
+)
+
+
 class OpenAiProvider(HttpProvider):
     name = "openai"
 
@@ -84,11 +94,7 @@ class OpenAiProvider(HttpProvider):
             body["tool_choice"] = "auto"
         if body["stream"]:
             body["stream_options"] = {"include_usage": True}
-        for name in ("max_tokens", "temperature", "top_p", "seed"):
-            value = getattr(sampling, name)
-            if value is not None:
-                body[name] = value
-        for name in ("frequency_penalty", "presence_penalty"):
+        for name in _SAMPLING_FIELDS:
             value = getattr(sampling, name)
             if value is not None:
                 body[name] = value
