@@ -102,6 +102,8 @@ class Settings(BaseSettings):
     # Browser origins (`https://app.example`) allowed to call the HTTP API (CORS). Empty: no
     # cross-origin call is allowed (no Access-Control-* header is ever sent).
     cors_origins: list[str] = Field(default_factory=list)
+    # The web console at `/` of the admin listener (docs/console.md); off: the API alone.
+    console_enabled: bool = True
     hello_timeout_s: float = Field(10.0, gt=0)
     init_timeout_s: float = Field(10.0, gt=0)
     call_timeout_s: float = Field(10.0, gt=0)

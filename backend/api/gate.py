@@ -22,6 +22,7 @@ from typing import Any
 
 from backend.api.errors import error_body, error_headers, openai_status
 from backend.auth import token_matches
+from backend.console import CONSOLE_PREFIX, PAGES
 from backend.keys.store import Principal, admin_principal
 
 Scope = MutableMapping[str, Any]
@@ -31,8 +32,12 @@ Send = Callable[[Message], Awaitable[None]]
 AsgiApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # Readable without a token: health for probes, and the API's own description.
-OPEN_PATHS = frozenset({"/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
-OPEN_PREFIX = "/.well-known/"  # public metadata by definition (RFC 8615)
+# The console's pages and assets too: they hold no data, and what they fetch needs the key.
+OPEN_PATHS = frozenset(
+    {"/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc", *PAGES}
+)
+# Public metadata by definition (RFC 8615); the console's static files.
+OPEN_PREFIXES = ("/.well-known/", CONSOLE_PREFIX)
 # Front ends used with API keys rather than the admin token (only the 401 message differs).
 KEY_PATHS = ("/v1/", "/mcp", "/api/chat/")
 PRINCIPAL = "principal"
@@ -79,7 +84,7 @@ class AdminGate:
         headers = _headers(scope)
         path: str = scope["path"]
         limit = self._max_body_bytes
-        if path not in OPEN_PATHS and not path.startswith(OPEN_PREFIX):
+        if path not in OPEN_PATHS and not path.startswith(OPEN_PREFIXES):
             principal = self.principal(headers.get(b"authorization", b"").decode("latin-1"))
             if principal is None:
                 what = "API key" if path.startswith(KEY_PATHS) else "admin token"

@@ -1,0 +1,328 @@
+// Shared by every console page: the key, API calls, server-sent events, the page frame.
+// The key lives in sessionStorage only: never in a URL, a cookie or localStorage.
+
+const KEY_ITEM = "bridge.key";
+const SETTINGS_ITEM = "bridge.settings";
+
+export function getKey() {
+  return sessionStorage.getItem(KEY_ITEM);
+}
+
+export function setKey(key) {
+  sessionStorage.setItem(KEY_ITEM, key);
+  whoamiCache = null;
+}
+
+export function clearKey() {
+  sessionStorage.removeItem(KEY_ITEM);
+  whoamiCache = null;
+}
+
+/** An API error in the bridge's (OpenAI's) shape: {"error": {message, type, param, code}}. */
+export class ApiError extends Error {
+  constructor(status, message, code = null, param = null) {
+    super(message);
+    this.name = "ApiError";
+    this.status = status;
+    this.code = code;
+    this.param = param;
+  }
+}
+
+async function errorOf(response) {
+  let body = null;
+  try {
+    body = await response.json();
+  } catch {
+    // not JSON: the status says enough
+  }
+  const error = body && typeof body === "object" ? body.error : null;
+  const message = (error && error.message) || `${response.status} ${response.statusText}`;
+  if (response.status === 401) {
+    window.dispatchEvent(new CustomEvent("bridge:unauthorized"));
+  }
+  return new ApiError(response.status, message, error && error.code, error && error.param);
+}
+
+function request(method, body, signal, headers) {
+  const init = { method, signal, headers: { ...headers } };
+  const key = getKey();
+  if (key) init.headers.Authorization = `Bearer ${key}`;
+  if (body !== undefined) {
+    init.headers["Content-Type"] = "application/json";
+    init.body = JSON.stringify(body);
+  }
+  return init;
+}
+
+/** JSON in, JSON out (null for 204); throws ApiError. */
+export async function api(path, { method = "GET", body, signal, headers = {} } = {}) {
+  const response = await fetch(path, request(method, body, signal, headers));
+  if (!response.ok) throw await errorOf(response);
+  if (response.status === 204) return null;
+  return response.json();
+}
+
+/** The Response of a streamed route (checked ok), for readSSE. */
+export async function apiStream(path, { method = "POST", body, signal, headers = {} } = {}) {
+  const response = await fetch(path, request(method, body, signal, headers));
+  if (!response.ok) throw await errorOf(response);
+  return response;
+}
+
+/** Reads a text/event-stream body; calls onEvent({event, data, id}) per event. */
+export async function readSSE(response, onEvent) {
+  const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buffer += value.replace(/\r\n?/g, "\n");
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const block = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      const event = parseEvent(block);
+      if (event) onEvent(event);
+    }
+  }
+}
+
+function parseEvent(block) {
+  let event = "message";
+  let id = null;
+  const data = [];
+  for (const line of block.split("\n")) {
+    if (!line || line.startsWith(":")) continue;
+    const colon = line.indexOf(":");
+    const field = colon < 0 ? line : line.slice(0, colon);
+    const value = colon < 0 ? "" : line.slice(colon + 1).replace(/^ /, "");
+    if (field === "event") event = value;
+    else if (field === "data") data.push(value);
+    else if (field === "id") id = value;
+  }
+  if (!data.length) return null;
+  const text = data.join("\n");
+  let parsed = text;
+  try {
+    parsed = JSON.parse(text);
+  } catch {
+    // not JSON (the OpenAI stream's [DONE]): the text itself
+  }
+  return { event, data: parsed, id };
+}
+
+let whoamiCache = null;
+
+/** Who the key is: {key_id, name, scopes, device_ids, is_admin}. Cached per key. */
+export function whoami() {
+  if (!whoamiCache) {
+    whoamiCache = api("/api/whoami").catch((error) => {
+      whoamiCache = null;
+      throw error;
+    });
+  }
+  return whoamiCache;
+}
+
+export function can(me, scope) {
+  return Boolean(me && (me.is_admin || me.scopes.includes(scope) || me.scopes.includes("admin")));
+}
+
+/** The chat and guardrail models this browser asked for (null: the server's default). */
+export function settings() {
+  try {
+    const stored = JSON.parse(localStorage.getItem(SETTINGS_ITEM) || "{}");
+    return { chat_model: stored.chat_model || null, guardrail_model: stored.guardrail_model || null };
+  } catch {
+    return { chat_model: null, guardrail_model: null };
+  }
+}
+
+export function saveSettings(values) {
+  localStorage.setItem(SETTINGS_ITEM, JSON.stringify(values));
+}
+
+/**
+ * A DOM element. attrs: class, text, on: {event: handler}, anything else as an attribute
+ * (true: present, false/null/undefined: absent). Children: nodes or strings (as text).
+ */
+export function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [name, value] of Object.entries(attrs)) {
+    if (value === undefined || value === null || value === false) continue;
+    if (name === "text") node.textContent = value;
+    else if (name === "class") node.className = value;
+    else if (name === "on") {
+      for (const [event, handler] of Object.entries(value)) node.addEventListener(event, handler);
+    } else if (name === "value") node.value = value;
+    else node.setAttribute(name, value === true ? "" : String(value));
+  }
+  for (const child of children.flat()) {
+    if (child === null || child === undefined || child === false) continue;
+    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return node;
+}
+
+/** Says `text` to screen readers (a polite live region shared by the page). */
+export function announce(text) {
+  const region = document.getElementById("announcer");
+  if (!region) return;
+  region.textContent = "";
+  // A new text node after a tick: screen readers announce a change, not a repeat.
+  setTimeout(() => {
+    region.textContent = text;
+  }, 50);
+}
+
+const NAV = [
+  { path: "/", label: "Chat", scope: "chat:use" },
+  { path: "/settings", label: "Settings", scope: "chat:use" },
+  { path: "/devices", label: "Devices", scope: "devices:read" },
+  { path: "/talk", label: "Talk", scope: "console:talk" },
+];
+
+function header(me) {
+  const top = document.getElementById("top");
+  top.replaceChildren();
+  top.append(el("a", { class: "skip", href: "#main", text: "Skip to content" }));
+  top.append(el("span", { class: "brand", text: "esp32-mcp-bridge" }));
+  if (!me) return;
+  const links = NAV.filter((item) => can(me, item.scope)).map((item) =>
+    el(
+      "li",
+      {},
+      el("a", {
+        href: item.path,
+        text: item.label,
+        "aria-current": location.pathname === item.path ? "page" : null,
+      }),
+    ),
+  );
+  top.append(el("nav", { "aria-label": "Console" }, el("ul", {}, links)));
+  const who = me.is_admin ? "admin token" : `key ${me.name || me.key_id}`;
+  top.append(
+    el(
+      "div",
+      { class: "identity" },
+      el("span", { text: who }),
+      el("button", { type: "button", class: "link", text: "Log out", on: { click: logOut } }),
+    ),
+  );
+}
+
+function logOut() {
+  clearKey();
+  location.reload();
+}
+
+function loginForm(main, title, problem, onKey) {
+  const input = el("input", {
+    id: "api-key",
+    type: "password",
+    autocomplete: "off",
+    spellcheck: "false",
+    required: true,
+    "aria-describedby": "api-key-help",
+  });
+  const error = el("p", { id: "login-error", class: "error", role: "alert" });
+  if (problem) error.textContent = problem;
+  const form = el(
+    "form",
+    { class: "card login", "aria-labelledby": "login-title" },
+    el("h1", { id: "login-title", text: `${title}: log in` }),
+    el("label", { for: "api-key", text: "API key or admin token" }),
+    input,
+    el("p", {
+      id: "api-key-help",
+      class: "hint",
+      text: "Kept in this tab only (session storage) and sent as a Bearer token. Create one with: esp32-bridge keys create",
+    }),
+    error,
+    el("button", { type: "submit", text: "Log in" }),
+  );
+  form.addEventListener("submit", (event) => {
+    event.preventDefault();
+    const key = input.value.trim();
+    if (key) onKey(key);
+  });
+  main.replaceChildren(form);
+  input.focus();
+}
+
+/**
+ * Draws the frame (header, navigation) and the login form until a key is accepted, then
+ * calls render(main, me). A 401 from any later call brings the login form back.
+ */
+export function startPage(title, render) {
+  document.title = `${title} · esp32-mcp-bridge`;
+  const main = document.getElementById("main");
+  if (!document.getElementById("announcer")) {
+    document.body.append(el("div", { id: "announcer", class: "visually-hidden", "aria-live": "polite" }));
+  }
+  let rendered = false;
+
+  async function enter(problem) {
+    if (!getKey()) {
+      header(null);
+      loginForm(main, title, problem, (key) => {
+        setKey(key);
+        enter(null);
+      });
+      return;
+    }
+    let me;
+    try {
+      me = await whoami();
+    } catch (error) {
+      if (error instanceof ApiError && error.status === 401) {
+        clearKey();
+        enter("That key was refused (unknown, revoked or mistyped).");
+      } else {
+        main.replaceChildren(el("p", { class: "error", role: "alert", text: `The bridge did not answer: ${error.message}` }));
+      }
+      return;
+    }
+    header(me);
+    main.replaceChildren();
+    rendered = true;
+    await render(main, me);
+  }
+
+  window.addEventListener("bridge:unauthorized", () => {
+    if (!rendered) return;
+    rendered = false;
+    clearKey();
+    enter("The key stopped working (revoked?). Log in again.");
+  });
+  enter(null);
+}
+
+/** A notice that the key cannot use this page, naming the scope it lacks. */
+export function lacksScope(main, scope) {
+  main.replaceChildren(
+    el(
+      "p",
+      { class: "notice", role: "status" },
+      `This key lacks the ${scope} scope, which this page needs. Ask an admin for a key with it.`,
+    ),
+  );
+}
+
+/** "1.2 s", "850 ms". */
+export function formatMs(ms) {
+  if (ms === null || ms === undefined) return "";
+  return ms >= 1000 ? `${(ms / 1000).toFixed(1)} s` : `${Math.round(ms)} ms`;
+}
+
+/** "3 min ago" for an ISO time, or the time itself when older than a day. */
+export function ago(iso) {
+  if (!iso) return "never";
+  const seconds = (Date.now() - Date.parse(iso)) / 1000;
+  if (!Number.isFinite(seconds)) return iso;
+  if (seconds < 60) return "just now";
+  if (seconds < 3600) return `${Math.floor(seconds / 60)} min ago`;
+  if (seconds < 86400) return `${Math.floor(seconds / 3600)} h ago`;
+  return new Date(iso).toLocaleString();
+}
