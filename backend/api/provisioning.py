@@ -16,7 +16,9 @@
   32 MiB) → 201; `POST /api/firmware` body `{board, version, path}` with `path` a file inside
   the bridge's firmware folder (relative to it, or absolute) → 201; anything else is 422;
   `GET /api/firmware`; `DELETE /api/firmware/{board}/{version}`;
-- `GET /api/audit?device_id=&tool=&actor=&before=&limit=`: `{entries, next_before}`.
+- `GET /api/audit?device_id=&tool=&actor=&before=&limit=`: `{entries, next_before}`; with
+  `device_id`, a key with devices:read covering that device may read it too (the console's
+  device page shows a device's recent calls).
 """
 
 from pathlib import Path
@@ -28,7 +30,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, Field
 
 from backend.api.errors import errors
-from backend.api.scopes import actor_of, needs
+from backend.api.scopes import actor_of, needs, principal_of
 from backend.devices.audit import AuditLog
 from backend.keys import Principal, Scope
 from backend.provisioning.errors import InvalidInput, InvalidRelease
@@ -194,13 +196,18 @@ def provisioning_router(service: Provisioning, audit: AuditLog) -> APIRouter:
 
     @router.get("/api/audit", responses=errors(503))
     async def audit_entries(
-        _admin: Admin,
+        request: Request,
         device_id: str | None = None,
         tool: str | None = None,
         actor: str | None = None,
         before: Annotated[int | None, Query(ge=1, le=2**62)] = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> dict[str, Any]:
+        principal = principal_of(request)
+        if device_id is None:
+            principal.require(Scope.ADMIN)
+        else:  # admin, or devices:read covering this device
+            principal.require_read(device_id)
         entries = await audit.entries(
             device_id=device_id, tool=tool, actor=actor, before=before, limit=limit
         )

@@ -1,0 +1,805 @@
+// The devices page: the live fleet from GET /api/devices/events (no polling), a device's tools
+// with a form per tool generated from its inputSchema, and its recent audit rows.
+//
+// A fleet may hold 10,000 devices: every device is kept in a Map (id → entry) with its row
+// element made only when first shown; the filtered list is an array of ids, shown one page of
+// PAGE_SIZE rows at a time. A live change updates its row's cells in place and re-filters
+// (once per animation frame) only when the device joins or leaves the filtered list.
+
+import {
+  ApiError,
+  ago,
+  announce,
+  api,
+  apiStream,
+  can,
+  el,
+  formatMs,
+  lacksScope,
+  readSSE,
+  startPage,
+} from "/console/common.js";
+
+const PAGE_SIZE = 200;
+const AUDIT_ROWS = 20;
+const RETRY_MIN_MS = 1000;
+const RETRY_MAX_MS = 15000;
+const LIVE = new Set(["connecting", "initializing", "ready", "failed"]);
+const STATE_FILTERS = [
+  ["all", "All states"],
+  ["online", "Online"],
+  ["offline", "Offline"],
+  ["ready", "Ready"],
+  ["connecting", "Connecting or initializing"],
+  ["failed", "Failed"],
+];
+
+startPage("Devices", (main, me) => {
+  // devices:call includes devices:read (as the server says).
+  if (!can(me, "devices:read") && !can(me, "devices:call")) {
+    lacksScope(main, "devices:read");
+    return;
+  }
+  new DevicesPage(main, me).start();
+});
+
+// ---- a row's fields ----------------------------------------------------------------------------
+
+function boardOf(row) {
+  return (row.server_info && row.server_info.name) || (row.ota && row.ota.board_type) || "";
+}
+
+function firmwareOf(row) {
+  return (row.server_info && row.server_info.version) || (row.ota && row.ota.firmware_version) || "";
+}
+
+function isOnline(row) {
+  return LIVE.has(row.state);
+}
+
+function lastSeenOf(row) {
+  return isOnline(row) ? "now" : ago(row.last_seen);
+}
+
+function matchesState(row, wanted) {
+  if (wanted === "all") return true;
+  if (wanted === "online") return isOnline(row);
+  if (wanted === "connecting") return row.state === "connecting" || row.state === "initializing";
+  return row.state === wanted;
+}
+
+/** The lower-case text the search box looks in: id, client id, board, firmware, transport. */
+function haystackOf(row) {
+  return [row.device_id, row.client_id, boardOf(row), firmwareOf(row), row.transport]
+    .filter(Boolean)
+    .join(" ")
+    .toLowerCase();
+}
+
+function stateBadge(row) {
+  const badge = el("span", { class: `badge ${isOnline(row) ? "online" : "offline"}` });
+  setBadge(badge, row);
+  return badge;
+}
+
+function setBadge(badge, row) {
+  badge.textContent = row.state;
+  badge.className = `badge ${row.state === "failed" ? "warn" : isOnline(row) ? "online" : "offline"}`;
+}
+
+/** Insert `id` into the sorted array `ids` (ids sort as the server sorts them: by code unit). */
+function insertSorted(ids, id) {
+  let low = 0;
+  let high = ids.length;
+  while (low < high) {
+    const middle = (low + high) >>> 1;
+    if (ids[middle] < id) low = middle + 1;
+    else high = middle;
+  }
+  ids.splice(low, 0, id);
+}
+
+// ---- the page ----------------------------------------------------------------------------------
+
+class DevicesPage {
+  constructor(main, me) {
+    this.main = main;
+    this.me = me;
+    this.entries = new Map(); // device id → {row, haystack, tr, cells}
+    this.order = []; // every device id, sorted
+    this.filtered = []; // the ids that pass the filters, sorted
+    this.page = 0;
+    this.query = "";
+    this.stateFilter = "all";
+    this.refilterQueued = false;
+    this.statusQueued = false;
+    this.online = 0; // how many entries are online, kept as rows change
+    this.ready = false;
+    this.retryMs = RETRY_MIN_MS;
+    this.detail = null;
+  }
+
+  start() {
+    this.build();
+    this.connect();
+    // "3 min ago" ages: refresh the shown rows' last-seen cells now and then.
+    setInterval(() => this.refreshAges(), 30000);
+  }
+
+  build() {
+    this.search = el("input", {
+      id: "device-search",
+      type: "search",
+      autocomplete: "off",
+      spellcheck: "false",
+      placeholder: "id, board, firmware…",
+      on: { input: () => this.onFilter() },
+    });
+    this.stateSelect = el(
+      "select",
+      { id: "device-state", on: { change: () => this.onFilter() } },
+      STATE_FILTERS.map(([value, label]) => el("option", { value, text: label })),
+    );
+    this.status = el("p", { id: "fleet-status", class: "muted", role: "status", text: "Connecting…" });
+    this.link = el("span", { class: "badge", id: "stream-state", text: "connecting" });
+    this.tbody = el("tbody", { id: "device-rows" });
+    this.prev = el("button", { type: "button", class: "secondary", text: "Previous", on: { click: () => this.turn(-1) } });
+    this.next = el("button", { type: "button", class: "secondary", text: "Next", on: { click: () => this.turn(1) } });
+    this.pageLabel = el("span", { class: "muted" });
+    this.detailBox = el("section", { id: "device-detail", class: "detail", "aria-label": "Selected device", hidden: true });
+
+    const filters = el(
+      "form",
+      { class: "filters row", role: "search", on: { submit: (event) => event.preventDefault() } },
+      el("div", { class: "field" }, el("label", { for: "device-search", text: "Search" }), this.search),
+      el("div", { class: "field" }, el("label", { for: "device-state", text: "State" }), this.stateSelect),
+    );
+    const table = el(
+      "table",
+      { class: "fleet" },
+      el("caption", { class: "visually-hidden", text: "Devices (select one to see its tools)" }),
+      el(
+        "thead",
+        {},
+        el(
+          "tr",
+          {},
+          el("th", { scope: "col", text: "Device" }),
+          el("th", { scope: "col", text: "State" }),
+          el("th", { scope: "col", class: "wide", text: "Transport" }),
+          el("th", { scope: "col", class: "wide", text: "Board" }),
+          el("th", { scope: "col", class: "wide", text: "Firmware" }),
+          el("th", { scope: "col", text: "Last seen" }),
+          el("th", { scope: "col", class: "num", text: "Tools" }),
+        ),
+      ),
+      this.tbody,
+    );
+    this.main.replaceChildren(
+      el("div", { class: "row heading" }, el("h1", { text: "Devices" }), this.link),
+      filters,
+      this.status,
+      el("div", { class: "fleet-layout" },
+        el("div", { class: "fleet-list" },
+          // Focusable: a table wider than a phone scrolls, and the keyboard must reach it.
+          el("div", { class: "table-wrap", tabindex: "0", role: "region", "aria-label": "Device list" }, table),
+          el("nav", { class: "pager row", "aria-label": "Device list pages" }, this.prev, this.pageLabel, this.next),
+        ),
+        this.detailBox,
+      ),
+    );
+  }
+
+  // ---- the event stream ------------------------------------------------------------------------
+
+  async connect() {
+    this.controller = new AbortController();
+    window.addEventListener("pagehide", () => this.controller.abort(), { once: true });
+    for (;;) {
+      let snapshot = new Set();
+      try {
+        const response = await apiStream("/api/devices/events", { method: "GET", signal: this.controller.signal });
+        this.setLink("live", "online");
+        await readSSE(response, (event) => {
+          snapshot = this.onEvent(event, snapshot);
+        });
+      } catch (error) {
+        if (this.controller.signal.aborted) return;
+        if (error instanceof ApiError && (error.status === 401 || error.status === 403)) {
+          this.setLink("refused", "warn");
+          this.status.textContent = error.message;
+          return; // a 401 brings the login form back (common.js)
+        }
+      }
+      if (this.controller.signal.aborted) return;
+      this.setLink("reconnecting", "warn");
+      await new Promise((resolve) => setTimeout(resolve, this.retryMs));
+      this.retryMs = Math.min(this.retryMs * 2, RETRY_MAX_MS);
+    }
+  }
+
+  setLink(text, kind) {
+    this.link.textContent = text;
+    this.link.className = `badge ${kind}`;
+  }
+
+  /** One event of the stream; returns the set of ids the current snapshot listed. */
+  onEvent({ event, data }, snapshot) {
+    if (event === "snapshot") {
+      for (const row of data.devices) {
+        snapshot.add(row.device_id);
+        this.upsert(row, false);
+      }
+    } else if (event === "ready") {
+      // A reconnect's snapshot replaces the fleet: what it no longer lists is gone.
+      for (const id of [...this.entries.keys()]) if (!snapshot.has(id)) this.remove(id, false);
+      this.ready = true;
+      this.retryMs = RETRY_MIN_MS;
+      this.refilter();
+    } else if (event === "devices") {
+      for (const row of data.devices) this.upsert(row, this.ready);
+    } else if (event === "removed") {
+      for (const id of data.device_ids) this.remove(id, this.ready);
+    }
+    return snapshot;
+  }
+
+  upsert(row, live) {
+    const id = row.device_id;
+    let entry = this.entries.get(id);
+    const before = entry ? this.passes(entry) : false;
+    const wasOnline = entry ? isOnline(entry.row) : false;
+    if (isOnline(row) !== wasOnline) this.online += isOnline(row) ? 1 : -1;
+    if (!entry) {
+      entry = { row, haystack: haystackOf(row), tr: null, cells: null };
+      this.entries.set(id, entry);
+      insertSorted(this.order, id);
+    } else {
+      entry.row = row;
+      entry.haystack = haystackOf(row);
+      if (entry.tr) this.fillRow(entry);
+    }
+    if (this.detail && this.detail.deviceId === id) this.detail.update(row);
+    if (!live) return;
+    if (before !== this.passes(entry)) this.queueRefilter();
+    else this.queueStatus(); // the counts may have changed, the list did not
+  }
+
+  remove(id, live) {
+    const entry = this.entries.get(id);
+    if (!entry) return;
+    this.entries.delete(id);
+    if (isOnline(entry.row)) this.online -= 1;
+    const at = this.order.indexOf(id);
+    if (at >= 0) this.order.splice(at, 1);
+    if (this.detail && this.detail.deviceId === id) this.detail.gone();
+    if (live) this.queueRefilter();
+  }
+
+  // ---- filtering and paging --------------------------------------------------------------------
+
+  passes(entry) {
+    return matchesState(entry.row, this.stateFilter) && (!this.query || entry.haystack.includes(this.query));
+  }
+
+  onFilter() {
+    this.query = this.search.value.trim().toLowerCase();
+    this.stateFilter = this.stateSelect.value;
+    this.page = 0;
+    this.refilter();
+  }
+
+  queueRefilter() {
+    if (this.refilterQueued) return;
+    this.refilterQueued = true;
+    requestAnimationFrame(() => {
+      this.refilterQueued = false;
+      this.refilter();
+    });
+  }
+
+  queueStatus() {
+    if (this.statusQueued || this.refilterQueued) return;
+    this.statusQueued = true;
+    requestAnimationFrame(() => {
+      this.statusQueued = false;
+      this.renderStatus();
+    });
+  }
+
+  refilter() {
+    if (!this.ready) return;
+    const entries = this.entries;
+    this.filtered = this.order.filter((id) => this.passes(entries.get(id)));
+    const pages = Math.max(1, Math.ceil(this.filtered.length / PAGE_SIZE));
+    this.page = Math.min(this.page, pages - 1);
+    this.renderPage();
+  }
+
+  turn(step) {
+    this.page += step;
+    this.renderPage();
+    this.tbody.closest("table").scrollIntoView({ block: "start" });
+  }
+
+  renderPage() {
+    const total = this.filtered.length;
+    const pages = Math.max(1, Math.ceil(total / PAGE_SIZE));
+    const start = this.page * PAGE_SIZE;
+    const shown = this.filtered.slice(start, start + PAGE_SIZE);
+    this.tbody.replaceChildren(...shown.map((id) => this.rowOf(this.entries.get(id))));
+    if (!total) {
+      const text = this.entries.size ? "No device matches." : "No device yet: devices appear here as they connect.";
+      this.tbody.replaceChildren(el("tr", {}, el("td", { colspan: "7", class: "muted", text })));
+    }
+    this.renderStatus();
+    this.pageLabel.textContent = total > PAGE_SIZE
+      ? `Rows ${start + 1}–${Math.min(start + PAGE_SIZE, total)} of ${total}`
+      : "";
+    this.prev.disabled = this.page === 0;
+    this.next.disabled = this.page >= pages - 1;
+    this.prev.hidden = this.next.hidden = pages === 1;
+  }
+
+  renderStatus() {
+    const total = this.filtered.length;
+    const all = this.entries.size;
+    const text = total === all
+      ? `${plural(all, "device")}, ${this.online} online`
+      : `${total} of ${plural(all, "device")} match (${this.online} online in all)`;
+    if (this.status.textContent !== text) this.status.textContent = text;
+  }
+
+  rowOf(entry) {
+    if (!entry.tr) {
+      const id = entry.row.device_id;
+      const open = el("button", {
+        type: "button",
+        class: "link device-id",
+        "data-device-id": id,
+        text: id,
+        on: { click: () => this.select(id) },
+      });
+      const cells = {
+        state: stateBadge(entry.row),
+        transport: el("td", { class: "wide" }),
+        board: el("td", { class: "wide" }),
+        firmware: el("td", { class: "wide" }),
+        seen: el("td"),
+        tools: el("td", { class: "num" }),
+      };
+      entry.cells = cells;
+      entry.tr = el(
+        "tr",
+        { "data-device-id": id },
+        el("th", { scope: "row" }, open),
+        el("td", {}, cells.state),
+        cells.transport,
+        cells.board,
+        cells.firmware,
+        cells.seen,
+        cells.tools,
+      );
+      this.fillRow(entry);
+    }
+    entry.tr.classList.toggle("selected", Boolean(this.detail && this.detail.deviceId === entry.row.device_id));
+    return entry.tr;
+  }
+
+  fillRow(entry) {
+    const { row, cells } = entry;
+    setBadge(cells.state, row);
+    entry.tr.dataset.state = row.state;
+    cells.transport.textContent = row.transport || "";
+    cells.board.textContent = boardOf(row);
+    cells.firmware.textContent = firmwareOf(row);
+    cells.seen.textContent = lastSeenOf(row);
+    cells.tools.textContent = String(row.tool_count);
+  }
+
+  refreshAges() {
+    for (const tr of this.tbody.children) {
+      const entry = this.entries.get(tr.dataset.deviceId);
+      if (entry && entry.cells) entry.cells.seen.textContent = lastSeenOf(entry.row);
+    }
+  }
+
+  // ---- one device ------------------------------------------------------------------------------
+
+  select(id) {
+    const entry = this.entries.get(id);
+    if (!entry) return;
+    if (this.detail) this.detail.close();
+    for (const tr of this.tbody.querySelectorAll("tr.selected")) tr.classList.remove("selected");
+    if (entry.tr) entry.tr.classList.add("selected");
+    this.detail = new DeviceDetail(this.detailBox, this.me, entry.row, () => this.unselect());
+    this.detail.open();
+  }
+
+  unselect() {
+    const id = this.detail && this.detail.deviceId;
+    this.detail = null;
+    this.detailBox.hidden = true;
+    this.detailBox.replaceChildren();
+    const entry = id && this.entries.get(id);
+    if (entry && entry.tr) {
+      entry.tr.classList.remove("selected");
+      entry.tr.querySelector("button").focus();
+    }
+  }
+}
+
+// ---- a device's detail: summary, tools, audit --------------------------------------------------
+
+function callDeniedReason(me, deviceId) {
+  if (me.is_admin) return null;
+  if (!me.scopes.includes("devices:call")) return "This key lacks the devices:call scope: it may read tools but not call them.";
+  if (me.device_ids && !me.device_ids.includes(deviceId)) return "This key's devices:call scope does not cover this device.";
+  return null;
+}
+
+class DeviceDetail {
+  constructor(box, me, row, onClose) {
+    this.box = box;
+    this.me = me;
+    this.row = row;
+    this.deviceId = row.device_id;
+    this.onClose = onClose;
+    this.controller = new AbortController();
+    this.denied = callDeniedReason(me, this.deviceId);
+  }
+
+  open() {
+    const path = encodeURIComponent(this.deviceId);
+    this.path = `/api/devices/${path}`;
+    this.heading = el("h2", { id: "detail-title", tabindex: "-1", text: this.deviceId });
+    this.facts = el("dl", { class: "facts" });
+    this.toolsBox = el("div", { class: "tools", "aria-busy": "true" }, el("p", { class: "muted", text: "Loading tools…" }));
+    this.auditBox = el("div", { class: "audit" }, el("p", { class: "muted", text: "Loading…" }));
+    const parts = [
+      el(
+        "div",
+        { class: "row detail-head" },
+        this.heading,
+        el("button", { type: "button", class: "secondary", text: "Close", on: { click: () => this.onClose() } }),
+      ),
+      this.facts,
+      el("h3", { text: "Tools" }),
+      this.denied ? el("p", { class: "notice", id: "call-denied", text: this.denied }) : null,
+      this.toolsBox,
+      el("h3", { text: `Recent calls (last ${AUDIT_ROWS})` }),
+      this.auditBox,
+    ];
+    this.box.replaceChildren(...parts.filter(Boolean));
+    this.box.setAttribute("aria-labelledby", "detail-title");
+    this.box.hidden = false;
+    this.update(this.row);
+    this.heading.focus();
+    this.loadTools();
+    this.loadAudit();
+  }
+
+  close() {
+    this.controller.abort();
+  }
+
+  update(row) {
+    this.row = row;
+    const facts = [
+      ["State", row.state + (row.error ? ` (${row.error})` : "")],
+      ["Transport", row.transport || "—"],
+      ["Board", boardOf(row) || "—"],
+      ["Firmware", firmwareOf(row) || "—"],
+      ["Client id", row.client_id || "—"],
+      ["Connected", row.connected_at ? new Date(row.connected_at).toLocaleString() : "—"],
+      ["Last seen", lastSeenOf(row)],
+      ["Tools", String(row.tool_count)],
+    ];
+    this.facts.replaceChildren(...facts.flatMap(([term, value]) => [el("dt", { text: term }), el("dd", { text: value })]));
+  }
+
+  gone() {
+    this.facts.replaceChildren(el("p", { class: "warn", role: "status", text: "This device was removed from the catalogue." }));
+  }
+
+  async loadTools() {
+    try {
+      const listing = await api(`${this.path}/tools`, { signal: this.controller.signal });
+      const forms = listing.tools.map((tool, index) => new ToolForm(this, tool, index).element());
+      const note = listing.cached
+        ? el("p", { class: "hint", text: "Offline: the tools it declared when last seen. Calls need it online." })
+        : null;
+      this.toolsBox.replaceChildren(...(note ? [note] : []), ...forms);
+      if (!forms.length) this.toolsBox.replaceChildren(el("p", { class: "muted", text: "This device declares no tools." }));
+    } catch (error) {
+      if (this.controller.signal.aborted) return;
+      this.toolsBox.replaceChildren(el("p", { class: "error", role: "alert", text: `Tools: ${error.message}` }));
+    }
+    this.toolsBox.removeAttribute("aria-busy");
+  }
+
+  async loadAudit() {
+    const query = `device_id=${encodeURIComponent(this.deviceId)}&limit=${AUDIT_ROWS}`;
+    try {
+      const page = await api(`/api/audit?${query}`, { signal: this.controller.signal });
+      this.auditBox.replaceChildren(auditTable(page.entries));
+    } catch (error) {
+      if (this.controller.signal.aborted) return;
+      this.auditBox.replaceChildren(el("p", { class: "error", text: `Audit: ${error.message}` }));
+    }
+  }
+}
+
+function auditTable(entries) {
+  if (!entries.length) return el("p", { class: "muted", text: "No call recorded yet." });
+  return el(
+    "div",
+    { class: "table-wrap", tabindex: "0", role: "region", "aria-label": "Recent calls" },
+    el(
+      "table",
+      { class: "audit-table" },
+      el("caption", { class: "visually-hidden", text: "Recent tool calls of this device" }),
+      el(
+        "thead",
+        {},
+        el(
+          "tr",
+          {},
+          ["When", "Tool", "Who", "Outcome", "Duration"].map((text) => el("th", { scope: "col", text })),
+        ),
+      ),
+      el(
+        "tbody",
+        {},
+        entries.map((entry) =>
+          el(
+            "tr",
+            {},
+            el("td", { text: ago(entry.at) }),
+            el("td", {}, el("code", { text: entry.tool })),
+            el("td", { text: entry.actor || "device" }),
+            el("td", {
+              class: entry.outcome === "ok" ? "ok" : "warn",
+              text: entry.outcome + (entry.confirmed ? " (confirmed)" : "") + (entry.error ? `: ${entry.error}` : ""),
+            }),
+            el("td", { class: "num", text: formatMs(entry.duration_ms) }),
+          ),
+        ),
+      ),
+    ),
+  );
+}
+
+// ---- a tool's form, generated from its inputSchema ---------------------------------------------
+
+function typeOf(schema) {
+  if (Array.isArray(schema.enum) && schema.enum.length) return "enum";
+  const type = Array.isArray(schema.type) ? schema.type.find((t) => t !== "null") : schema.type;
+  return type || "json";
+}
+
+class ToolForm {
+  constructor(detail, tool, index) {
+    this.detail = detail;
+    this.tool = tool;
+    this.prefix = `tool-${index}`;
+    this.fields = [];
+  }
+
+  element() {
+    const tool = this.tool;
+    const schema = tool.inputSchema && typeof tool.inputSchema === "object" ? tool.inputSchema : {};
+    const properties = schema.properties && typeof schema.properties === "object" ? schema.properties : {};
+    const required = new Set(Array.isArray(schema.required) ? schema.required : []);
+    const inputs = Object.entries(properties).map(([name, property], index) =>
+      this.field(name, property && typeof property === "object" ? property : {}, required.has(name), index),
+    );
+    const denied = this.detail.denied;
+    this.button = el("button", {
+      type: "submit",
+      text: "Call",
+      disabled: Boolean(denied),
+      "aria-describedby": denied ? "call-denied" : null,
+    });
+    this.output = el("div", { class: "output", "aria-live": "polite" });
+    this.form = el(
+      "form",
+      { class: "tool-form", "aria-labelledby": `${this.prefix}-name`, on: { submit: (event) => this.submit(event) } },
+      ...inputs,
+      el("div", { class: "row" }, this.button),
+      this.output,
+    );
+    return el(
+      "article",
+      { class: "tool card", "data-tool": tool.name },
+      el("h4", { id: `${this.prefix}-name` }, el("code", { text: tool.name })),
+      tool.description ? el("p", { class: "hint", text: tool.description }) : null,
+      this.form,
+    );
+  }
+
+  field(name, property, isRequired, index) {
+    const id = `${this.prefix}-arg-${index}`;
+    const kind = typeOf(property);
+    const help = property.description ? el("span", { class: "hint", id: `${id}-help`, text: property.description }) : null;
+    const common = { id, name, required: isRequired, "aria-describedby": help ? `${id}-help` : null };
+    let input;
+    let read;
+    if (kind === "boolean") {
+      input = el("input", { ...common, type: "checkbox", required: false, checked: property.default === true });
+      read = () => input.checked;
+    } else if (kind === "enum") {
+      input = el(
+        "select",
+        common,
+        isRequired ? null : el("option", { value: "", text: "(not set)" }),
+        property.enum.map((value, at) => el("option", { value: String(at), text: typeof value === "string" ? value : JSON.stringify(value) })),
+      );
+      const preset = property.enum.findIndex((value) => value === property.default);
+      if (preset >= 0) input.value = String(preset);
+      read = () => (input.value === "" ? undefined : property.enum[Number(input.value)]);
+    } else if (kind === "integer" || kind === "number") {
+      input = el("input", {
+        ...common,
+        type: "number",
+        inputmode: kind === "integer" ? "numeric" : "decimal",
+        step: kind === "integer" ? "1" : "any",
+        min: property.minimum ?? null,
+        max: property.maximum ?? null,
+        value: property.default ?? null,
+      });
+      read = () => (input.value === "" ? undefined : Number(input.value));
+    } else if (kind === "string") {
+      input = el("input", {
+        ...common,
+        type: "text",
+        autocomplete: "off",
+        maxlength: property.maxLength ?? null,
+        value: property.default ?? null,
+      });
+      read = () => (input.value === "" && !isRequired ? undefined : input.value);
+    } else {
+      // A nested object or array, or a schema this form does not know: JSON as text.
+      const preset = property.default !== undefined ? property.default : kind === "array" ? [] : kind === "object" ? {} : null;
+      input = el("textarea", { ...common, rows: "3", spellcheck: "false", "data-json": "1" });
+      input.value = preset === null ? "" : JSON.stringify(preset, null, 1);
+      read = () => {
+        if (input.value.trim() === "") return undefined;
+        try {
+          return JSON.parse(input.value);
+        } catch {
+          throw new FieldError(input, `${name}: not valid JSON`);
+        }
+      };
+    }
+    this.fields.push({ name, read, input });
+    const label = el("label", { for: id }, name, isRequired ? el("span", { class: "muted", text: " (required)" }) : null);
+    const range = kind === "integer" || kind === "number" ? rangeText(property) : "";
+    return el(
+      "div",
+      { class: `field ${kind === "boolean" ? "check" : ""}` },
+      kind === "boolean" ? [input, label] : [label, input],
+      range ? el("span", { class: "hint", text: range }) : null,
+      help,
+    );
+  }
+
+  argumentsOf() {
+    const values = {};
+    for (const field of this.fields) {
+      field.input.removeAttribute("aria-invalid");
+      const value = field.read();
+      if (value !== undefined) values[field.name] = value;
+    }
+    return values;
+  }
+
+  async submit(event) {
+    event.preventDefault();
+    if (this.detail.denied) return;
+    if (!this.form.reportValidity()) return;
+    let args;
+    try {
+      args = this.argumentsOf();
+    } catch (error) {
+      if (!(error instanceof FieldError)) throw error;
+      error.input.setAttribute("aria-invalid", "true");
+      error.input.focus();
+      this.show(el("p", { class: "error", role: "alert", text: error.message }));
+      return;
+    }
+    await this.call(args, false);
+  }
+
+  async call(args, confirm) {
+    this.button.disabled = true;
+    this.show(el("p", { class: "muted", text: confirm ? "Calling (confirmed)…" : "Calling…" }));
+    try {
+      const body = { name: this.tool.name, arguments: args, ...(confirm ? { confirm: true } : {}) };
+      const result = await api(`${this.detail.path}/tools/call`, { method: "POST", body });
+      this.showResult(result);
+      announce(`${this.tool.name}: ${result.isError ? "the tool reported an error" : "done"} in ${formatMs(result.duration_ms)}`);
+    } catch (error) {
+      if (error instanceof ApiError && error.status === 428 && error.code === "confirmation_required") {
+        this.askConfirmation(args, error.message);
+      } else {
+        this.show(el("p", { class: "error", role: "alert", text: `Refused (${error.status || "network"}): ${error.message}` }));
+      }
+    } finally {
+      this.button.disabled = Boolean(this.detail.denied);
+    }
+    this.detail.loadAudit();
+  }
+
+  askConfirmation(args, reason) {
+    const confirmButton = el("button", {
+      type: "button",
+      class: "danger",
+      text: `Confirm ${this.tool.name}`,
+      on: { click: () => this.call(args, true) },
+    });
+    const cancel = el("button", {
+      type: "button",
+      class: "secondary",
+      text: "Cancel",
+      on: {
+        click: () => {
+          this.show(el("p", { class: "muted", text: "Not called." }));
+          this.button.focus();
+        },
+      },
+    });
+    this.show(
+      el(
+        "div",
+        { class: "confirm", role: "alert" },
+        el("p", { text: `This tool is risky and needs your confirmation. ${reason}` }),
+        el("div", { class: "row" }, confirmButton, cancel),
+      ),
+    );
+    confirmButton.focus();
+  }
+
+  showResult(result) {
+    const parts = (result.content || []).map((item) =>
+      item && item.type === "text"
+        ? el("pre", { text: item.text })
+        : el("pre", { text: JSON.stringify(item, null, 1) }),
+    );
+    this.show(
+      el(
+        "div",
+        { class: `result ${result.isError ? "is-error" : ""}` },
+        el("p", {
+          class: result.isError ? "error" : "ok",
+          text: `${result.isError ? "The tool reported an error" : "Result"} in ${formatMs(result.duration_ms)} (${result.duration_ms} ms)`,
+        }),
+        parts,
+      ),
+    );
+  }
+
+  show(node) {
+    this.output.replaceChildren(node);
+  }
+}
+
+function plural(count, noun) {
+  return `${count} ${noun}${count === 1 ? "" : "s"}`;
+}
+
+function rangeText(property) {
+  const low = property.minimum;
+  const high = property.maximum;
+  if (low !== undefined && high !== undefined) return `${low} to ${high}`;
+  if (low !== undefined) return `at least ${low}`;
+  if (high !== undefined) return `at most ${high}`;
+  return "";
+}
+
+class FieldError extends Error {
+  constructor(input, message) {
+    super(message);
+    this.input = input;
+  }
+}

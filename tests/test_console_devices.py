@@ -1,0 +1,222 @@
+"""The devices page in Chromium (tests/console_helpers.py): the live fleet from the event stream,
+a tool form generated from its inputSchema that really calls the device, the confirmation of a
+risky tool, a key that may read but not call, accessibility and the page's own requests."""
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from playwright.async_api import Page, expect
+
+from backend.server import Bridge
+from simulator.fleet import device_id_for
+from tests.console_helpers import (
+    PHONE,
+    ConsolePage,
+    assert_accessible,
+    console_page,
+    save_screenshot,
+)
+from tests.helpers import ADMIN_TOKEN, create_key, eventually
+
+pytestmark = pytest.mark.timeout(120)
+
+SET_VOLUME = "self.audio_speaker.set_volume"
+REBOOT = "self.reboot"
+# Chromium logs every 4xx answer as a console error; 428 is the API asking for a confirmation.
+ASKED = "status of 428 (Precondition Required)"
+
+
+def row(page: Page, device_id: str) -> Any:
+    return page.locator(f'tr[data-device-id="{device_id}"]')
+
+
+def tool(page: Page, name: str) -> Any:
+    return page.locator(f'article[data-tool="{name}"]')
+
+
+async def open_device(console: ConsolePage, device_id: str) -> None:
+    page = console.page
+    await row(page, device_id).get_by_role("button", name=device_id).click()
+    await expect(page.get_by_role("heading", level=2, name=device_id)).to_be_focused()
+    await tool(page, SET_VOLUME).wait_for()
+
+
+def never_polls(console: ConsolePage) -> bool:
+    """The page never polls: one event stream, no listing requests."""
+    urls = [response.url for response in console.responses]
+    return all("/api/devices?" not in url and not url.endswith("/api/devices") for url in urls)
+
+
+async def test_a_device_appears_and_goes_offline_without_a_reload(
+    bridge: Bridge, simulated_devices: Callable[..., Any]
+) -> None:
+    async with console_page(bridge, "/devices", ADMIN_TOKEN) as console:
+        page = console.page
+        await expect(page.locator("#fleet-status")).to_have_text("0 devices, 0 online")
+        device = await simulated_devices(bridge)
+        line = row(page, device.device_id)
+        await expect(line.locator(".badge")).to_have_text("ready")
+        await expect(line).to_contain_text("websocket")
+        live = bridge.registry.get(device.device_id)
+        assert live is not None
+        await expect(line.locator("td.num")).to_have_text(str(len(live.tools)))
+        await device.stop()
+        await expect(line.locator(".badge")).to_have_text("offline")
+        await expect(page.locator("#fleet-status")).to_have_text("1 device, 0 online")
+        bridge.registry.forget(device.device_id)
+        await expect(line).to_have_count(0)
+        navigations = [r for r in console.responses if r.request.resource_type == "document"]
+        assert len(navigations) == 1  # never reloaded
+        assert never_polls(console)
+        console.assert_clean()
+
+
+async def test_search_and_state_filter(
+    bridge: Bridge, simulated_devices: Callable[..., Any]
+) -> None:
+    first = await simulated_devices(bridge, 1)
+    second = await simulated_devices(bridge, 2)
+    await second.stop()
+    async with console_page(bridge, "/devices", ADMIN_TOKEN, viewport=PHONE) as console:
+        page = console.page
+        await expect(page.locator("#fleet-status")).to_have_text("2 devices, 1 online")
+        await page.get_by_label("State").select_option("offline")
+        await expect(page.locator("tbody tr[data-device-id]")).to_have_count(1)
+        await expect(row(page, second.device_id)).to_have_count(1)
+        await page.get_by_label("State").select_option("all")
+        await page.get_by_label("Search").fill(first.device_id[-5:])
+        await expect(page.locator("tbody tr[data-device-id]")).to_have_count(1)
+        await expect(row(page, first.device_id)).to_have_count(1)
+        await page.get_by_label("Search").fill("no such device")
+        await expect(page.locator("tbody")).to_contain_text("No device matches.")
+        await expect(page.locator("#fleet-status")).to_have_text(
+            "0 of 2 devices match (1 online in all)"
+        )
+        console.assert_clean()
+
+
+async def test_set_volume_from_the_generated_form_changes_the_device(
+    bridge: Bridge, simulated_devices: Callable[..., Any]
+) -> None:
+    device = await simulated_devices(bridge)
+    async with console_page(bridge, "/devices", ADMIN_TOKEN) as console:
+        page = console.page
+        await open_device(console, device.device_id)
+        form = tool(page, SET_VOLUME)
+        volume = form.get_by_role("spinbutton", name="volume (required)")
+        # The schema's integer range became a number input's bounds.
+        assert await volume.get_attribute("type") == "number"
+        assert await volume.get_attribute("min") == "0"
+        assert await volume.get_attribute("max") == "100"
+        await volume.fill("37")
+        await form.get_by_role("button", name="Call").click()
+        await expect(form.locator(".output")).to_contain_text("Result in")
+        await expect(form.locator(".output pre")).to_have_text("true")
+        assert device.hal.get_volume() == 37
+        await expect(page.locator(".audit-table")).to_contain_text(SET_VOLUME)
+        await page.evaluate("window.scrollTo(0, 0)")
+        await save_screenshot(page, "devices")
+        # An out-of-range value is stopped in the page (the browser's own validation).
+        await volume.fill("250")
+        await form.get_by_role("button", name="Call").click()
+        assert await volume.evaluate("input => input.validity.rangeOverflow")
+        assert device.hal.get_volume() == 37
+        # The call is in the device's recent audit rows.
+        await expect(page.locator(".audit-table")).to_contain_text(SET_VOLUME)
+        await expect(page.locator(".audit-table")).to_contain_text("admin")
+        await assert_accessible(page)
+        assert never_polls(console)
+        console.assert_clean()
+
+
+async def test_a_risky_tool_needs_the_confirmation_click(
+    bridge: Bridge, simulated_devices: Callable[..., Any]
+) -> None:
+    device = await simulated_devices(bridge)
+    async with console_page(bridge, "/devices", ADMIN_TOKEN) as console:
+        page = console.page
+        await open_device(console, device.device_id)
+        form = tool(page, REBOOT)
+        await form.get_by_role("button", name="Call").click()
+        confirm = form.get_by_role("button", name=f"Confirm {REBOOT}")
+        await expect(confirm).to_be_focused()
+        await expect(form.locator(".confirm")).to_contain_text("needs your confirmation")
+        entries = await bridge.audit.entries(device_id=device.device_id, tool=REBOOT)
+        assert [entry.outcome for entry in entries] == ["refused"]
+        assert not entries[0].confirmed
+        await assert_accessible(page)
+        await confirm.click()
+        await expect(form.locator(".output")).to_contain_text("Result in")
+
+        async def confirmed() -> bool:
+            found = await bridge.audit.entries(device_id=device.device_id, tool=REBOOT)
+            return any(entry.confirmed and entry.outcome == "ok" for entry in found)
+
+        assert await confirmed()
+        console.assert_clean(allow_errors=[ASKED])
+
+
+async def test_cancel_leaves_a_risky_tool_uncalled(
+    bridge: Bridge, simulated_devices: Callable[..., Any]
+) -> None:
+    device = await simulated_devices(bridge)
+    async with console_page(bridge, "/devices", ADMIN_TOKEN) as console:
+        page = console.page
+        await open_device(console, device.device_id)
+        form = tool(page, REBOOT)
+        await form.get_by_role("button", name="Call").click()
+        await form.get_by_role("button", name="Cancel").click()
+        await expect(form.locator(".output")).to_have_text("Not called.")
+        entries = await bridge.audit.entries(device_id=device.device_id, tool=REBOOT)
+        assert [entry.confirmed for entry in entries] == [False]
+        console.assert_clean(allow_errors=[ASKED])
+
+
+async def test_a_key_without_devices_call_sees_tools_but_cannot_call(
+    bridge: Bridge, simulated_devices: Callable[..., Any]
+) -> None:
+    device = await simulated_devices(bridge)
+    key = await create_key(bridge, "devices:read")
+    async with console_page(bridge, "/devices", key) as console:
+        page = console.page
+        await open_device(console, device.device_id)
+        form = tool(page, SET_VOLUME)
+        await expect(form.get_by_role("button", name="Call")).to_be_disabled()
+        await expect(page.locator("#call-denied")).to_contain_text("lacks the devices:call scope")
+        await expect(form).to_contain_text("Set the speaker volume")
+        # Even a form sent by hand (Enter in the field) calls nothing.
+        await form.get_by_role("spinbutton", name="volume (required)").fill("5")
+        await form.get_by_role("spinbutton", name="volume (required)").press("Enter")
+        calls = [r for r in console.responses if r.url.endswith("/tools/call")]
+        assert calls == []
+        await assert_accessible(page)
+        console.assert_clean()
+
+
+async def test_a_key_limited_to_one_device_sees_and_calls_only_it(
+    bridge: Bridge, simulated_devices: Callable[..., Any]
+) -> None:
+    mine = await simulated_devices(bridge, 1)
+    await simulated_devices(bridge, 2)
+    key = await create_key(bridge, "devices:call", devices=[mine.device_id])
+    async with console_page(bridge, "/devices", key) as console:
+        page = console.page
+        await expect(page.locator("#fleet-status")).to_have_text("1 device, 1 online")
+        await expect(row(page, device_id_for(2))).to_have_count(0)
+        await open_device(console, mine.device_id)
+        form = tool(page, SET_VOLUME)
+        await form.get_by_role("spinbutton", name="volume (required)").fill("11")
+        await form.get_by_role("button", name="Call").click()
+        await expect(form.locator(".output")).to_contain_text("Result in")
+        await eventually(lambda: mine.hal.get_volume() == 11)
+        console.assert_clean()
+
+
+async def test_a_key_without_devices_read_is_told_why(bridge: Bridge) -> None:
+    key = await create_key(bridge, "chat:use")
+    async with console_page(bridge, "/devices", key) as console:
+        await expect(console.page.get_by_role("status").first).to_contain_text("devices:read")
+        calls = [r.url for r in console.responses if "/api/devices" in r.url]
+        assert calls == []
+        console.assert_clean()
