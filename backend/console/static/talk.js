@@ -1,0 +1,792 @@
+// The talk page: this browser becomes a voice device of the bridge (docs/console.md, "Talk").
+//
+// POST /api/console/talk buys a one-use ticket with the key; the page opens the device
+// WebSocket /console/device?ticket=... on its own origin and speaks the stock device protocol:
+// hello (Opus 16 kHz 60 ms through WebCodecs, or PCM16 where WebCodecs cannot), listen
+// start/stop, abort, binary protocol version 1 (one packet per message), and MCP envelopes
+// answered by a tiny MCP server of the page (device status, speaker volume = playback gain).
+
+import { api, announce, can, el, lacksScope, startPage } from "/console/common.js";
+
+const RATE = 16000; // uplink: what the stock device sends
+const FRAME_MS = 60;
+const FRAME_SAMPLES = (RATE * FRAME_MS) / 1000;
+const VOICE_RMS = 0.01; // about -40 dBFS: a frame above it counts as speech (for the figures)
+const PLAYBACK_LEAD_S = 0.05; // the first frame of an answer waits this long for the next ones
+const OPUS_CONFIG = {
+  codec: "opus",
+  sampleRate: RATE,
+  numberOfChannels: 1,
+  bitrate: 24000,
+  opus: { frameDuration: FRAME_MS * 1000 },
+};
+const STATUS_TOOL = "self.get_device_status";
+const VOLUME_TOOL = "self.audio_speaker.set_volume";
+const TOOLS = [
+  {
+    name: STATUS_TOOL,
+    description: "Get the device status (speaker volume, microphone, audio format).",
+    inputSchema: { type: "object", properties: {} },
+  },
+  {
+    name: VOLUME_TOOL,
+    description: "Set the volume of the audio speaker (0 to 100).",
+    inputSchema: {
+      type: "object",
+      properties: { volume: { type: "integer", minimum: 0, maximum: 100 } },
+      required: ["volume"],
+    },
+  },
+];
+
+// ---- what the tests and the benchmark read (a copy each time: read-only) -----------------------
+
+const stats = {
+  uplinkFormat: null,
+  downlinkFormat: null,
+  downlinkRate: null,
+  connected: false,
+  state: "idle",
+  framesSent: 0,
+  framesReceived: 0,
+  audioPlayedMs: 0,
+  volume: 70,
+  transcripts: [],
+  sentences: [],
+  turns: [], // {transcript, speechEndAt, firstAudioAt, framesReceived, audioPlayedMs, stoppedAt}
+  errors: [],
+};
+Object.defineProperty(window, "talkStats", {
+  get: () => JSON.parse(JSON.stringify(stats)),
+});
+
+// ---- the page ----------------------------------------------------------------------------------
+
+startPage("Talk", (main, me) => {
+  if (!can(me, "console:talk")) {
+    lacksScope(main, "console:talk");
+    return;
+  }
+  new TalkPage(main).render();
+});
+
+class TalkPage {
+  constructor(main) {
+    this.main = main;
+    this.socket = null;
+    this.sessionId = "";
+    this.deviceId = null;
+    this.connecting = null; // the promise of a connection in progress
+    this.mode = null; // "manual" | "auto" while listening
+    this.state = "idle"; // idle | listening | thinking | speaking
+    this.handsFree = false;
+    this.microphone = null; // {stream, context, node}
+    this.encoder = null;
+    this.uplinkFormat = null;
+    this.downlink = { format: "opus", rate: 24000, frameDuration: FRAME_MS };
+    this.player = null; // {context, gain}
+    this.decoder = null;
+    this.scheduled = new Set(); // AudioBufferSourceNodes not yet finished
+    this.nextStart = 0;
+    this.turn = null;
+    this.lastVoiceAt = null;
+    this.volume = 70;
+    this.assistantLine = null;
+  }
+
+  render() {
+    this.status = el("p", { id: "talk-status", class: "talk-status", role: "status", text: "Not connected." });
+    this.connectButton = el("button", { type: "button", text: "Connect", on: { click: () => this.toggleConnection() } });
+    this.talkButton = el("button", {
+      type: "button",
+      id: "talk-hold",
+      class: "talk-hold",
+      text: "Hold to talk",
+      "aria-describedby": "talk-hold-help",
+      on: {
+        pointerdown: (event) => this.pressStart(event),
+        pointerup: () => this.pressEnd(),
+        pointerleave: () => this.pressEnd(),
+        pointercancel: () => this.pressEnd(),
+        contextmenu: (event) => event.preventDefault(),
+      },
+    });
+    this.autoButton = el("button", {
+      type: "button",
+      class: "secondary",
+      text: "Hands-free",
+      "aria-pressed": "false",
+      on: { click: () => this.toggleHandsFree() },
+    });
+    this.abortButton = el("button", { type: "button", class: "danger", text: "Stop answer", on: { click: () => this.abort() } });
+    this.volumeInput = el("input", {
+      id: "talk-volume",
+      type: "range",
+      min: "0",
+      max: "100",
+      step: "1",
+      value: String(this.volume),
+      on: { input: () => this.setVolume(Number(this.volumeInput.value), false) },
+    });
+    this.micNote = el("p", { id: "talk-mic", class: "hint" });
+    // The live region wraps the list: a role on the <ol> itself would hide its items' list role.
+    this.log = el("ol", { class: "talk-log" });
+    const transcript = el("div", { id: "talk-transcript", role: "log", "aria-live": "polite", "aria-label": "Conversation transcript" }, this.log);
+    this.main.replaceChildren(
+      el(
+        "section",
+        { class: "card", "aria-labelledby": "talk-title" },
+        el("h1", { id: "talk-title", text: "Talk to the assistant" }),
+        el("p", {
+          class: "hint",
+          text: "This tab becomes a voice device of the bridge: hold the button (or the Space key) while you speak, or turn on hands-free and just talk.",
+        }),
+        this.status,
+        el("div", { class: "row talk-controls" }, this.connectButton, this.talkButton, this.autoButton, this.abortButton),
+        el("p", { id: "talk-hold-help", class: "hint", text: "Space: hold to talk. The answer plays here." }),
+        el("div", { class: "row" }, el("label", { for: "talk-volume", text: "Speaker volume" }), this.volumeInput),
+        this.micNote,
+      ),
+      el("section", { class: "card", "aria-labelledby": "talk-log-title" }, el("h2", { id: "talk-log-title", text: "Transcript" }), transcript),
+    );
+    document.addEventListener("keydown", (event) => this.keyStart(event));
+    document.addEventListener("keyup", (event) => this.keyEnd(event));
+    this.describeMicrophone();
+    this.updateControls();
+  }
+
+  // ---- status ----
+
+  say(text, kind = "") {
+    this.status.textContent = text;
+    this.status.className = `talk-status ${kind}`.trim();
+  }
+
+  fail(text) {
+    stats.errors.push(text);
+    this.say(text, "error");
+    announce(text);
+  }
+
+  describeMicrophone() {
+    const capture = Boolean(navigator.mediaDevices && navigator.mediaDevices.getUserMedia && window.AudioWorkletNode);
+    const codec = "AudioEncoder" in window ? "Opus through WebCodecs, when the browser supports it" : "PCM16 (this browser has no WebCodecs)";
+    this.micNote.textContent = capture
+      ? `Microphone audio goes to the bridge only while you talk, as ${codec}.`
+      : "No microphone here: this browser (or a page not served over HTTPS or localhost) cannot capture audio. You can still connect; the device's tools and answers work, speaking does not.";
+    this.hasCapture = capture;
+  }
+
+  updateControls() {
+    const connected = Boolean(this.socket && this.socket.readyState === WebSocket.OPEN);
+    this.connectButton.textContent = connected ? "Disconnect" : "Connect";
+    this.talkButton.disabled = !this.hasCapture || this.handsFree;
+    this.autoButton.disabled = !this.hasCapture;
+    this.autoButton.setAttribute("aria-pressed", String(this.handsFree));
+    this.autoButton.textContent = this.handsFree ? "Hands-free: on" : "Hands-free";
+    this.abortButton.disabled = !connected || this.state === "idle";
+    this.talkButton.classList.toggle("active", this.state === "listening" && this.mode === "manual");
+  }
+
+  setState(state) {
+    this.state = state;
+    stats.state = state;
+    const words = {
+      idle: this.handsFree ? "Hands-free: waiting." : "Connected. Hold to talk.",
+      listening: "Listening…",
+      thinking: "Thinking…",
+      speaking: "Speaking…",
+    };
+    this.say(words[state] || state, state === "listening" ? "live" : "");
+    this.updateControls();
+  }
+
+  // ---- connection ----
+
+  async toggleConnection() {
+    if (this.socket) {
+      this.disconnect("Disconnected.");
+      return;
+    }
+    try {
+      await this.connect();
+    } catch (error) {
+      this.fail(`Could not connect: ${error.message}`);
+    }
+  }
+
+  connect() {
+    if (this.socket && this.socket.readyState === WebSocket.OPEN) return Promise.resolve();
+    if (!this.connecting) {
+      this.connecting = this.open().finally(() => {
+        this.connecting = null;
+      });
+    }
+    return this.connecting;
+  }
+
+  async open() {
+    this.say("Connecting…");
+    this.ensurePlayer(); // inside the click: browsers start audio only after a gesture
+    this.uplinkFormat = await chooseFormat();
+    stats.uplinkFormat = this.uplinkFormat;
+    const ticket = await api("/api/console/talk", { method: "POST" });
+    this.deviceId = ticket.device_id;
+    const scheme = location.protocol === "https:" ? "wss:" : "ws:";
+    const url = `${scheme}//${location.host}${ticket.path}?ticket=${encodeURIComponent(ticket.ticket)}`;
+    const socket = new WebSocket(url);
+    socket.binaryType = "arraybuffer";
+    this.socket = socket;
+    await new Promise((resolve, reject) => {
+      const timer = setTimeout(() => reject(new Error("no answer from the bridge in 10 s")), 10000);
+      socket.addEventListener("open", () => {
+        socket.send(JSON.stringify(this.hello()));
+      });
+      socket.addEventListener("message", (event) => {
+        if (typeof event.data === "string" && !this.sessionId) {
+          const message = parse(event.data);
+          if (message && message.type === "hello") {
+            clearTimeout(timer);
+            this.onServerHello(message);
+            resolve();
+            return;
+          }
+        }
+        this.onMessage(event);
+      });
+      socket.addEventListener("close", (event) => {
+        clearTimeout(timer);
+        reject(new Error(event.reason || `closed (${event.code})`));
+        this.onClosed(socket, event);
+      });
+    });
+  }
+
+  hello() {
+    return {
+      type: "hello",
+      version: 1,
+      features: { mcp: true },
+      transport: "websocket",
+      audio_params: { format: this.uplinkFormat, sample_rate: RATE, channels: 1, frame_duration: FRAME_MS },
+    };
+  }
+
+  onServerHello(message) {
+    this.sessionId = typeof message.session_id === "string" ? message.session_id : "";
+    const params = message.audio_params || {};
+    this.downlink = {
+      format: params.format === "pcm16" ? "pcm16" : "opus",
+      rate: Number.isInteger(params.sample_rate) && params.sample_rate > 0 ? params.sample_rate : 24000,
+      frameDuration: Number.isInteger(params.frame_duration) ? params.frame_duration : FRAME_MS,
+    };
+    stats.connected = true;
+    stats.downlinkFormat = this.downlink.format;
+    stats.downlinkRate = this.downlink.rate;
+    this.setState("idle");
+    this.say(`Connected as ${this.deviceId} (${this.uplinkFormat === "opus" ? "Opus" : "PCM16"} audio).`, "ok");
+    announce("Connected.");
+  }
+
+  onClosed(socket, event) {
+    if (socket !== this.socket) return;
+    this.socket = null;
+    this.sessionId = "";
+    stats.connected = false;
+    this.stopCapture();
+    this.stopPlayback();
+    this.state = "idle";
+    const why = event.reason ? `: ${event.reason}` : "";
+    const text = event.code === 1000 ? "Disconnected." : `Disconnected (${event.code}${why}).`;
+    this.say(this.handsFree ? `${text} Talk again to reconnect.` : text);
+    this.handsFree = false;
+    this.updateControls();
+  }
+
+  disconnect(text) {
+    this.handsFree = false;
+    if (this.socket) this.socket.close(1000, "closed by the page");
+    this.say(text);
+  }
+
+  send(message) {
+    if (!this.socket || this.socket.readyState !== WebSocket.OPEN) return;
+    this.socket.send(JSON.stringify({ session_id: this.sessionId, ...message }));
+  }
+
+  // ---- listening ----
+
+  async startListening(mode) {
+    try {
+      await this.connect();
+      await this.startCapture();
+    } catch (error) {
+      this.fail(microphoneProblem(error));
+      this.handsFree = false;
+      this.updateControls();
+      return false;
+    }
+    if (this.state === "speaking" || this.state === "thinking") {
+      this.send({ type: "abort" }); // talking over the answer: it stops, as on the device
+      this.stopPlayback();
+    }
+    this.mode = mode;
+    this.turn = { transcript: null, speechEndAt: null, firstAudioAt: null, framesReceived: 0, audioPlayedMs: 0, stoppedAt: null };
+    this.lastVoiceAt = null;
+    this.send({ type: "listen", state: "start", mode });
+    this.setState("listening");
+    return true;
+  }
+
+  stopListening() {
+    if (this.state !== "listening") return;
+    this.send({ type: "listen", state: "stop" });
+    if (this.turn && this.mode === "manual") this.turn.speechEndAt = performance.now();
+    this.setState("thinking");
+  }
+
+  pressStart(event) {
+    if (event.button !== undefined && event.button !== 0) return;
+    if (this.handsFree || this.pressed) return;
+    this.pressed = true;
+    this.talkButton.setPointerCapture?.(event.pointerId);
+    this.startListening("manual");
+  }
+
+  pressEnd() {
+    if (!this.pressed) return;
+    this.pressed = false;
+    this.stopListening();
+  }
+
+  keyStart(event) {
+    if (event.code !== "Space" || event.repeat || event.defaultPrevented) return;
+    const target = event.target;
+    // Space still types in fields and presses the other buttons.
+    if (target !== this.talkButton && target instanceof Element && target.closest("input, textarea, select, button, a")) return;
+    event.preventDefault();
+    if (!this.hasCapture) return;
+    this.pressStart({});
+  }
+
+  keyEnd(event) {
+    if (event.code !== "Space" || !this.pressed) return;
+    event.preventDefault();
+    this.pressEnd();
+  }
+
+  async toggleHandsFree() {
+    if (this.handsFree) {
+      this.handsFree = false;
+      // Listening ends here; an answer under way plays to its end (Stop answer cuts it).
+      if (this.state === "listening") {
+        this.send({ type: "abort" });
+        this.setState("idle");
+      } else {
+        this.updateControls();
+      }
+      announce("Hands-free off.");
+      return;
+    }
+    this.handsFree = true;
+    this.updateControls();
+    if (await this.startListening("auto")) announce("Hands-free on: just talk.");
+  }
+
+  abort() {
+    this.send({ type: "abort" });
+    this.stopPlayback();
+    if (this.turn) this.turn.stoppedAt = performance.now();
+    if (this.handsFree) this.startListening("auto");
+    else this.setState("idle");
+  }
+
+  // ---- microphone ----
+
+  async startCapture() {
+    if (this.microphone) return;
+    if (!this.hasCapture) throw new Error("no microphone in this browser");
+    const stream = await navigator.mediaDevices.getUserMedia({
+      audio: { channelCount: 1, echoCancellation: true, noiseSuppression: true, autoGainControl: true },
+    });
+    let context;
+    try {
+      context = new AudioContext({ sampleRate: RATE });
+    } catch {
+      context = new AudioContext(); // resampled in the worklet instead
+    }
+    await context.audioWorklet.addModule("/console/talk-capture.js");
+    const source = context.createMediaStreamSource(stream);
+    const node = new AudioWorkletNode(context, "talk-capture", {
+      numberOfInputs: 1,
+      numberOfOutputs: 0,
+      channelCount: 1,
+      channelCountMode: "explicit",
+      processorOptions: { frameSamples: FRAME_SAMPLES },
+    });
+    node.port.onmessage = (event) => this.onFrame(event.data);
+    source.connect(node);
+    await context.resume();
+    this.microphone = { stream, context, node };
+    if (this.uplinkFormat === "opus") this.encoder = this.makeEncoder();
+  }
+
+  stopCapture() {
+    if (!this.microphone) return;
+    const { stream, context, node } = this.microphone;
+    node.port.onmessage = null;
+    for (const track of stream.getTracks()) track.stop();
+    context.close();
+    this.microphone = null;
+    if (this.encoder && this.encoder.state !== "closed") this.encoder.close();
+    this.encoder = null;
+  }
+
+  makeEncoder() {
+    const encoder = new AudioEncoder({
+      output: (chunk) => {
+        const packet = new Uint8Array(chunk.byteLength);
+        chunk.copyTo(packet);
+        this.sendAudio(packet);
+      },
+      error: (error) => this.fail(`Audio encoder: ${error.message}`),
+    });
+    encoder.configure(OPUS_CONFIG);
+    this.encodedSamples = 0;
+    return encoder;
+  }
+
+  onFrame(samples) {
+    if (this.state !== "listening") return;
+    if (rms(samples) > VOICE_RMS) {
+      this.lastVoiceAt = performance.now();
+      if (this.turn) this.turn.speechEndAt = this.lastVoiceAt;
+    }
+    if (this.uplinkFormat === "pcm16") {
+      this.sendAudio(toPcm16(samples));
+      return;
+    }
+    const data = new AudioData({
+      format: "f32",
+      sampleRate: RATE,
+      numberOfFrames: samples.length,
+      numberOfChannels: 1,
+      timestamp: Math.round((this.encodedSamples * 1e6) / RATE),
+      data: samples,
+    });
+    this.encodedSamples += samples.length;
+    this.encoder.encode(data);
+    data.close();
+  }
+
+  sendAudio(bytes) {
+    if (this.state !== "listening" || !this.socket || this.socket.readyState !== WebSocket.OPEN) return;
+    this.socket.send(bytes);
+    stats.framesSent += 1;
+  }
+
+  // ---- speaker ----
+
+  ensurePlayer() {
+    if (this.player) {
+      this.player.context.resume();
+      return;
+    }
+    const context = new AudioContext();
+    const gain = context.createGain();
+    gain.gain.value = this.volume / 100;
+    gain.connect(context.destination);
+    context.resume();
+    this.player = { context, gain };
+  }
+
+  resetDecoder() {
+    if (this.decoder && this.decoder.state !== "closed") this.decoder.close();
+    this.decoder = null;
+    if (this.downlink.format !== "opus") return;
+    this.decoder = new AudioDecoder({
+      output: (audio) => this.playDecoded(audio),
+      error: (error) => this.fail(`Audio decoder: ${error.message}`),
+    });
+    this.decoder.configure({ codec: "opus", sampleRate: this.downlink.rate, numberOfChannels: 1 });
+    this.decodedFrames = 0;
+  }
+
+  onAudio(buffer) {
+    if (this.state !== "speaking") return; // audio outside tts start/stop is not played
+    stats.framesReceived += 1;
+    if (this.turn) this.turn.framesReceived += 1;
+    const bytes = new Uint8Array(buffer);
+    if (this.downlink.format === "pcm16") {
+      this.schedule(fromPcm16(bytes), this.downlink.rate);
+      return;
+    }
+    if (!this.decoder) this.resetDecoder();
+    const duration = this.downlink.frameDuration * 1000;
+    this.decoder.decode(new EncodedAudioChunk({ type: "key", timestamp: this.decodedFrames * duration, duration, data: bytes }));
+    this.decodedFrames += 1;
+  }
+
+  playDecoded(audio) {
+    const samples = new Float32Array(audio.numberOfFrames);
+    audio.copyTo(samples, { planeIndex: 0, format: "f32-planar" });
+    const rate = audio.sampleRate;
+    audio.close();
+    if (this.state === "speaking") this.schedule(samples, rate);
+  }
+
+  schedule(samples, rate) {
+    if (!samples.length) return;
+    const { context, gain } = this.player;
+    const buffer = context.createBuffer(1, samples.length, rate);
+    buffer.copyToChannel(samples, 0);
+    const source = context.createBufferSource();
+    source.buffer = buffer;
+    source.connect(gain);
+    const now = context.currentTime;
+    const first = this.nextStart < now;
+    const start = first ? now + PLAYBACK_LEAD_S : this.nextStart;
+    source.start(start);
+    this.nextStart = start + buffer.duration;
+    const turn = this.turn;
+    if (turn && turn.firstAudioAt === null) turn.firstAudioAt = performance.now() + (start - now) * 1000;
+    const played = buffer.duration * 1000;
+    this.scheduled.add(source);
+    source.onended = () => {
+      if (!this.scheduled.delete(source)) return;
+      stats.audioPlayedMs += played;
+      if (turn) turn.audioPlayedMs += played;
+    };
+  }
+
+  stopPlayback() {
+    for (const source of this.scheduled) {
+      try {
+        source.stop();
+      } catch {
+        // never started: nothing to stop
+      }
+    }
+    this.scheduled.clear();
+    this.nextStart = 0;
+    if (this.decoder && this.decoder.state !== "closed") this.decoder.close();
+    this.decoder = null;
+  }
+
+  setVolume(volume, fromDevice) {
+    this.volume = volume;
+    stats.volume = volume;
+    if (this.player) this.player.gain.gain.value = volume / 100;
+    this.volumeInput.value = String(volume);
+    if (fromDevice) announce(`Volume set to ${volume}.`);
+  }
+
+  // ---- messages from the bridge ----
+
+  onMessage(event) {
+    if (typeof event.data !== "string") {
+      this.onAudio(event.data);
+      return;
+    }
+    const message = parse(event.data);
+    if (!message) return;
+    switch (message.type) {
+      case "mcp":
+        this.answerMcp(message.payload);
+        break;
+      case "stt":
+        this.onTranscript(String(message.text || ""));
+        break;
+      case "llm":
+        this.onEmotion(message);
+        break;
+      case "tts":
+        this.onTts(message);
+        break;
+      case "alert":
+        this.line("alert", `${message.status || "Alert"}: ${message.message || ""}`);
+        break;
+      default:
+        break; // "system", "goodbye" and future messages: nothing to show
+    }
+  }
+
+  onTranscript(text) {
+    stats.transcripts.push(text);
+    if (this.turn) this.turn.transcript = text;
+    this.line("user", text || "(nothing recognized)");
+    this.assistantLine = null;
+    if (this.state === "listening") this.setState("thinking");
+  }
+
+  onEmotion(message) {
+    const line = this.assistantEntry();
+    if (message.emotion) line.dataset.emotion = String(message.emotion);
+    line.querySelector(".talk-emotion").textContent = message.text ? `${message.text} ` : "";
+  }
+
+  onTts(message) {
+    if (message.state === "start") {
+      this.stopPlayback();
+      this.resetDecoder();
+      this.setState("speaking");
+    } else if (message.state === "sentence_start") {
+      const text = String(message.text || "");
+      stats.sentences.push(text);
+      const line = this.assistantEntry();
+      const words = line.querySelector(".talk-words");
+      words.textContent = words.textContent ? `${words.textContent} ${text}` : text;
+    } else if (message.state === "stop") {
+      this.finishTurn();
+    }
+  }
+
+  finishTurn() {
+    if (this.turn) {
+      this.turn.stoppedAt = performance.now();
+      const turn = this.turn;
+      stats.turns.push(turn);
+      this.turn = null;
+      // The last frames are still playing: the turn's played time grows until they end.
+    }
+    this.assistantLine = null;
+    if (this.handsFree) this.startListening("auto");
+    else this.setState("idle");
+  }
+
+  line(kind, text) {
+    const who = { user: "You", assistant: "Assistant", alert: "Bridge" }[kind];
+    const entry = el("li", { class: `talk-${kind}` }, el("span", { class: "talk-who", text: `${who}: ` }), el("span", { class: "talk-words", text }));
+    this.log.append(entry);
+    entry.scrollIntoView({ block: "nearest" });
+    return entry;
+  }
+
+  assistantEntry() {
+    if (!this.assistantLine) {
+      this.assistantLine = el(
+        "li",
+        { class: "talk-assistant" },
+        el("span", { class: "talk-who", text: "Assistant: " }),
+        el("span", { class: "talk-emotion", "aria-hidden": "true" }),
+        el("span", { class: "talk-words" }),
+      );
+      this.log.append(this.assistantLine);
+    }
+    return this.assistantLine;
+  }
+
+  // ---- the page's MCP server (the device side of MCP, as stock firmware answers it) ----
+
+  answerMcp(request) {
+    const reply = this.mcpReply(request);
+    if (reply) this.send({ type: "mcp", payload: reply });
+  }
+
+  mcpReply(request) {
+    if (!request || typeof request !== "object" || request.jsonrpc !== "2.0") return null;
+    const { id, method } = request;
+    if (typeof method !== "string" || id === undefined || id === null) return null; // a notification
+    const params = request.params && typeof request.params === "object" ? request.params : {};
+    if (method === "initialize") {
+      return result(id, {
+        protocolVersion: typeof params.protocolVersion === "string" ? params.protocolVersion : "2024-11-05",
+        capabilities: { tools: {} },
+        serverInfo: { name: "esp32-mcp-bridge console", version: "1" },
+      });
+    }
+    if (method === "tools/list") return result(id, { tools: TOOLS });
+    if (method === "tools/call") return this.callTool(id, params);
+    if (method === "ping") return result(id, {});
+    return failure(id, -32601, `Method not found: ${method}`);
+  }
+
+  callTool(id, params) {
+    const args = params.arguments && typeof params.arguments === "object" ? params.arguments : {};
+    if (params.name === STATUS_TOOL) {
+      const status = {
+        audio_speaker: { volume: this.volume },
+        microphone: this.hasCapture ? "available" : "none",
+        audio_format: this.uplinkFormat,
+      };
+      return result(id, text(JSON.stringify(status)));
+    }
+    if (params.name === VOLUME_TOOL) {
+      const volume = args.volume;
+      if (typeof volume !== "number" || !Number.isFinite(volume)) return failure(id, -32602, "Missing valid argument: volume");
+      if (volume < 0 || volume > 100) return failure(id, -32602, "volume must be between 0 and 100");
+      this.setVolume(Math.trunc(volume), true);
+      return result(id, text("true"));
+    }
+    return failure(id, -32602, `Unknown tool: ${String(params.name)}`);
+  }
+}
+
+// ---- helpers -----------------------------------------------------------------------------------
+
+async function chooseFormat() {
+  // Opus needs both halves of WebCodecs: the encoder for the microphone, the decoder for the
+  // answer (the bridge answers in the format the hello asks in).
+  if (!("AudioEncoder" in window) || !("AudioDecoder" in window)) return "pcm16";
+  try {
+    const encoding = await AudioEncoder.isConfigSupported(OPUS_CONFIG);
+    const decoding = await AudioDecoder.isConfigSupported({ codec: "opus", sampleRate: 24000, numberOfChannels: 1 });
+    return encoding.supported && decoding.supported ? "opus" : "pcm16";
+  } catch {
+    return "pcm16";
+  }
+}
+
+function microphoneProblem(error) {
+  if (error.name === "NotAllowedError" || error.name === "SecurityError") {
+    return "The microphone was refused: allow it for this page to talk. The device stays connected.";
+  }
+  if (error.name === "NotFoundError" || error.name === "OverconstrainedError") {
+    return "No microphone found: connect one to talk. The device stays connected.";
+  }
+  return `Cannot listen: ${error.message}`;
+}
+
+function parse(text) {
+  try {
+    const value = JSON.parse(text);
+    return value && typeof value === "object" ? value : null;
+  } catch {
+    return null;
+  }
+}
+
+function rms(samples) {
+  let sum = 0;
+  for (let i = 0; i < samples.length; i++) sum += samples[i] * samples[i];
+  return Math.sqrt(sum / samples.length);
+}
+
+function toPcm16(samples) {
+  const out = new Int16Array(samples.length);
+  for (let i = 0; i < samples.length; i++) {
+    const value = Math.max(-1, Math.min(1, samples[i]));
+    out[i] = value < 0 ? value * 0x8000 : value * 0x7fff;
+  }
+  return new Uint8Array(out.buffer); // little-endian on every platform a browser runs on
+}
+
+function fromPcm16(bytes) {
+  const count = Math.floor(bytes.byteLength / 2);
+  const view = new DataView(bytes.buffer, bytes.byteOffset, count * 2);
+  const out = new Float32Array(count);
+  for (let i = 0; i < count; i++) out[i] = view.getInt16(i * 2, true) / 0x8000;
+  return out;
+}
+
+function result(id, value) {
+  return { jsonrpc: "2.0", id, result: value };
+}
+
+function failure(id, code, message) {
+  return { jsonrpc: "2.0", id, error: { code, message } };
+}
+
+function text(value) {
+  return { content: [{ type: "text", text: value }], isError: false };
+}

@@ -1,0 +1,136 @@
+"""The talk page in Chromium: the browser becomes a voice device and holds a spoken turn.
+
+Chromium's fake microphone plays a WAV of "set the volume to thirty" (with silence around it,
+looped); the page streams it in hands-free mode (listen start auto, the bridge's VAD ends the
+utterance) through the browser device endpoint, the embedded voice stack recognizes it, the
+offline chat sets the page's volume through the page's own MCP server, and the answer comes back
+as audio that the page decodes and plays. The test reads the page's own figures
+(`window.talkStats`): the transcript, the frames it received and the milliseconds it played.
+"""
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from playwright.async_api import expect
+
+from backend.server import Bridge
+from backend.voice.audio import Clip, wav_bytes
+from tests.console_helpers import PHONE, assert_accessible, console_page, save_screenshot
+from tests.helpers import create_key
+from tests.voice_helpers import spoken
+
+pytestmark = pytest.mark.slow
+
+COMMAND = "set the volume to thirty"
+WAV_RATE = 48000
+TURN_TIMEOUT_MS = 60_000
+# Every finished turn played all it received (a frame is 60 ms), and no turn is under way.
+ALL_PLAYED = """() => {
+  const stats = window.talkStats;
+  return stats.state === "idle"
+    && stats.turns.every((turn) => turn.audioPlayedMs >= (turn.framesReceived - 1) * 60);
+}"""
+
+
+def command_wav(path: Path, text: str = COMMAND) -> Path:
+    """`text` spoken at 48 kHz with 1 s of silence before and 2.5 s after (the file loops)."""
+    clip = spoken(text, WAV_RATE)
+    silence = bytes(2 * WAV_RATE)  # one second of PCM16
+    pcm = silence + clip.pcm + silence * 2 + silence[:WAV_RATE]
+    path.write_bytes(wav_bytes(Clip(pcm, WAV_RATE)))
+    return path
+
+
+def fake_microphone(wav: Path) -> list[str]:
+    return [
+        "--use-fake-ui-for-media-stream",
+        "--use-fake-device-for-media-stream",
+        f"--use-file-for-fake-audio-capture={wav}",
+        "--autoplay-policy=no-user-gesture-required",
+    ]
+
+
+RECOGNIZED_TURN = """(command) => {
+  const stats = window.talkStats;
+  return stats.turns.find((turn) => (turn.transcript || "").toLowerCase().startsWith(command))
+    || null;
+}"""
+
+
+async def test_the_browser_speaks_a_command_and_plays_the_answer(
+    bridge_factory: Any, tmp_path: Path
+) -> None:
+    bridge: Bridge = await bridge_factory(voice_enabled=True)
+    token = await create_key(bridge, "console:talk")
+    wav = command_wav(tmp_path / "command.wav")
+    async with console_page(
+        bridge, "/talk", token, browser_args=fake_microphone(wav), viewport=PHONE
+    ) as console:
+        page = console.page
+        await page.get_by_role("button", name="Connect").click()
+        status = page.locator("#talk-status")
+        await expect(status).to_contain_text("Connected as browser-")
+        assert bridge.registry.get(f"browser-{token.split('_')[1]}") is not None
+        await page.get_by_role("button", name="Hands-free").click()
+        turn = await (
+            await page.wait_for_function(
+                RECOGNIZED_TURN, arg="set the volume", timeout=TURN_TIMEOUT_MS
+            )
+        ).json_value()
+        # Hands-free off; an answer under way plays to its end, and its last frames after it.
+        await page.get_by_role("button", name="Hands-free: on").click()
+        await page.wait_for_function(ALL_PLAYED, timeout=TURN_TIMEOUT_MS)
+        stats = await page.evaluate("window.talkStats")
+        assert stats["uplinkFormat"] == "opus" and stats["downlinkFormat"] == "opus"
+        # The page received every frame the bridge sent and played each one once, 60 ms each.
+        sent = [answer.stats.frames for answer in bridge.frontends.voice.answers]
+        assert sum(t["framesReceived"] for t in stats["turns"]) == sum(sent), (stats, sent)
+        for each in stats["turns"]:
+            assert abs(each["audioPlayedMs"] - each["framesReceived"] * 60) <= 60, each
+        played = next(t for t in stats["turns"] if t["transcript"] == turn["transcript"])
+        assert played["audioPlayedMs"] > 500, played
+        assert played["speechEndAt"] is not None
+        assert played["firstAudioAt"] > played["speechEndAt"]
+        # The bridge acted on it through the page's own MCP server: the page's speaker is at 30.
+        assert stats["volume"] == 30
+        await expect(page.locator("#talk-volume")).to_have_value("30")
+        # The transcript is on the page: the user's words and the assistant's sentences.
+        log = page.locator("#talk-transcript")
+        await expect(log.locator(".talk-user", has_text="set the volume").first).to_be_visible()
+        await expect(log.locator(".talk-assistant").first).not_to_be_empty()
+        assert stats["sentences"], stats
+        await assert_accessible(page)
+        await save_screenshot(page, "talk")
+        await page.get_by_role("button", name="Disconnect").click()
+        await expect(status).to_contain_text("Disconnected")
+        console.assert_clean()
+
+
+async def test_without_a_talk_scope_the_page_says_so(bridge: Bridge) -> None:
+    token = await create_key(bridge, "chat:use")
+    async with console_page(bridge, "/talk", token) as console:
+        await expect(console.page.get_by_role("status")).to_contain_text("console:talk")
+        await assert_accessible(console.page)
+        console.assert_clean()
+
+
+async def test_without_a_microphone_the_page_says_so_and_still_connects(bridge: Bridge) -> None:
+    """Chromium without a capture device: getUserMedia fails; the page says why."""
+    token = await create_key(bridge, "console:talk")
+    async with console_page(bridge, "/talk", token) as console:
+        page = console.page
+        await page.get_by_role("button", name="Connect").click()
+        await expect(page.locator("#talk-status")).to_contain_text("Connected as browser-")
+        await page.get_by_role("button", name="Hands-free").click()
+        await expect(page.locator("#talk-status")).to_contain_text("microphone")
+        # The device still answers its tools, from the page.
+        device_id = f"browser-{token.split('_')[1]}"
+        device = bridge.registry.require(device_id)
+        result = await device.call_tool("self.audio_speaker.set_volume", {"volume": 55})
+        assert not result.is_error
+        await expect(page.locator("#talk-volume")).to_have_value("55")
+        status = await device.call_tool("self.get_device_status", {})
+        assert json.loads(status.content[0]["text"])["audio_speaker"] == {"volume": 55}
+        console.assert_clean()
