@@ -53,7 +53,7 @@ const stats = {
   volume: 70,
   transcripts: [],
   sentences: [],
-  turns: [], // {transcript, speechEndAt, firstAudioAt, framesReceived, audioPlayedMs, stoppedAt}
+  turns: [], // finished turns, as `this.turn` (startListening) describes them
   errors: [],
 };
 Object.defineProperty(window, "talkStats", {
@@ -331,7 +331,15 @@ class TalkPage {
       this.stopPlayback();
     }
     this.mode = mode;
-    this.turn = { transcript: null, speechEndAt: null, firstAudioAt: null, framesReceived: 0, audioPlayedMs: 0, stoppedAt: null };
+    this.turn = {
+      transcript: null,
+      speechEndAt: null, // when the last frame louder than VOICE_RMS reached the page (auto)
+      firstFrameAt: null, // when the answer's first frame arrived
+      firstAudioAt: null, // when it starts playing (scheduled on the audio clock)
+      framesReceived: 0,
+      audioPlayedMs: 0,
+      stoppedAt: null,
+    };
     this.lastVoiceAt = null;
     this.send({ type: "listen", state: "start", mode });
     this.setState("listening");
@@ -515,7 +523,10 @@ class TalkPage {
   onAudio(buffer) {
     if (this.state !== "speaking") return; // audio outside tts start/stop is not played
     stats.framesReceived += 1;
-    if (this.turn) this.turn.framesReceived += 1;
+    if (this.turn) {
+      this.turn.framesReceived += 1;
+      if (this.turn.firstFrameAt === null) this.turn.firstFrameAt = performance.now();
+    }
     const bytes = new Uint8Array(buffer);
     if (this.downlink.format === "pcm16") {
       this.schedule(fromPcm16(bytes), this.downlink.rate);
