@@ -102,6 +102,9 @@ class ZeroLlm:
             yield TextDelta(delta)
         yield StreamEnd("stop")
 
+    async def list_models(self) -> list[str]:
+        return [self.models.chat, self.models.guardrail]
+
     async def aclose(self) -> None:
         pass
 

@@ -31,6 +31,7 @@ ROUTES = [
     ("POST", "/api/keys", {"name": "x", "scopes": ["chat:use"]}, "admin"),
     ("DELETE", "/api/keys/000000000000", None, "admin"),
     ("GET", "/v1/models", None, "chat:use"),
+    ("GET", "/api/chat/models", None, "chat:use"),
     ("GET", "/v1/conversations", None, "chat:use"),
     ("GET", "/v1/conversations/nope", None, "chat:use"),
     ("DELETE", "/v1/conversations/nope", None, "chat:use"),

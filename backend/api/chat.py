@@ -27,12 +27,12 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import structlog
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
 from backend.api.app import ApiError
 from backend.api.errors import errors
@@ -52,6 +52,7 @@ from backend.chat import (
     DeviceToolBox,
     Done,
     InputMessage,
+    ModelName,
     Sources,
     Token,
     ToolCompleted,
@@ -59,7 +60,7 @@ from backend.chat import (
     ToolStarted,
     TurnRequest,
 )
-from backend.chat.llm.base import ANY_SAMPLING, Sampling
+from backend.chat.llm.base import ANY_SAMPLING, LlmError, Sampling
 from backend.chat.memory import Conversation, ConversationNotFound, check_conversation_id
 from backend.chat.text import first_surrogate
 from backend.devices import DeviceRegistry
@@ -72,6 +73,7 @@ _T = TypeVar("_T")
 CONVERSATION_HEADER = "X-Conversation-Id"
 USAGE_HEADER = "X-Usage-Counted-By"  # "provider" (the model's counts) or "tokenizer"
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_MAX_LISTED_MODELS = 1000  # a provider listing more is cut: the page shows a select
 
 Chatter = Annotated[Principal, Depends(needs(Scope.CHAT_USE))]
 
@@ -113,6 +115,50 @@ class StreamRequest(BaseModel):
     message: str = Field(min_length=1, max_length=MAX_QUERY_CHARS)
     conversation_id: str | None = Field(default=None, alias="conversationId", max_length=128)
     device_id: str | None = Field(default=None, alias="deviceId")
+    chat_model: ModelName | None = Field(
+        default=None,
+        validation_alias=AliasChoices("chat_model", "ollama_model"),
+        description="the model that answers (null: the server's; `ollama_model` as the seed)",
+    )
+    guardrail_model: ModelName | None = Field(
+        default=None,
+        validation_alias=AliasChoices("guardrail_model", "ollama_guardrail_model"),
+        description="the model that classifies the question (null: the server's)",
+    )
+
+
+class ModelDefaults(BaseModel):
+    chat: str | None
+    guardrail: str | None
+
+
+class ChatModels(BaseModel):
+    """`GET /api/chat/models`: the provider, its defaults, the models it lists; `error` says why
+    the list is empty when the provider could not be asked."""
+
+    provider: Literal["openai", "ollama", "none"]
+    defaults: ModelDefaults
+    models: list[str]
+    error: str | None = None
+
+
+async def provider_models(chat: ChatService) -> ChatModels:
+    llm = chat.llm
+    if llm is None:
+        return ChatModels(
+            provider="none",
+            defaults=ModelDefaults(chat=None, guardrail=None),
+            models=[],
+            error="no LLM configured (llm_provider = none): answers come from offline mode",
+        )
+    defaults = ModelDefaults(chat=llm.models.chat, guardrail=llm.models.guardrail)
+    kind: Literal["openai", "ollama"] = "ollama" if llm.name == "ollama" else "openai"
+    try:
+        names = await llm.list_models()
+    except LlmError as exc:  # unreachable, refused, garbled: the page still offers the defaults
+        log.info("chat model listing failed", provider=llm.name, error=str(exc))
+        return ChatModels(provider=kind, defaults=defaults, models=[], error=str(exc))
+    return ChatModels(provider=kind, defaults=defaults, models=names[:_MAX_LISTED_MODELS])
 
 
 # ---- shared views -----------------------------------------------------------------------------
@@ -161,9 +207,16 @@ def seed_event(event: ChatEvent) -> dict[str, Any]:
             "status": "completed",
             "result": [{"type": "text", "text": event.result_text}],
             "is_error": event.is_error,
+            "duration_ms": event.duration_ms,
         }
     if isinstance(event, ToolFailed):
-        return {"type": "mcp_tool", "tool": event.tool, "status": "error", "error": event.error}
+        return {
+            "type": "mcp_tool",
+            "tool": event.tool,
+            "status": "error",
+            "error": event.error,
+            "duration_ms": event.duration_ms,
+        }
     if isinstance(event, Sources):
         return event.model_dump(mode="json")
     assert isinstance(event, Done)
@@ -200,10 +253,12 @@ class ChatFront:
         client_context: bool = False,
         store: bool = True,
         sampling: Sampling = ANY_SAMPLING,
+        models: tuple[str | None, str | None] = (None, None),
     ) -> TurnRequest:
         """A checked turn request with its conversation id settled before the turn starts
         (so a streamed answer can carry it in its headers). `client_context`: the messages are
-        the context (OpenAI clients without `chat_id`), stored only with `store`."""
+        the context (OpenAI clients without `chat_id`), stored only with `store`. `models`:
+        this request's (chat, guardrail) models, None for the server's."""
         try:
             request = TurnRequest(
                 messages=messages or [],
@@ -213,6 +268,8 @@ class ChatFront:
                 store=store,
                 sampling=sampling,
                 count_usage=messages is not None,  # the OpenAI front end reports usage
+                chat_model=models[0],
+                guardrail_model=models[1],
             )
         except ValidationError as exc:
             message = exc.errors(include_url=False)[0]["msg"].removeprefix("Value error, ")
@@ -276,6 +333,11 @@ def chat_router(
     async def list_models(_chatter: Chatter) -> dict[str, Any]:
         return {"object": "list", "data": [_model()]}
 
+    @router.get("/api/chat/models", response_model=ChatModels)
+    async def chat_models(_chatter: Chatter) -> ChatModels:
+        """What the configured provider offers, for the console's settings page."""
+        return await provider_models(chat)
+
     @router.get("/v1/models/{model}", responses=errors(404))
     async def get_model(model: str, _chatter: Chatter) -> dict[str, Any]:
         if model != MODEL_ID:
@@ -301,6 +363,7 @@ def chat_router(
             client_context=client_context,
             store=bool(body.store) if client_context else True,
             sampling=body.sampling(),
+            models=(body.chat_model, body.guardrail_model),
         )
         conversation_id = request.conversation_id
         headers = {CONVERSATION_HEADER: conversation_id} if conversation_id else {}
@@ -373,6 +436,7 @@ def chat_router(
             text=body.message,
             conversation_id=body.conversation_id,
             device_id=body.device_id,
+            models=(body.chat_model, body.guardrail_model),
         )
         events = front.events(request, principal, "sse")
         return StreamingResponse(

@@ -20,10 +20,10 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from backend.api.app import ApiError
-from backend.chat import InputMessage
+from backend.chat import InputMessage, ModelName
 from backend.chat.events import TurnUsage
 from backend.chat.llm.base import Sampling
 
@@ -78,6 +78,16 @@ class CompletionRequest(BaseModel):
     metadata: dict[str, str] | None = None
     chat_id: str | None = Field(default=None, max_length=128, description="conversation id")
     device_id: str | None = Field(default=None, description="use this device's tools")
+    chat_model: ModelName | None = Field(
+        default=None,
+        validation_alias=AliasChoices("chat_model", "ollama_model"),
+        description="the model that answers (null: the server's; `ollama_model` as the seed)",
+    )
+    guardrail_model: ModelName | None = Field(
+        default=None,
+        validation_alias=AliasChoices("guardrail_model", "ollama_guardrail_model"),
+        description="the model that classifies the question (null: the server's)",
+    )
 
     def sampling(self) -> Sampling:
         limits = [n for n in (self.max_tokens, self.max_completion_tokens) if n is not None]

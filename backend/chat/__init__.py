@@ -44,6 +44,7 @@ from backend.chat.service import (
     MAX_QUERY_CHARS,
     ChatService,
     InputMessage,
+    ModelName,
     TurnRequest,
     collect,
 )
@@ -66,6 +67,7 @@ __all__ = [
     "InputMessage",
     "KnowledgeBase",
     "MemoryStore",
+    "ModelName",
     "NoTools",
     "SearchFailed",
     "SearchResult",

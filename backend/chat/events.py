@@ -58,6 +58,7 @@ class ToolCompleted(_Event):
     llm_name: str
     result_text: str
     is_error: bool = False
+    duration_ms: float | None = None  # the device call, as the bridge timed it
 
 
 class ToolFailed(_Event):
@@ -68,6 +69,8 @@ class ToolFailed(_Event):
     tool: str
     llm_name: str
     error: str
+    # The call's time; None when no call was made (invalid arguments, no permission).
+    duration_ms: float | None = None
 
 
 class SourceItem(BaseModel):
@@ -107,6 +110,16 @@ class TurnUsage(BaseModel):
     counted_by: Literal["provider", "tokenizer"]
 
 
+class Confirmation(BaseModel):
+    """The risky call a turn ended asking about: a "yes" in the same conversation runs it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    tool: str
+    arguments: dict[str, Any]
+    reason: str
+
+
 class TurnMetadata(BaseModel):
     model_config = ConfigDict(frozen=True)
 
@@ -125,6 +138,7 @@ class TurnMetadata(BaseModel):
     answer: str = ""
     finish_reason: Literal["stop", "length"] = "stop"
     usage: TurnUsage | None = None
+    confirmation: Confirmation | None = None
 
 
 class Done(_Event):

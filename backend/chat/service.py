@@ -29,6 +29,7 @@ from backend.chat.context import ClientTurn, client_context, without_sources
 from backend.chat.deadline import Deadline
 from backend.chat.events import (
     ChatEvent,
+    Confirmation,
     Done,
     Guardrail,
     SourceItem,
@@ -110,6 +111,15 @@ class TurnDeadline(LlmUnavailable):
         super().__init__(f"the turn took longer than its {timeout_s:g} s deadline")
 
 
+# A model name as providers spell them ("gpt-4o-mini", "qwen2.5:7b-instruct",
+# "hf.co/org/repo:Q4_K_M"): bounded, and nothing that could smuggle another field or a newline.
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/@+\-]*$"
+MODEL_NAME_MAX = 200
+ModelName = Annotated[
+    str, Field(min_length=1, max_length=MODEL_NAME_MAX, pattern=MODEL_NAME_PATTERN)
+]
+
+
 class InputMessage(BaseModel):
     """One OpenAI-style message; `content` may be text or a list of parts."""
 
@@ -148,6 +158,9 @@ class TurnRequest(BaseModel):
     store: bool = True
     sampling: Annotated[Sampling, SkipValidation] = Field(default=ANY_SAMPLING, exclude=True)
     count_usage: bool = False  # the front end reports `usage`: count what the model did not
+    # This request's models (the console's settings); None: the server's configured ones.
+    chat_model: ModelName | None = None
+    guardrail_model: ModelName | None = None
     toolbox: Annotated[ToolBox | None, SkipValidation] = Field(default=None, exclude=True)
 
     @model_validator(mode="after")
@@ -408,7 +421,8 @@ class ChatService:
             sent = [Message("user", prompt)]
             sampling = _with_max_tokens(DETERMINISTIC, 3)
             try:
-                reply = await self._complete(turn, sent, self.llm.models.guardrail, sampling)
+                model = turn.request.guardrail_model or self.llm.models.guardrail
+                reply = await self._complete(turn, sent, model, sampling)
             except LlmError as exc:
                 self._go_offline(turn, exc)
             else:
@@ -566,7 +580,8 @@ class ChatService:
         # The model counts with its own tokenizer: the bridge cuts only a server that clearly
         # ignores max_tokens (one that keeps talking), with room for the tokenizers to differ.
         budget += budget // 2 + 8
-        stream = self.llm.stream(messages, tools=tools, sampling=sampling)
+        model = turn.request.chat_model  # None: the provider's own chat model
+        stream = self.llm.stream(messages, model=model, tools=tools, sampling=sampling)
         said: list[str] = []
         calls: list[ToolCall] = []
         used = 0
@@ -652,18 +667,13 @@ class ChatService:
         yield ToolStarted(tool=tool, llm_name=call.name, arguments=call.arguments), None
         began = time.perf_counter()
         outcome = await toolbox.call(call.name, call.arguments)
-        _log_tool_call(turn, tool, began, outcome)
+        took = _log_tool_call(turn, tool, began, outcome)
         if outcome.needs_confirmation is not None:
             turn.confirmation = _pending(turn, tool, call.name, call.arguments, outcome)
         else:
             turn.used_tools.append(tool)
             turn.tool_results.append((tool, outcome.text, not (outcome.failed or outcome.is_error)))
-        if outcome.failed:
-            event: ChatEvent = ToolFailed(tool=tool, llm_name=call.name, error=outcome.text)
-        else:
-            event = ToolCompleted(
-                tool=tool, llm_name=call.name, result_text=outcome.text, is_error=outcome.is_error
-            )
+        event = _outcome_event(tool, call.name, outcome, took)
         yield event, Message("tool", outcome.text, tool_call_id=call.id, name=call.name)
 
     async def _answer_offline(
@@ -694,21 +704,15 @@ class ChatService:
             yield ToolStarted(tool=tool, llm_name=intent.llm_name, arguments=intent.arguments)
             call_began = time.perf_counter()
             outcome = await toolbox.call(intent.llm_name, intent.arguments)
-            _log_tool_call(turn, tool, call_began, outcome)
+            took = _log_tool_call(turn, tool, call_began, outcome)
             if outcome.needs_confirmation is not None:
-                yield ToolFailed(tool=tool, llm_name=intent.llm_name, error=outcome.text)
+                yield ToolFailed(
+                    tool=tool, llm_name=intent.llm_name, error=outcome.text, duration_ms=took
+                )
                 turn.confirmation = _pending(turn, tool, intent.llm_name, intent.arguments, outcome)
                 break
             turn.used_tools.append(tool)
-            if outcome.failed:
-                yield ToolFailed(tool=tool, llm_name=intent.llm_name, error=outcome.text)
-            else:
-                yield ToolCompleted(
-                    tool=tool,
-                    llm_name=intent.llm_name,
-                    result_text=outcome.text,
-                    is_error=outcome.is_error,
-                )
+            yield _outcome_event(tool, intent.llm_name, outcome, took)
             ok = not (outcome.failed or outcome.is_error)
             parts.append(device_reply(intent, outcome.text, ok, turn.language))
         if not plan.intents and plan.rejected and not plan.question:
@@ -742,16 +746,8 @@ class ChatService:
             began = time.perf_counter()
             outcome = await toolbox.call(asked.llm_name, asked.arguments, confirmed=True)
             turn.used_tools.append(asked.tool)
-            _log_tool_call(turn, asked.tool, began, outcome)
-            if outcome.failed:
-                yield ToolFailed(tool=asked.tool, llm_name=asked.llm_name, error=outcome.text)
-            else:
-                yield ToolCompleted(
-                    tool=asked.tool,
-                    llm_name=asked.llm_name,
-                    result_text=outcome.text,
-                    is_error=outcome.is_error,
-                )
+            took = _log_tool_call(turn, asked.tool, began, outcome)
+            yield _outcome_event(asked.tool, asked.llm_name, outcome, took)
             template = FAILED if outcome.failed or outcome.is_error else DONE
             result = clip(outcome.text, _SPOKEN_RESULT_CHARS)
             text = template[turn.language].format(tool=asked.tool, result=result)
@@ -817,7 +813,8 @@ class ChatService:
             prompt = prompts.summarize_prompt(turn.language, turn.query, answer)
             sampling = _with_max_tokens(DETERMINISTIC, 120)
             try:
-                reply = await self._complete(turn, [Message("user", prompt)], None, sampling)
+                sent = [Message("user", prompt)]
+                reply = await self._complete(turn, sent, turn.request.chat_model, sampling)
             except LlmError as exc:
                 log.info("chat summary falls back to extractive", error=str(exc))
             else:
@@ -871,6 +868,7 @@ class ChatService:
             answer="".join(turn.answer) if answer is None else answer,
             finish_reason=turn.finish_reason,
             usage=self._usage(turn),
+            confirmation=_confirmation(turn.confirmation),
         )
 
     @staticmethod
@@ -893,17 +891,35 @@ class ChatService:
         )
 
 
-def _log_tool_call(turn: _Turn, tool: str, began: float, outcome: ToolOutcome) -> None:
+def _log_tool_call(turn: _Turn, tool: str, began: float, outcome: ToolOutcome) -> float:
+    """Logs the call and returns its duration in ms (the front ends show it)."""
+    took = round((time.perf_counter() - began) * 1000, 3)
     log.info(
         "chat tool call",
         step="tool",
         tool=tool,
-        duration_ms=round((time.perf_counter() - began) * 1000, 3),
+        duration_ms=took,
         failed=outcome.failed,
         is_error=outcome.is_error,
         offline=turn.offline_reason is not None,
         conversation_id=turn.conversation_id,
         device_id=turn.device_id,
+    )
+    return took
+
+
+def _outcome_event(
+    tool: str, llm_name: str, outcome: ToolOutcome, took: float
+) -> ToolCompleted | ToolFailed:
+    """The event for a finished call: failed (no answer) or completed (maybe the tool's error)."""
+    if outcome.failed:
+        return ToolFailed(tool=tool, llm_name=llm_name, error=outcome.text, duration_ms=took)
+    return ToolCompleted(
+        tool=tool,
+        llm_name=llm_name,
+        result_text=outcome.text,
+        is_error=outcome.is_error,
+        duration_ms=took,
     )
 
 
@@ -928,6 +944,12 @@ def _pending(
         reason=outcome.needs_confirmation or "risky tool",
         asked_at=time.time(),
     )
+
+
+def _confirmation(pending: PendingConfirmation | None) -> Confirmation | None:
+    if pending is None:
+        return None
+    return Confirmation(tool=pending.tool, arguments=pending.arguments, reason=pending.reason)
 
 
 def _compact(arguments: dict[str, Any]) -> str:

@@ -141,6 +141,10 @@ class LlmProvider(Protocol):
         otherwise raises like `complete`."""
         ...
 
+    async def list_models(self) -> list[str]:
+        """The model names the service offers (sorted). Raises LlmUnavailable / LlmError."""
+        ...
+
     async def aclose(self) -> None: ...
 
 

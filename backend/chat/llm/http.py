@@ -91,6 +91,19 @@ class HttpProvider:
         except ValueError:
             raise LlmError(f"{self.name}: the reply is not JSON") from None
 
+    async def get_json(self, url: str) -> Any:
+        """GET a listing (no retry needed: nothing was sent that a dropped connection loses
+        beyond this request, and the console asks again on its next load)."""
+        try:
+            response = await self._client.get(url)
+        except httpx.HTTPError as exc:
+            raise self._unreachable(exc) from None
+        self._check_status(response.status_code, response.text)
+        try:
+            return response.json()
+        except ValueError:
+            raise LlmError(f"{self.name}: the reply is not JSON") from None
+
     @contextlib.asynccontextmanager
     async def post_lines(self, url: str, body: dict[str, Any]) -> AsyncIterator[AsyncIterator[str]]:
         """POST and yield the reply's lines as they arrive (SSE or NDJSON)."""
@@ -133,6 +146,17 @@ class HttpProvider:
             raise LlmUnavailable(f"{self.name} answered HTTP {status}: {clip(text, 160)}")
         if status >= 400:
             raise LlmError(f"{self.name} refused the request (HTTP {status}): {clip(text, 160)}")
+
+
+def model_names(items: Any, key: str) -> list[str]:
+    """The `key` of each object in a listing, as text, sorted and without duplicates; anything
+    else in the listing is skipped (servers add their own fields and entries)."""
+    if not isinstance(items, list):
+        raise LlmError("the model listing is not a list")
+    names = {
+        item[key] for item in items if isinstance(item, dict) and isinstance(item.get(key), str)
+    }
+    return sorted(name for name in names if name)
 
 
 def wire_tool(spec: FunctionSpec) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from backend.chat.llm.base import (
     ToolCall,
     tool_call_from_value,
 )
-from backend.chat.llm.http import HttpProvider
+from backend.chat.llm.http import HttpProvider, model_names
 
 
 class _Function(BaseModel):
@@ -68,6 +68,11 @@ class OllamaProvider(HttpProvider):
     @property
     def url(self) -> str:
         return f"{self.base_url}/api/chat"
+
+    async def list_models(self) -> list[str]:
+        """`GET /api/tags`: `{"models": [{"name": ...}, ...]}` (the models pulled locally)."""
+        data = await self.get_json(f"{self.base_url}/api/tags")
+        return model_names(data.get("models") if isinstance(data, dict) else None, "name")
 
     def add_options(self, body: dict[str, Any], tools: bool, sampling: Sampling) -> None:
         options: dict[str, Any] = {}

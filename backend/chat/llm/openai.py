@@ -27,7 +27,7 @@ from backend.chat.llm.base import (
     ToolCallBuilder,
     tool_call_from_text,
 )
-from backend.chat.llm.http import HttpProvider
+from backend.chat.llm.http import HttpProvider, model_names
 
 
 class _Function(BaseModel):
@@ -88,6 +88,16 @@ class OpenAiProvider(HttpProvider):
     def url(self) -> str:
         base = self.base_url
         return f"{base}/chat/completions" if base.endswith("/v1") else f"{base}/v1/chat/completions"
+
+    @property
+    def models_url(self) -> str:
+        base = self.base_url
+        return f"{base}/models" if base.endswith("/v1") else f"{base}/v1/models"
+
+    async def list_models(self) -> list[str]:
+        """`GET /v1/models`: `{"data": [{"id": ...}, ...]}`."""
+        data = await self.get_json(self.models_url)
+        return model_names(data.get("data") if isinstance(data, dict) else None, "id")
 
     def add_options(self, body: dict[str, Any], tools: bool, sampling: Sampling) -> None:
         if tools:
