@@ -1,0 +1,458 @@
+// The chat page (the seed's index.html): conversations, answers streamed from
+// POST /api/chat/stream, device tool events inline, sources, a risky tool's confirmation.
+import {
+  ApiError,
+  announce,
+  api,
+  apiStream,
+  can,
+  el,
+  formatMs,
+  lacksScope,
+  readSSE,
+  settings,
+  startPage,
+} from "/console/common.js";
+
+// The open conversation survives a reload of this tab (its messages are re-read from the API).
+const CONVERSATION_ITEM = "bridge.chat.conversation";
+const DEVICE_ITEM = "bridge.chat.device";
+const LANGUAGES = { en: "English", vi: "Vietnamese" };
+// The stored answer ends with its sources section: a heading, then "N. title - link" lines.
+const SOURCE_HEADINGS = ["Sources:", "Nguồn tham khảo:"];
+const SOURCE_LINE = /^\d+\. (.*) - (\S+)$/;
+
+const state = {
+  me: null,
+  conversationId: sessionStorage.getItem(CONVERSATION_ITEM),
+  busy: false,
+  nodes: {},
+};
+
+startPage("Chat", async (main, me) => {
+  state.me = me;
+  if (!can(me, "chat:use")) {
+    lacksScope(main, "chat:use");
+    return;
+  }
+  main.replaceChildren(layout());
+  // The message box is usable at once for a new conversation; a stored one is read first, so
+  // that a message typed meanwhile is not wiped by the history arriving after it.
+  const lists = Promise.all([loadConversations(), loadDevices()]);
+  if (state.conversationId) await openConversation(state.conversationId, { quiet: true });
+  state.nodes.input.disabled = false;
+  state.nodes.send.disabled = false;
+  await lists;
+});
+
+// ---- layout ------------------------------------------------------------------------------------
+
+function layout() {
+  const n = state.nodes;
+  n.list = el("ul", { class: "conversations", "aria-labelledby": "conversations-title" });
+  n.listStatus = el("p", { class: "hint", role: "status" });
+  const aside = el(
+    "nav",
+    { class: "card chat-side", "aria-labelledby": "conversations-title" },
+    el("h2", { id: "conversations-title", text: "Conversations" }),
+    el("button", { type: "button", id: "new-conversation", text: "New conversation", on: { click: newConversation } }),
+    n.listStatus,
+    n.list,
+  );
+
+  n.title = el("h1", { id: "chat-title", text: "New conversation" });
+  n.device = el("select", { id: "chat-device", "aria-describedby": "chat-device-help" });
+  n.device.append(el("option", { value: "", text: "No device" }));
+  n.device.addEventListener("change", () => sessionStorage.setItem(DEVICE_ITEM, n.device.value));
+  const devicePicker = el(
+    "div",
+    { class: "device-picker" },
+    el("label", { for: "chat-device", text: "Device" }),
+    n.device,
+    el("span", { id: "chat-device-help", class: "hint", text: "whose tools the assistant may use" }),
+  );
+  // role=log: new messages are read as they are added; an answer being streamed is aria-busy,
+  // so a screen reader reads it once it is complete rather than word by word.
+  n.log = el("div", {
+    id: "chat-log",
+    class: "chat-log",
+    role: "log",
+    "aria-live": "polite",
+    "aria-relevant": "additions text",
+    "aria-labelledby": "chat-title",
+    tabindex: "0",
+  });
+  n.empty = el("p", { class: "hint", text: "Ask about dental care, or ask the chosen device to do something." });
+  n.log.append(n.empty);
+
+  n.input = el("textarea", {
+    id: "chat-input",
+    rows: "2",
+    maxlength: "4000",
+    required: true,
+    disabled: true,
+    "aria-describedby": "chat-input-help",
+  });
+  n.input.addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
+      event.preventDefault();
+      n.form.requestSubmit();
+    }
+  });
+  n.send = el("button", { type: "submit", id: "chat-send", text: "Send", disabled: true });
+  n.form = el(
+    "form",
+    { class: "chat-form", "aria-label": "Send a message" },
+    el("label", { for: "chat-input", text: "Message" }),
+    n.input,
+    el("span", { id: "chat-input-help", class: "hint", text: "Enter sends, Shift+Enter starts a new line." }),
+    el("div", { class: "row" }, n.send),
+  );
+  n.form.addEventListener("submit", (event) => {
+    event.preventDefault();
+    const text = n.input.value.trim();
+    if (text) send(text);
+  });
+
+  const chat = el("section", { class: "chat-main", "aria-labelledby": "chat-title" }, n.title, devicePicker, n.log, n.form);
+  return el("div", { class: "chat-layout" }, aside, chat);
+}
+
+// ---- conversations -----------------------------------------------------------------------------
+
+async function loadConversations() {
+  const n = state.nodes;
+  try {
+    const page = await api("/v1/conversations?limit=50");
+    n.list.replaceChildren(...page.data.map(conversationItem));
+    const current = page.data.find((item) => item.id === state.conversationId);
+    if (current) n.title.textContent = current.title || "Conversation";
+    n.listStatus.textContent = page.data.length ? "" : "No conversations yet.";
+  } catch (error) {
+    n.listStatus.textContent = `Could not list conversations: ${error.message}`;
+  }
+  markCurrent();
+}
+
+function conversationItem(conversation) {
+  const label = conversation.title || conversation.id;
+  const when = new Date(conversation.updated_at).toLocaleString();
+  return el(
+    "li",
+    {},
+    el(
+      "button",
+      {
+        type: "button",
+        class: "conversation",
+        "data-id": conversation.id,
+        on: { click: () => openConversation(conversation.id) },
+      },
+      el("span", { class: "conversation-title", text: label }),
+      el("span", { class: "hint", text: `${conversation.message_count} messages · ${when}` }),
+    ),
+  );
+}
+
+function markCurrent() {
+  for (const button of state.nodes.list.querySelectorAll("button.conversation")) {
+    const current = button.dataset.id === state.conversationId;
+    button.setAttribute("aria-current", current ? "true" : "false");
+  }
+}
+
+function setConversation(id) {
+  state.conversationId = id;
+  if (id) sessionStorage.setItem(CONVERSATION_ITEM, id);
+  else sessionStorage.removeItem(CONVERSATION_ITEM);
+  markCurrent();
+}
+
+function newConversation() {
+  if (state.busy) return;
+  setConversation(null);
+  state.nodes.title.textContent = "New conversation";
+  state.nodes.log.replaceChildren(state.nodes.empty);
+  state.nodes.input.focus();
+  announce("New conversation");
+}
+
+async function openConversation(id, { quiet = false } = {}) {
+  if (state.busy) return;
+  const n = state.nodes;
+  let conversation;
+  try {
+    conversation = await api(`/v1/conversations/${encodeURIComponent(id)}`);
+  } catch (error) {
+    if (error instanceof ApiError && error.status === 404) {
+      setConversation(null); // deleted elsewhere: start afresh
+      return;
+    }
+    n.log.replaceChildren(el("p", { class: "error", role: "alert", text: `Could not open the conversation: ${error.message}` }));
+    return;
+  }
+  setConversation(conversation.id);
+  n.title.textContent = conversation.title || "Conversation";
+  if (conversation.device_id) selectDevice(conversation.device_id);
+  n.log.replaceChildren(...conversation.messages.map(storedMessage));
+  if (!conversation.messages.length) n.log.append(n.empty);
+  n.log.scrollTop = n.log.scrollHeight;
+  if (!quiet) {
+    announce(`Opened ${n.title.textContent}, ${conversation.messages.length} messages`);
+    n.input.focus();
+  }
+}
+
+function storedMessage(message) {
+  if (message.role === "user") return userBubble(message.content);
+  const meta = message.metadata || {};
+  const { text, sources } = splitSources(message.content, meta.sources || []);
+  const bubble = assistantBubble();
+  bubble.text.textContent = text;
+  if (meta.tools && meta.tools.length) {
+    bubble.tools.append(el("li", { class: "tool-event", text: `Device tools used: ${meta.tools.join(", ")}` }));
+  }
+  showSources(bubble, sources);
+  showMeta(bubble, { language: meta.language, offline: meta.offline });
+  return bubble.node;
+}
+
+/** The answer text and its sources from a stored answer (the section is part of the text). */
+function splitSources(content, links) {
+  if (!links.length) return { text: content, sources: [] };
+  const at = content.lastIndexOf("\n\n");
+  const block = at >= 0 ? content.slice(at + 2).split("\n") : [];
+  if (!block.length || !SOURCE_HEADINGS.includes(block[0].trim())) return { text: content, sources: [] };
+  const sources = block.slice(1).map((line) => {
+    const match = SOURCE_LINE.exec(line.trim());
+    return match ? { title: match[1], link: match[2] } : { title: line, link: "" };
+  });
+  return { text: content.slice(0, at), sources };
+}
+
+// ---- devices -----------------------------------------------------------------------------------
+
+async function loadDevices() {
+  const select = state.nodes.device;
+  if (!can(state.me, "devices:read")) {
+    select.disabled = true;
+    select.title = "This key cannot list devices (devices:read)";
+    return;
+  }
+  try {
+    const page = await api("/api/devices?online=true&limit=500");
+    for (const device of page.devices) {
+      const name = device.server_info && device.server_info.name;
+      const label = name ? `${device.device_id} (${name})` : device.device_id;
+      const known = [...select.options].find((option) => option.value === device.device_id);
+      if (known) known.textContent = label; // put there by the open conversation
+      else select.append(el("option", { value: device.device_id, text: label }));
+    }
+  } catch (error) {
+    select.title = `Could not list devices: ${error.message}`;
+  }
+  if (!select.value) selectDevice(sessionStorage.getItem(DEVICE_ITEM) || "");
+}
+
+function selectDevice(deviceId) {
+  const select = state.nodes.device;
+  if (!deviceId) {
+    select.value = "";
+    return;
+  }
+  if (![...select.options].some((option) => option.value === deviceId)) {
+    select.append(el("option", { value: deviceId, text: `${deviceId} (not online)` }));
+  }
+  select.value = deviceId;
+}
+
+// ---- a turn ------------------------------------------------------------------------------------
+
+function userBubble(text) {
+  return el("div", { class: "message user" }, el("h3", { class: "visually-hidden", text: "You" }), el("p", { class: "text", text }));
+}
+
+function assistantBubble() {
+  const text = el("p", { class: "text" });
+  const tools = el("ul", { class: "tools", "aria-label": "Device tools" });
+  const sources = el("div", { class: "sources" });
+  const meta = el("p", { class: "meta" });
+  const extra = el("div", { class: "extra" });
+  const node = el(
+    "div",
+    { class: "message assistant" },
+    el("h3", { class: "visually-hidden", text: "Assistant" }),
+    tools,
+    text,
+    sources,
+    meta,
+    extra,
+  );
+  return { node, text, tools, sources, meta, extra, pending: new Map() };
+}
+
+async function send(text) {
+  if (state.busy) return;
+  const n = state.nodes;
+  setBusy(true);
+  n.empty.remove();
+  n.log.querySelectorAll(".confirm").forEach((box) => box.remove());
+  n.log.append(userBubble(text));
+  n.input.value = "";
+  const bubble = assistantBubble();
+  bubble.node.setAttribute("aria-busy", "true");
+  n.log.append(bubble.node);
+  n.log.scrollTop = n.log.scrollHeight;
+
+  // A new conversation gets its id here: without one, a turn naming a device would continue
+  // that device's own conversation instead of starting a new one.
+  if (!state.conversationId) setConversation(newConversationId());
+  const body = { message: text, conversation_id: state.conversationId, ...chosenModels() };
+  if (n.device.value) body.device_id = n.device.value;
+  let done = null;
+  try {
+    const response = await apiStream("/api/chat/stream", { body });
+    const id = response.headers.get("X-Conversation-Id");
+    if (id) setConversation(id);
+    await readSSE(response, ({ data }) => {
+      if (data && data.type === "done") done = data;
+      onEvent(bubble, data);
+      n.log.scrollTop = n.log.scrollHeight;
+    });
+  } catch (error) {
+    bubble.extra.append(el("p", { class: "error", role: "alert", text: `The request failed: ${error.message}` }));
+  } finally {
+    bubble.node.setAttribute("aria-busy", "false");
+    setBusy(false);
+  }
+  if (done) {
+    if (done.conversation_id) setConversation(done.conversation_id);
+    finish(bubble, done.metadata || {});
+    await loadConversations();
+  }
+}
+
+/** "web-" and 24 random hex digits (crypto.randomUUID needs a secure context; this does not). */
+function newConversationId() {
+  const bytes = crypto.getRandomValues(new Uint8Array(12));
+  return `web-${[...bytes].map((byte) => byte.toString(16).padStart(2, "0")).join("")}`;
+}
+
+/** The models this browser chose on the settings page (omitted: the server's). */
+function chosenModels() {
+  const chosen = settings();
+  const body = {};
+  if (chosen.chat_model) body.chat_model = chosen.chat_model;
+  if (chosen.guardrail_model) body.guardrail_model = chosen.guardrail_model;
+  return body;
+}
+
+function setBusy(busy) {
+  state.busy = busy;
+  state.nodes.send.disabled = busy;
+  state.nodes.input.disabled = busy;
+  state.nodes.send.textContent = busy ? "Answering…" : "Send";
+  if (!busy) state.nodes.input.focus();
+}
+
+function onEvent(bubble, data) {
+  if (!data || typeof data !== "object") return;
+  if (data.type === "token") {
+    bubble.text.append(document.createTextNode(data.token));
+  } else if (data.type === "mcp_tool") {
+    toolEvent(bubble, data);
+  } else if (data.type === "sources") {
+    showSources(bubble, data.items || []);
+  } else if (data.type === "error") {
+    bubble.extra.append(el("p", { class: "error", role: "alert", text: data.error || "The bridge reported an error." }));
+  }
+}
+
+function toolEvent(bubble, data) {
+  const status = data.status;
+  let item = bubble.pending.get(data.tool);
+  if (status === "started" || !item) {
+    item = el("li", { class: "tool-event" });
+    bubble.tools.append(item);
+  }
+  item.dataset.status = status;
+  item.className = `tool-event ${status}`;
+  const parts = [el("span", { class: "tool-name", text: data.tool })];
+  if (status === "started") {
+    bubble.pending.set(data.tool, item);
+    item.dataset.arguments = JSON.stringify(data.arguments || {});
+    parts.push(el("span", { class: "badge", text: "running" }));
+  } else {
+    bubble.pending.delete(data.tool);
+    const label = status === "completed" ? (data.is_error ? "tool error" : "done") : "failed";
+    parts.push(el("span", { class: `badge ${status === "completed" && !data.is_error ? "online" : "warn"}`, text: label }));
+    if (data.duration_ms !== null && data.duration_ms !== undefined) {
+      parts.push(el("span", { class: "duration hint", text: formatMs(data.duration_ms) }));
+    }
+  }
+  const args = item.dataset.arguments;
+  if (args && args !== "{}") parts.push(el("code", { class: "arguments", text: args }));
+  if (status === "completed") {
+    const result = (data.result || []).map((part) => part.text || "").join("\n");
+    parts.push(el("pre", { class: "result", text: result }));
+  } else if (status === "error") {
+    parts.push(el("p", { class: "error", text: data.error }));
+  }
+  item.replaceChildren(...parts);
+}
+
+function showSources(bubble, items) {
+  if (!items.length) return;
+  const list = el("ol", {});
+  for (const item of items) {
+    const href = safeLink(item.link);
+    const title = item.title || item.link;
+    list.append(el("li", {}, href ? el("a", { href, rel: "noopener noreferrer", target: "_blank", text: title }) : el("span", { text: title })));
+  }
+  bubble.sources.replaceChildren(el("h4", { text: "Sources" }), list);
+}
+
+/** The link when it is http(s); anything else (javascript:, data:) is shown, never followed. */
+function safeLink(link) {
+  try {
+    const url = new URL(link);
+    return url.protocol === "http:" || url.protocol === "https:" ? url.href : null;
+  } catch {
+    return null;
+  }
+}
+
+function showMeta(bubble, { language, offline, offlineReason }) {
+  const badges = [];
+  if (language) badges.push(el("span", { class: "badge language", text: `Language: ${LANGUAGES[language] || language}` }));
+  if (offline) {
+    badges.push(el("span", { class: "badge warn offline-badge", title: offlineReason || null, text: "Offline mode" }));
+  }
+  bubble.meta.replaceChildren(...badges);
+}
+
+function finish(bubble, metadata) {
+  showMeta(bubble, { language: metadata.language, offline: metadata.offline, offlineReason: metadata.offline_reason });
+  if (metadata.offline && metadata.offline_reason) {
+    bubble.meta.append(el("span", { class: "hint", text: ` ${metadata.offline_reason}` }));
+  }
+  if (metadata.confirmation) askConfirmation(bubble, metadata.confirmation);
+  announce(metadata.offline ? "Answer complete (offline mode)" : "Answer complete");
+}
+
+function askConfirmation(bubble, confirmation) {
+  const args = JSON.stringify(confirmation.arguments || {});
+  const box = el(
+    "div",
+    { class: "confirm", role: "group", "aria-label": "Confirmation" },
+    el("p", {}, "Run ", el("code", { text: confirmation.tool }), " ", el("code", { text: args }), `? (${confirmation.reason})`),
+    el(
+      "div",
+      { class: "row" },
+      el("button", { type: "button", class: "danger", text: "Confirm", on: { click: () => send("yes") } }),
+      el("button", { type: "button", class: "secondary", text: "Cancel", on: { click: () => send("no") } }),
+    ),
+  );
+  bubble.extra.append(box);
+  announce(`${confirmation.tool} needs your confirmation`);
+}
