@@ -8,6 +8,7 @@ as audio that the page decodes and plays. The test reads the page's own figures
 (`window.talkStats`): the transcript, the frames it received and the milliseconds it played.
 """
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -59,9 +60,11 @@ RECOGNIZED_TURN = """(command) => {
 }"""
 
 
+@pytest.mark.parametrize("codec", ["opus", "pcm16"])
 async def test_the_browser_speaks_a_command_and_plays_the_answer(
-    bridge_factory: Any, tmp_path: Path
+    bridge_factory: Any, tmp_path: Path, codec: str
 ) -> None:
+    """Opus through WebCodecs; "pcm16" hides `AudioEncoder` as a browser without it would."""
     bridge: Bridge = await bridge_factory(voice_enabled=True)
     token = await create_key(bridge, "console:talk")
     wav = command_wav(tmp_path / "command.wav")
@@ -69,6 +72,8 @@ async def test_the_browser_speaks_a_command_and_plays_the_answer(
         bridge, "/talk", token, browser_args=fake_microphone(wav), viewport=PHONE
     ) as console:
         page = console.page
+        if codec == "pcm16":
+            await page.evaluate("delete window.AudioEncoder")
         await page.get_by_role("button", name="Connect").click()
         status = page.locator("#talk-status")
         await expect(status).to_contain_text("Connected as browser-")
@@ -83,7 +88,7 @@ async def test_the_browser_speaks_a_command_and_plays_the_answer(
         await page.get_by_role("button", name="Hands-free: on").click()
         await page.wait_for_function(ALL_PLAYED, timeout=TURN_TIMEOUT_MS)
         stats = await page.evaluate("window.talkStats")
-        assert stats["uplinkFormat"] == "opus" and stats["downlinkFormat"] == "opus"
+        assert stats["uplinkFormat"] == codec and stats["downlinkFormat"] == codec
         # The page received every frame the bridge sent and played each one once, 60 ms each.
         sent = [answer.stats.frames for answer in bridge.frontends.voice.answers]
         assert sum(t["framesReceived"] for t in stats["turns"]) == sum(sent), (stats, sent)
@@ -102,7 +107,8 @@ async def test_the_browser_speaks_a_command_and_plays_the_answer(
         await expect(log.locator(".talk-assistant").first).not_to_be_empty()
         assert stats["sentences"], stats
         await assert_accessible(page)
-        await save_screenshot(page, "talk")
+        if codec == "opus":
+            await save_screenshot(page, "talk")
         await page.get_by_role("button", name="Disconnect").click()
         await expect(status).to_contain_text("Disconnected")
         console.assert_clean()
@@ -133,4 +139,41 @@ async def test_without_a_microphone_the_page_says_so_and_still_connects(bridge: 
         await expect(page.locator("#talk-volume")).to_have_value("55")
         status = await device.call_tool("self.get_device_status", {})
         assert json.loads(status.content[0]["text"])["audio_speaker"] == {"volume": 55}
+        console.assert_clean()
+
+
+async def test_hold_to_talk_with_the_space_key_and_stop_the_answer(
+    bridge_factory: Any, tmp_path: Path
+) -> None:
+    """Space held: listen start manual and audio; released: listen stop, the bridge answers;
+    "Stop answer" sends abort and silences the page at once."""
+    bridge: Bridge = await bridge_factory(voice_enabled=True)
+    token = await create_key(bridge, "console:talk")
+    wav = command_wav(tmp_path / "command.wav")
+    async with console_page(bridge, "/talk", token, browser_args=fake_microphone(wav)) as console:
+        page = console.page
+        await page.get_by_role("button", name="Connect").click()
+        await expect(page.locator("#talk-status")).to_contain_text("Connected as browser-")
+        await page.locator("#talk-hold").focus()
+        await page.keyboard.down("Space")
+        await expect(page.locator("#talk-status")).to_have_text("Listening…")
+        await page.wait_for_function("() => window.talkStats.framesSent >= 100")  # 6 s
+        await page.keyboard.up("Space")
+        await page.wait_for_function(
+            "() => window.talkStats.state === 'speaking'", timeout=TURN_TIMEOUT_MS
+        )
+        stats = await page.evaluate("window.talkStats")
+        assert len(stats["transcripts"]) == 1, stats
+        await page.wait_for_function("() => window.talkStats.framesReceived >= 3")
+        await page.get_by_role("button", name="Stop answer").click()
+        await expect(page.locator("#talk-status")).to_have_text("Connected. Hold to talk.")
+        received = (await page.evaluate("window.talkStats"))["framesReceived"]
+        # The answer stops at the bridge too: its frame count stays put.
+        answer = bridge.frontends.voice.answers[-1]
+        sent = answer.stats.frames
+        await asyncio.sleep(0.5)
+        assert answer.stats.frames <= sent + 1
+        after = await page.evaluate("window.talkStats")
+        assert after["framesReceived"] <= received + 2, (received, after)
+        assert after["state"] == "idle"
         console.assert_clean()

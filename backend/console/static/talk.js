@@ -357,7 +357,8 @@ class TalkPage {
     if (event.button !== undefined && event.button !== 0) return;
     if (this.handsFree || this.pressed) return;
     this.pressed = true;
-    this.talkButton.setPointerCapture?.(event.pointerId);
+    // The release counts even off the button (a finger that slid away).
+    if (event.pointerId !== undefined) this.talkButton.setPointerCapture(event.pointerId);
     this.startListening("manual");
   }
 
