@@ -114,6 +114,26 @@ async def test_an_unreachable_or_failing_provider_lists_nothing_with_the_error(
     assert body["models"] == [] and "HTTP 503" in body["error"]
 
 
+@pytest.mark.parametrize(
+    "raw",
+    [b"not json", b'{"models": null, "data": 7}', b"[1, 2]", b'{"data": [{"id": 5}, "x"]}'],
+)
+@pytest.mark.parametrize("provider", ["openai", "ollama"])
+async def test_a_garbled_listing_is_an_error_or_skipped_never_a_crash(
+    provider: str, raw: bytes, bridge_factory: Any, fake_llm: FakeLlm
+) -> None:
+    fake_llm.models_body = raw
+    bridge = await bridge_factory(llm_provider=provider, llm_base_url=fake_llm.url)
+    async with admin(bridge) as client:
+        response = await client.get("/api/chat/models")
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["models"] == []
+    # Entries that are not {"id": str} are skipped; a reply that is no listing is an error.
+    skipped = provider == "openai" and raw.startswith(b'{"data": [')
+    assert (body["error"] is None) if skipped else ("not" in body["error"])
+
+
 async def test_an_empty_listing_is_not_an_error(bridge_factory: Any, fake_llm: FakeLlm) -> None:
     fake_llm.models = []
     bridge = await bridge_factory(llm_provider="openai", llm_base_url=fake_llm.url)
