@@ -9,8 +9,9 @@ One `http.server` on 127.0.0.1:0 in a daemon thread serves:
 
 Replies are scripted per kind of request (`chat`, `guardrail`, `summary`; the last two are
 recognised by the markers the prompts start with) and fall back to defaults. Every request body
-is recorded, so tests assert on the `messages` and `tools` that were sent. `stop()` closes the
-port, which is the "LLM down" behaviour.
+is recorded, so tests assert on the `messages`, `tools` and `model` that were sent.
+`GET /v1/models` and `GET /api/tags` list `models` (or fail with `models_status`, or send
+`models_body` as is). `stop()` closes the port, which is the "LLM down" behaviour.
 
 Like a real server it honours `max_tokens` (one word = one token here; `finish_reason:
 "length"`) and reports `usage` (words, and `stream_options.include_usage` for streams), unless
@@ -88,6 +89,11 @@ class FakeLlm(LoopbackHttpServer):
         self.dropped = 0  # connections closed by drop_after_stream
         self._drop_next = False
         self.endless_words = 0  # words sent by "endless" replies
+        # What `GET /v1/models` and `GET /api/tags` list; `models_status` != 200 fails them.
+        self.models: list[str] = ["fake-chat", "fake-guard"]
+        self.models_status = 200
+        self.models_body: bytes | None = None  # sent as is instead of the listing (garbled)
+        self.listings = 0  # model listings served
 
     # ---- control ------------------------------------------------------------------------------
 
@@ -108,6 +114,10 @@ class FakeLlm(LoopbackHttpServer):
 
     def of_kind(self, kind: str) -> list[Recorded]:
         return [request for request in self.requests if request.kind == kind]
+
+    def models_of(self, kind: str) -> list[str | None]:
+        """The `model` each request of this kind asked for, in order."""
+        return [request.body.get("model") for request in self.of_kind(kind)]
 
     # ---- serving ------------------------------------------------------------------------------
 
@@ -196,6 +206,27 @@ class _Handler(BaseHTTPRequestHandler):
         # Like real model servers (Go's net/http, uvicorn): no Nagle, or each small SSE chunk
         # waits for the client's delayed ACK (~40 ms on Linux loopback).
         self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def do_GET(self) -> None:
+        """The model listings: OpenAI's `/v1/models` and Ollama's `/api/tags`."""
+        owner = self.owner
+        with owner._lock:
+            owner.listings += 1
+            names, status, raw = list(owner.models), owner.models_status, owner.models_body
+        if status != 200:
+            self._send(status, "application/json", b'{"error": "scripted failure"}')
+        elif raw is not None:
+            self._send(200, "application/json", raw)
+        elif self.path == "/v1/models":
+            data = [{"id": name, "object": "model", "owned_by": "fake"} for name in names]
+            self._send(
+                200, "application/json", json.dumps({"object": "list", "data": data}).encode()
+            )
+        elif self.path == "/api/tags":
+            tags = [{"name": name, "model": name, "size": 1} for name in names]
+            self._send(200, "application/json", json.dumps({"models": tags}).encode())
+        else:
+            self._send(404, "application/json", b'{"error": "not found"}')
 
     def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
