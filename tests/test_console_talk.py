@@ -8,6 +8,7 @@ and one full voice turn through it. backend/transports/browser.py.
 
 import asyncio
 import json
+import logging
 import uuid
 from typing import Any
 
@@ -289,3 +290,30 @@ async def test_a_spoken_command_through_the_browser_endpoint_is_answered_aloud(
     assert (reply.transcript or "").lower().startswith("set the volume")
     assert device.mcp.calls[-1] == ("self.audio_speaker.set_volume", {"volume": 30})
     assert reply.audio.duration_ms > 500
+
+
+async def test_a_second_tab_of_the_same_key_replaces_the_first(bridge: Bridge) -> None:
+    token = await create_key(bridge, "console:talk")
+    first, second = await ticket_for(bridge, token), await ticket_for(bridge, token)
+    async with talking_device(bridge, first["ticket"]) as old:
+        await wait_state(bridge, first["device_id"])
+        async with talking_device(bridge, second["ticket"]) as new:
+            await eventually(lambda: old.closed_reason is not None)
+            ready = await wait_state(bridge, second["device_id"])
+            result = await ready.call_tool("self.get_device_status", {})
+            assert not result.is_error
+            assert new.mcp.calls == [("self.get_device_status", {})] and old.mcp.calls == []
+
+
+async def test_the_ticket_in_the_url_is_masked_in_the_access_log(
+    bridge: Bridge, caplog: pytest.LogCaptureFixture
+) -> None:
+    token = await create_key(bridge, "console:talk")
+    issued = await ticket_for(bridge, token)
+    with caplog.at_level(logging.INFO, logger="uvicorn.error"):
+        async with connect(device_url(bridge, issued["ticket"])) as ws:
+            await hello(ws)
+        assert await refused_status(device_url(bridge, "guessed-ticket")) == 401
+    lines = [record.getMessage() for record in caplog.records]
+    assert any("/console/device?ticket=***" in line for line in lines), lines
+    assert not any(issued["ticket"] in line or "guessed-ticket" in line for line in lines)
