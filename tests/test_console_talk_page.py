@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from playwright.async_api import expect
 
+from backend.mcp_session.errors import DeviceError
 from backend.server import Bridge
 from backend.voice.audio import Clip, wav_bytes
 from tests.console_helpers import PHONE, assert_accessible, console_page, save_screenshot
@@ -139,6 +140,13 @@ async def test_without_a_microphone_the_page_says_so_and_still_connects(bridge: 
         await expect(page.locator("#talk-volume")).to_have_value("55")
         status = await device.call_tool("self.get_device_status", {})
         assert json.loads(status.content[0]["text"])["audio_speaker"] == {"volume": 55}
+        # The page's MCP server answers what it does not serve with a JSON-RPC error.
+        with pytest.raises(DeviceError) as unknown:
+            await device.mcp.request("resources/list")
+        assert unknown.value.code == -32601
+        with pytest.raises(DeviceError) as no_tool:
+            await device.mcp.request("tools/call", {"name": "self.reboot", "arguments": {}})
+        assert "Unknown tool" in str(no_tool.value)
         console.assert_clean()
 
 
