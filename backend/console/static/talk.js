@@ -12,6 +12,7 @@ const RATE = 16000; // uplink: what the stock device sends
 const FRAME_MS = 60;
 const FRAME_SAMPLES = (RATE * FRAME_MS) / 1000;
 const VOICE_RMS = 0.01; // about -40 dBFS: a frame above it counts as speech (for the figures)
+const MAX_LINES = 200; // transcript lines kept on the page
 const PLAYBACK_LEAD_S = 0.05; // the first frame of an answer waits this long for the next ones
 const OPUS_CONFIG = {
   codec: "opus",
@@ -669,8 +670,7 @@ class TalkPage {
   line(kind, text) {
     const who = { user: "You", assistant: "Assistant", alert: "Bridge" }[kind];
     const entry = el("li", { class: `talk-${kind}` }, el("span", { class: "talk-who", text: `${who}: ` }), el("span", { class: "talk-words", text }));
-    this.log.append(entry);
-    entry.scrollIntoView({ block: "nearest" });
+    this.append(entry);
     return entry;
   }
 
@@ -683,9 +683,16 @@ class TalkPage {
         el("span", { class: "talk-emotion", "aria-hidden": "true" }),
         el("span", { class: "talk-words" }),
       );
-      this.log.append(this.assistantLine);
+      this.append(this.assistantLine);
     }
     return this.assistantLine;
+  }
+
+  append(entry) {
+    this.log.append(entry);
+    // A long hands-free session keeps the last MAX_LINES lines, not every one since the load.
+    while (this.log.childElementCount > MAX_LINES) this.log.firstElementChild.remove();
+    entry.scrollIntoView({ block: "nearest" });
   }
 
   // ---- the page's MCP server (the device side of MCP, as stock firmware answers it) ----
