@@ -93,6 +93,12 @@ async def test_search_and_state_filter(
         await expect(page.locator("#fleet-status")).to_have_text(
             "0 of 2 devices match (1 online in all)"
         )
+        await page.get_by_label("Search").fill("")
+        await open_device(console, first.device_id)  # on a phone: the detail under the list
+        await assert_accessible(page)
+        await page.keyboard.press("Escape")  # closes the detail, focus back on the row
+        await expect(row(page, first.device_id).get_by_role("button")).to_be_focused()
+        await expect(page.locator("#device-detail")).to_be_hidden()
         console.assert_clean()
 
 

@@ -202,6 +202,19 @@ async def test_the_bridge_stopping_ends_the_stream(
     assert len(bridge.device_streams) == 0
 
 
+async def test_a_revoked_key_s_stream_ends(bridge: Bridge) -> None:
+    token = await create_key(bridge, "devices:read")
+    async with open_stream(bridge, token) as stream:
+        await _ready(stream)
+        bridge.registry.reported("before", None, {})
+        await eventually(lambda: "before" in stream.rows())
+        await bridge.frontends.keys.revoke(token.split("_")[1])  # esk_<key id>_<secret>
+        bridge.registry.reported("after", None, {})
+        await asyncio.wait_for(stream.ended.wait(), 5)
+        assert "after" not in stream.rows()
+    await eventually(lambda: len(bridge.device_streams) == 0)
+
+
 # ---- coalescing and bounds, on a registry alone ---------------------------------------------
 
 

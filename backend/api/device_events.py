@@ -17,14 +17,16 @@ reconnects, gets a fresh snapshot instead of a backlog). Events that change no r
 voice turns) are ignored: a refused call may name any device id.
 
 A stream ends when the client leaves (Starlette cancels the generator; the listener is removed
-in its `finally`) or when the bridge stops (`DeviceStreams.close`, called before the HTTP server
-waits for its connections to finish, which an endless stream never would).
+in its `finally`), when the bridge stops (`DeviceStreams.close`, called before the HTTP server
+waits for its connections to finish, which an endless stream never would), or when its key is
+revoked (checked at every flush and ping, so within `ping_interval_s` on a quiet fleet: the
+client's next request is then a 401).
 """
 
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Annotated, Any
 
 import structlog
@@ -53,6 +55,9 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _PING = b": ping\n\n"
 
 Reader = Annotated[Principal, Depends(needs(Scope.DEVICES_READ))]
+# The principal of an active key by id, None once revoked (KeyStore.active).
+KeyLookup = Callable[[str], Principal | None]
+ADMIN_KEY_ID = "admin"  # the admin token's principal: no key to revoke
 
 
 class WhoAmI(BaseModel):
@@ -92,8 +97,11 @@ class DeviceStream:
         ping_interval_s: float,
         max_pending: int,
         snapshot_only: bool = False,
+        key_active: KeyLookup | None = None,
     ) -> None:
         self._registry = registry
+        self._key_id = principal.key_id
+        self._key_active = key_active
         # None: every device (admin, or a key not limited to some devices).
         self._only = None if principal.is_admin else principal.device_ids
         self._flush_interval_s = flush_interval_s
@@ -145,8 +153,12 @@ class DeviceStream:
                 async with asyncio.timeout(self._ping_interval_s):
                     await self._wake.wait()
             except TimeoutError:
+                if self._revoked():
+                    return
                 yield _PING
                 continue
+            if self._revoked():
+                return
             if self._overflowed:
                 log.info("device event stream fell behind; ending it", pending=len(self._pending))
                 return
@@ -159,6 +171,11 @@ class DeviceStream:
             if self._closed:
                 return
             last_flush = time.monotonic()
+
+    def _revoked(self) -> bool:
+        if self._key_active is None or self._key_id == ADMIN_KEY_ID:
+            return False
+        return self._key_active(self._key_id) is None
 
     def _flush(self) -> Iterator[bytes]:
         pending, self._pending = self._pending, {}
@@ -207,8 +224,10 @@ class DeviceStreams:
         flush_interval_s: float = FLUSH_INTERVAL_S,
         ping_interval_s: float = PING_INTERVAL_S,
         max_pending: int = MAX_PENDING,
+        key_active: KeyLookup | None = None,
     ) -> None:
         self._registry = registry
+        self._key_active = key_active
         self._flush_interval_s = flush_interval_s
         self._ping_interval_s = ping_interval_s
         self._max_pending = max_pending
@@ -233,6 +252,7 @@ class DeviceStreams:
             ping_interval_s=self._ping_interval_s,
             max_pending=self._max_pending,
             snapshot_only=snapshot_only,
+            key_active=self._key_active,
         )
         if self._closed:
             stream.close()

@@ -20,7 +20,7 @@ import {
   startPage,
 } from "/console/common.js";
 
-const PAGE_SIZE = 200;
+const PAGE_SIZE = 100; // rows in the DOM at once: a filter over 10,000 renders one page
 const AUDIT_ROWS = 20;
 const RETRY_MIN_MS = 1000;
 const RETRY_MAX_MS = 15000;
@@ -89,6 +89,10 @@ function setBadge(badge, row) {
 
 /** Insert `id` into the sorted array `ids` (ids sort as the server sorts them: by code unit). */
 function insertSorted(ids, id) {
+  if (!ids.length || ids[ids.length - 1] < id) {
+    ids.push(id); // the snapshot comes sorted: append, no search and no splice
+    return;
+  }
   let low = 0;
   let high = ids.length;
   while (low < high) {
@@ -146,7 +150,13 @@ class DevicesPage {
     this.prev = el("button", { type: "button", class: "secondary", text: "Previous", on: { click: () => this.turn(-1) } });
     this.next = el("button", { type: "button", class: "secondary", text: "Next", on: { click: () => this.turn(1) } });
     this.pageLabel = el("span", { class: "muted" });
-    this.detailBox = el("section", { id: "device-detail", class: "detail", "aria-label": "Selected device", hidden: true });
+    this.detailBox = el("section", {
+      id: "device-detail",
+      class: "detail",
+      "aria-label": "Selected device",
+      hidden: true,
+      on: { keydown: (event) => event.key === "Escape" && this.detail && this.unselect() },
+    });
 
     const filters = el(
       "form",
