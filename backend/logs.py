@@ -33,12 +33,14 @@ def redact_secrets(
     return event
 
 
-_QUERY_TOKEN = re.compile(r"([?&]token=)[^&\s\"']+", re.IGNORECASE)
+_QUERY_TOKEN = re.compile(r"([?&](?:token|ticket)=)[^&\s\"']+", re.IGNORECASE)
 
 
 def mask_query_token(text: str) -> str:
     """`...?token=<secret>` as `...?token=***` (the MCP endpoint takes its key in the query)."""
-    return _QUERY_TOKEN.sub(r"\1***", text) if "token=" in text.lower() else text
+    lowered = text.lower()  # and `?ticket=` (the talk page's one-use device ticket)
+    found = "token=" in lowered or "ticket=" in lowered
+    return _QUERY_TOKEN.sub(r"\1***", text) if found else text
 
 
 class QueryTokenFilter(logging.Filter):

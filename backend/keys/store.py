@@ -70,6 +70,8 @@ class Scope(StrEnum):
     ADMIN = "admin"
     # A user's MCP server may dial in with it (backend/mcp_dialin; the key's devices get its tools).
     MCP_ENDPOINT = "mcp:endpoint"
+    # The browser may become a voice device on the talk page (backend/transports/browser.py).
+    CONSOLE_TALK = "console:talk"
 
 
 _MCP_SCOPE = re.compile(r"mcp:[a-z0-9_-]{1,32}")
@@ -273,6 +275,11 @@ class KeyStore:
             )
             index[row["id"]] = _Indexed(row["token_hash"], principal, used, used)
         self._index = index
+
+    def active(self, key_id: str) -> Principal | None:
+        """The principal of the active key `key_id` (in memory), None once it is revoked."""
+        entry = self._index.get(key_id) if self._index is not None else None
+        return entry.principal if entry is not None else None
 
     def resolve(self, token: str) -> Principal | None:
         """The principal of a valid, active token from the in-memory index (no database round
