@@ -17,7 +17,7 @@ from tests.console_helpers import (
     console_page,
     save_screenshot,
 )
-from tests.helpers import ADMIN_TOKEN, create_key, eventually
+from tests.helpers import ADMIN_TOKEN, create_key, eventually, wait_state
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -35,11 +35,11 @@ def tool(page: Page, name: str) -> Any:
     return page.locator(f'article[data-tool="{name}"]')
 
 
-async def open_device(console: ConsolePage, device_id: str) -> None:
+async def open_device(console: ConsolePage, device_id: str, first_tool: str = SET_VOLUME) -> None:
     page = console.page
     await row(page, device_id).get_by_role("button", name=device_id).click()
     await expect(page.get_by_role("heading", level=2, name=device_id)).to_be_focused()
-    await tool(page, SET_VOLUME).wait_for()
+    await tool(page, first_tool).wait_for()
 
 
 def never_polls(console: ConsolePage) -> bool:
@@ -225,4 +225,79 @@ async def test_a_key_without_devices_read_is_told_why(bridge: Bridge) -> None:
         await expect(console.page.get_by_role("status").first).to_contain_text("devices:read")
         calls = [r.url for r in console.responses if "/api/devices" in r.url]
         assert calls == []
+        console.assert_clean()
+
+
+# Every kind of field a schema can ask for, and text a hostile device could send as markup.
+SETUP = {
+    "name": "self.panel.setup",
+    "description": "<b>Set up</b> the panel <script>window.pwned = 1</script>",
+    "inputSchema": {
+        "type": "object",
+        "properties": {
+            "mode": {"type": "string", "enum": ["eco", "turbo"], "description": "<i>how</i>"},
+            "level": {"type": "integer", "minimum": 1, "maximum": 5},
+            "ratio": {"type": "number", "minimum": 0, "maximum": 1},
+            "enabled": {"type": "boolean"},
+            "label": {"type": "string"},
+            "options": {"type": "object", "properties": {"a": {"type": "integer"}}},
+            "steps": {"type": "array", "items": {"type": "integer"}},
+            "__proto__": {"type": "string"},
+        },
+        "required": ["mode", "level"],
+    },
+}
+
+
+async def test_the_form_follows_the_schema_and_shows_markup_as_text(
+    bridge: Bridge, wire_devices: Callable[..., Any]
+) -> None:
+    device = wire_devices("a4:cf:00:00:00:01", tools=[SETUP])
+    await device.connect()
+    await wait_state(bridge, device.device_id)
+    async with console_page(bridge, "/devices", ADMIN_TOKEN) as console:
+        page = console.page
+        await open_device(console, device.device_id, SETUP["name"])
+        form = tool(page, SETUP["name"])
+        await expect(form).to_contain_text("<script>window.pwned = 1</script>")
+        await expect(form).to_contain_text("<i>how</i>")
+        assert await form.locator("script, b, i").count() == 0
+        mode = form.get_by_role("combobox", name="mode (required)")
+        assert await mode.locator("option").all_inner_texts() == ["eco", "turbo"]
+        await mode.select_option(label="turbo")
+        level = form.get_by_role("spinbutton", name="level (required)")
+        assert [await level.get_attribute(a) for a in ("min", "max", "step")] == ["1", "5", "1"]
+        await level.fill("4")
+        await form.get_by_role("spinbutton", name="ratio").fill("0.25")
+        await form.get_by_role("checkbox", name="enabled").check()
+        await form.get_by_role("textbox", name="label", exact=True).fill("<b>x</b>")
+        options = form.get_by_role("textbox", name="options")
+        steps = form.get_by_role("textbox", name="steps")
+        assert await options.evaluate("node => node.tagName") == "TEXTAREA"
+        await options.fill('{"a": ')  # not JSON: refused in the page, nothing sent
+        await form.get_by_role("button", name="Call").click()
+        await expect(form.get_by_role("alert")).to_have_text("options: not valid JSON")
+        assert device.stock.calls == []
+        await options.fill('{"a": 2}')
+        await steps.fill("[3, 1]")
+        await form.get_by_role("textbox", name="__proto__").fill("p")
+        await form.get_by_role("button", name="Call").click()
+        await expect(form.locator(".output")).to_contain_text("Result in")
+        assert device.stock.calls == [
+            (
+                SETUP["name"],
+                {
+                    "mode": "turbo",
+                    "level": 4,
+                    "ratio": 0.25,
+                    "enabled": True,
+                    "label": "<b>x</b>",
+                    "options": {"a": 2},
+                    "steps": [3, 1],
+                    "__proto__": "p",
+                },
+            )
+        ]
+        assert await page.evaluate("() => window.pwned === undefined")
+        await assert_accessible(page)
         console.assert_clean()

@@ -695,7 +695,8 @@ class ToolForm {
   }
 
   argumentsOf() {
-    const values = {};
+    // No prototype: a property a device names "__proto__" is an argument like any other.
+    const values = Object.create(null);
     for (const field of this.fields) {
       field.input.removeAttribute("aria-invalid");
       const value = field.read();
