@@ -22,9 +22,11 @@ import structlog
 import uvicorn
 
 from backend.api import create_app
+from backend.api.device_events import DeviceStreams
 from backend.api.provisioning import provisioning_router
 from backend.auth import Tokens, ensure_tokens
 from backend.config import Settings
+from backend.console import console_routes
 from backend.devices import DeviceRegistry
 from backend.devices.audit import AUDIT_MIGRATIONS, AuditLog
 from backend.devices.catalog import DEVICE_MIGRATIONS, DeviceCatalog
@@ -48,6 +50,7 @@ from backend.transports.admission import (
     SharedDeviceToken,
 )
 from backend.transports.base import Transport
+from backend.transports.browser import BrowserTransport
 from backend.transports.mqtt_setup import MqttService, mqtt_enabled
 from backend.transports.websocket import WebSocketTransport
 
@@ -135,10 +138,19 @@ class Bridge:
         self.frontends = FrontEnds(
             settings, self.database, self.registry, self.conversations, self.mcp_servers
         )
+        # The talk page's browser devices (backend/transports/browser.py), with the console.
+        self.browser: BrowserTransport | None = None
+        if settings.console_enabled:
+            self.browser = BrowserTransport(
+                settings, self.frontends.keys.active, self.provisioning.handshake_limits
+            )
+            self.transports.append(self.browser)
         # Users' MCP servers dialing in join the hub while connected (backend/mcp_dialin).
         self.mcp_dialin = DialInEndpoint(
             self.mcp_servers, self.frontends.keys.resolve, dialin_limits(settings)
         )
+        # The console's live fleet; a stream ends once its key is revoked.
+        self.device_streams = DeviceStreams(self.registry, key_active=self.frontends.keys.active)
         self.app = create_app(
             self.registry,
             self.tokens.admin,
@@ -148,9 +160,17 @@ class Bridge:
                 *self.frontends.routers(),
                 provisioning_router(self.provisioning, self.audit),
                 mcp_servers_router(self.mcp_servers),
+                *([self.browser.router()] if self.browser is not None else []),
             ],
-            routes=[*self.frontends.routes(), *self.mcp_dialin.routes],
+            routes=[
+                *self.frontends.routes(),
+                *self.mcp_dialin.routes,
+                # Before the console's /console mount, which would take the WebSocket too.
+                *(self.browser.routes if self.browser is not None else []),
+                *(console_routes() if settings.console_enabled else []),
+            ],
             cors_origins=settings.cors_origins,
+            device_streams=self.device_streams,
         )
         self._started: list[Transport] = []
         self._api: _ApiServer | None = None
@@ -254,6 +274,8 @@ class Bridge:
         await self.frontends.stop_sessions()
         await self.mcp_dialin.stop()
         await self.mcp_servers.stop()
+        # Endless event streams end first: the HTTP server waits for its open responses.
+        self.device_streams.close()
         if self._api is not None and self._api_task is not None:
             self._api.should_exit = True
             await self._api_task

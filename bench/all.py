@@ -25,6 +25,8 @@ BENCHMARKS = (
     "mcp_servers",
     "mcp_dialin",
     "voice",
+    "console_page",
+    "console_devices",
     "firmware_memory",
 )
 

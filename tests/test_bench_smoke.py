@@ -11,7 +11,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = [
     "tool_call", "sdk_compare", "hello_ready", "fleet", "disconnect", "chat", "udp", "mqtt", "fuzz",
-    "ota", "vision", "mcp_servers", "mcp_dialin", "voice",
+    "ota", "vision", "mcp_servers", "mcp_dialin", "voice", "console_page",
+    "console_devices",
 ]  # fmt: skip
 
 

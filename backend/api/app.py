@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match, Route
 
 from backend import __version__
+from backend.api.device_events import DeviceStreams
 from backend.api.errors import (
     ErrorBody,
     error_body,
@@ -102,6 +103,7 @@ def create_app(
     routers: Iterable[APIRouter] = (),
     routes: Iterable[BaseRoute] = (),
     cors_origins: Iterable[str] = (),
+    device_streams: DeviceStreams | None = None,
 ) -> FastAPI:
     """The HTTP API; every route but the open ones sits behind `AdminGate`, which resolves
     the admin token and (with `resolve_key`) API keys to principals. With `cors_origins`, a
@@ -142,6 +144,12 @@ def create_app(
             return _limited_listing(registry, principal.device_ids, states, cursor, limit)
         page = registry.listing(states=states, after=cursor, limit=limit)
         return DeviceList(devices=page.devices, next_cursor=page.next_cursor, total=page.total)
+
+    # The console's live fleet and whoami (backend/api/device_events.py), before
+    # `/api/devices/{device_id}`, which would take `events` for a device id.
+    streams = device_streams if device_streams is not None else DeviceStreams(registry)
+    app.state.device_streams = streams
+    app.include_router(streams.router())
 
     @app.get("/api/devices/{device_id}", responses=errors(404))
     async def get_device(device_id: str, principal: Reader) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from backend.auth import ADMIN_TOKEN_FILE
 from backend.config import Settings
 from backend.errors import BridgeError
 from backend.logs import configure_logging
@@ -38,6 +39,8 @@ async def run_bridge(settings: Settings) -> None:
         f"admin API at {bridge.api_url}",
         flush=True,
     )
+    if settings.console_enabled:
+        print(f"web console: {bridge.api_url}/ (log in with an API key or the admin token)")
     if bridge.mqtt is not None:
         mqtt = bridge.mqtt.endpoints()
         kind = "the bridge's own endpoint" if mqtt["mqtt_broker"] == "embedded" else "a broker"
@@ -101,6 +104,11 @@ async def run_demo(settings: Settings, console: Console) -> None:
         await _demo_calls(bridge, device.device_id, console)
         await _demo_chat(bridge, device.device_id, console)
         await _demo_voice(bridge, settings, console)
+        if settings.console_enabled:
+            console.print(
+                f"web console: {bridge.api_url}/ (log in with the admin token, in "
+                f"{settings.data_dir / ADMIN_TOKEN_FILE})"
+            )
         console.print(
             "\nServing until Ctrl-C. From another terminal try:\n"
             f"  esp32-bridge devices --data-dir {settings.data_dir}\n"
