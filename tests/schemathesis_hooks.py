@@ -38,10 +38,10 @@ def openai_error_shape(ctx: Any, response: Any, case: Any) -> None:
         assert response.status_code != 422, where
 
 
-# `GET /api/devices/events` streams until the client leaves; a checker reads a response whole.
+# `GET /api/fleet/events` streams until the client leaves; a checker reads a response whole.
 # So every request it sends that the API would answer with the endless stream asks for the
 # snapshot only (`snapshot_only=true`); a value the API refuses is left for the checks.
-_EVENTS_PATH = "/api/devices/events"
+_EVENTS_PATH = "/api/fleet/events"
 _FALSE = {"0", "off", "f", "false", "n", "no"}
 
 

@@ -146,12 +146,6 @@ include-path = "/api/provisioning/serial-keys/{{serial}}"
 include-method = "PUT"
 checks.positive_data_acceptance.enabled = false
 
-# `/api/devices/events` is also the URL of DELETE /api/devices/{device_id} for a device whose id
-# is `events` (the fleet's event stream shares the devices' prefix), so `Allow` names DELETE too.
-[[operations]]
-include-path = "/api/devices/events"
-checks.allow_header_conformance.enabled = false
-
 # A scope is a known name or mcp:<server>; the list of scopes is being widened by the
 # external MCP servers work (backend/keys/store.py) and the schema says it in words only.
 [[operations]]

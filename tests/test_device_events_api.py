@@ -1,4 +1,4 @@
-"""The console's server API: `GET /api/whoami`, the live fleet stream `GET /api/devices/events`
+"""The console's server API: `GET /api/whoami`, the live fleet stream `GET /api/fleet/events`
 and `GET /api/audit?device_id=` for a devices:read key (backend/api/device_events.py)."""
 
 import asyncio
@@ -18,7 +18,7 @@ from backend.server import Bridge
 from simulator.fleet import device_id_for
 from tests.helpers import ADMIN_TOKEN, create_key, eventually
 
-EVENTS = "/api/devices/events"
+EVENTS = "/api/fleet/events"
 
 
 @dataclass

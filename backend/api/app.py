@@ -145,8 +145,7 @@ def create_app(
         page = registry.listing(states=states, after=cursor, limit=limit)
         return DeviceList(devices=page.devices, next_cursor=page.next_cursor, total=page.total)
 
-    # The console's live fleet and whoami (backend/api/device_events.py), before
-    # `/api/devices/{device_id}`, which would take `events` for a device id.
+    # The console's live fleet and whoami (backend/api/device_events.py).
     streams = device_streams if device_streams is not None else DeviceStreams(registry)
     app.state.device_streams = streams
     app.include_router(streams.router())

@@ -2,7 +2,7 @@
 
 - `GET /api/whoami` (any valid key): `{key_id, name, scopes, device_ids, is_admin}`, so a page
   shows and allows what the key may do.
-- `GET /api/devices/events` (devices:read; a device-limited key sees its devices only): Server-
+- `GET /api/fleet/events` (devices:read; a device-limited key sees its devices only): Server-
   Sent Events. First `event: snapshot` batches `data: {"devices": [rows]}` (at most
   `SNAPSHOT_BATCH` rows each, rows exactly as `GET /api/devices` rows), then `event: ready`
   `data: {"total": N}`, then live `event: devices` `data: {"devices": [rows]}` and
@@ -47,7 +47,7 @@ SNAPSHOT_BATCH = 500
 FLUSH_INTERVAL_S = 0.1
 PING_INTERVAL_S = 15.0
 MAX_PENDING = 100_000
-EVENTS_PATH = "/api/devices/events"
+EVENTS_PATH = "/api/fleet/events"
 WHOAMI_PATH = "/api/whoami"
 # Events that change a device's row (or remove it); the others say nothing a row shows.
 ROW_EVENTS = frozenset(EventKind) - {EventKind.TOOL_CALLED, EventKind.VOICE_TURN}

@@ -125,8 +125,13 @@ export function whoami() {
   return whoamiCache;
 }
 
+// As the server has it: a key that may call devices may read them.
+const IMPLIED_BY = { "devices:read": ["devices:call"] };
+
 export function can(me, scope) {
-  return Boolean(me && (me.is_admin || me.scopes.includes(scope) || me.scopes.includes("admin")));
+  if (!me) return false;
+  if (me.is_admin || me.scopes.includes("admin")) return true;
+  return [scope, ...(IMPLIED_BY[scope] || [])].some((held) => me.scopes.includes(held));
 }
 
 /** The chat and guardrail models this browser asked for (null: the server's default). */

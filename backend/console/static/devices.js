@@ -1,4 +1,4 @@
-// The devices page: the live fleet from GET /api/devices/events (no polling), a device's tools
+// The devices page: the live fleet from GET /api/fleet/events (no polling), a device's tools
 // with a form per tool generated from its inputSchema, and its recent audit rows.
 //
 // A fleet may hold 10,000 devices: every device is kept in a Map (id → entry) with its row
@@ -35,8 +35,7 @@ const STATE_FILTERS = [
 ];
 
 startPage("Devices", (main, me) => {
-  // devices:call includes devices:read (as the server says).
-  if (!can(me, "devices:read") && !can(me, "devices:call")) {
+  if (!can(me, "devices:read")) {
     lacksScope(main, "devices:read");
     return;
   }
@@ -208,7 +207,7 @@ class DevicesPage {
     for (;;) {
       let snapshot = new Set();
       try {
-        const response = await apiStream("/api/devices/events", { method: "GET", signal: this.controller.signal });
+        const response = await apiStream("/api/fleet/events", { method: "GET", signal: this.controller.signal });
         this.setLink("live", "online");
         await readSSE(response, (event) => {
           snapshot = this.onEvent(event, snapshot);
@@ -443,7 +442,7 @@ class DevicesPage {
 
 function callDeniedReason(me, deviceId) {
   if (me.is_admin) return null;
-  if (!me.scopes.includes("devices:call")) return "This key lacks the devices:call scope: it may read tools but not call them.";
+  if (!can(me, "devices:call")) return "This key lacks the devices:call scope: it may read tools but not call them.";
   if (me.device_ids && !me.device_ids.includes(deviceId)) return "This key's devices:call scope does not cover this device.";
   return null;
 }
