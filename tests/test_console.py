@@ -112,3 +112,39 @@ async def test_a_key_revoked_while_the_page_is_open_brings_the_login_back(bridge
         await console.page.reload()
         await console.page.get_by_role("alert").filter(has_text="refused").wait_for()
         console.assert_clean(allow_errors=["401"])
+
+
+@pytest.mark.parametrize("path", list(PAGES))
+async def test_every_page_fits_a_phone_and_is_accessible_there(bridge: Bridge, path: str) -> None:
+    async with console_page(bridge, path, ADMIN_TOKEN, viewport=PHONE) as console:
+        page = console.page
+        await page.get_by_role("navigation", name="Console").wait_for()
+        await page.locator("#main > *").first.wait_for()
+        width = await page.evaluate("() => document.documentElement.scrollWidth")
+        assert width <= PHONE["width"], f"{path} is {width} px wide on a {PHONE['width']} px screen"
+        await assert_accessible(page)
+        console.assert_clean(allow_errors=["microphone", "NotFoundError"])
+
+
+async def test_the_keyboard_reaches_the_login_form_then_the_navigation(bridge: Bridge) -> None:
+    async with console_page(bridge, "/", None) as console:
+        page = console.page
+        key_field = page.get_by_label("API key or admin token")
+        await key_field.wait_for()
+        # The form takes the focus at once: a key can be pasted and sent with Enter.
+        assert await key_field.evaluate("(input) => input === document.activeElement")
+        await page.keyboard.type(ADMIN_TOKEN)
+        await page.keyboard.press("Enter")
+        await page.get_by_role("navigation", name="Console").wait_for()
+        # A fresh load of a page (the key is now in the tab): focus starts at the top.
+        await console.goto("/devices")
+        await page.get_by_role("navigation", name="Console").wait_for()
+        await page.keyboard.press("Tab")
+        focused = await page.evaluate("() => document.activeElement.textContent")
+        assert focused == "Skip to content"
+        await page.keyboard.press("Tab")
+        focused = await page.evaluate("() => document.activeElement.textContent")
+        assert focused == "Chat"
+        await page.keyboard.press("Enter")
+        await page.wait_for_url(console.url("/"))
+        console.assert_clean()
