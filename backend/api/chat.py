@@ -32,7 +32,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import structlog
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import StreamingResponse
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from backend.api.app import ApiError
 from backend.api.errors import errors
@@ -41,6 +41,7 @@ from backend.api.openai_compat import (
     OWNER,
     CompletionRequest,
     CompletionShape,
+    RequestModels,
     check_supported,
 )
 from backend.api.openapi import ConversationIdPath, streamed
@@ -52,7 +53,6 @@ from backend.chat import (
     DeviceToolBox,
     Done,
     InputMessage,
-    ModelName,
     Sources,
     Token,
     ToolCompleted,
@@ -107,7 +107,7 @@ def unknown_model(model: str) -> ApiError:
 # ---- request bodies ---------------------------------------------------------------------------
 
 
-class StreamRequest(BaseModel):
+class StreamRequest(RequestModels):
     """Seed 002's `POST /chat/stream` body (camelCase names accepted too)."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
@@ -115,16 +115,6 @@ class StreamRequest(BaseModel):
     message: str = Field(min_length=1, max_length=MAX_QUERY_CHARS)
     conversation_id: str | None = Field(default=None, alias="conversationId", max_length=128)
     device_id: str | None = Field(default=None, alias="deviceId")
-    chat_model: ModelName | None = Field(
-        default=None,
-        validation_alias=AliasChoices("chat_model", "ollama_model"),
-        description="the model that answers (null: the server's; `ollama_model` as the seed)",
-    )
-    guardrail_model: ModelName | None = Field(
-        default=None,
-        validation_alias=AliasChoices("guardrail_model", "ollama_guardrail_model"),
-        description="the model that classifies the question (null: the server's)",
-    )
 
 
 class ModelDefaults(BaseModel):

@@ -44,7 +44,23 @@ class ResponseFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema"]
 
 
-class CompletionRequest(BaseModel):
+class RequestModels(BaseModel):
+    """The models a client asks for in one request (the console's settings page; the seed's
+    config.html sent `ollama_model` and `ollama_guardrail_model`)."""
+
+    chat_model: ModelName | None = Field(
+        default=None,
+        validation_alias=AliasChoices("chat_model", "ollama_model"),
+        description="the model that answers (null: the server's; `ollama_model` as the seed)",
+    )
+    guardrail_model: ModelName | None = Field(
+        default=None,
+        validation_alias=AliasChoices("guardrail_model", "ollama_guardrail_model"),
+        description="the model that classifies the question (null: the server's)",
+    )
+
+
+class CompletionRequest(RequestModels):
     """OpenAI's chat completion request, every field either honoured or refused (see module)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -78,16 +94,6 @@ class CompletionRequest(BaseModel):
     metadata: dict[str, str] | None = None
     chat_id: str | None = Field(default=None, max_length=128, description="conversation id")
     device_id: str | None = Field(default=None, description="use this device's tools")
-    chat_model: ModelName | None = Field(
-        default=None,
-        validation_alias=AliasChoices("chat_model", "ollama_model"),
-        description="the model that answers (null: the server's; `ollama_model` as the seed)",
-    )
-    guardrail_model: ModelName | None = Field(
-        default=None,
-        validation_alias=AliasChoices("guardrail_model", "ollama_guardrail_model"),
-        description="the model that classifies the question (null: the server's)",
-    )
 
     def sampling(self) -> Sampling:
         limits = [n for n in (self.max_tokens, self.max_completion_tokens) if n is not None]

@@ -85,11 +85,7 @@ class HttpProvider:
             await response.aread()
         except httpx.HTTPError as exc:
             raise self._unreachable(exc) from None
-        self._check_status(response.status_code, response.text)
-        try:
-            return response.json()
-        except ValueError:
-            raise LlmError(f"{self.name}: the reply is not JSON") from None
+        return self._json_of(response)
 
     async def get_json(self, url: str) -> Any:
         """GET a listing (no retry needed: nothing was sent that a dropped connection loses
@@ -98,6 +94,10 @@ class HttpProvider:
             response = await self._client.get(url)
         except httpx.HTTPError as exc:
             raise self._unreachable(exc) from None
+        return self._json_of(response)
+
+    def _json_of(self, response: httpx.Response) -> Any:
+        """The body of a read reply as JSON; LlmError for an error status or another body."""
         self._check_status(response.status_code, response.text)
         try:
             return response.json()
