@@ -108,7 +108,10 @@ async def test_the_browser_speaks_a_command_and_plays_the_answer(
         await expect(log.locator(".talk-assistant").first).not_to_be_empty()
         assert stats["sentences"], stats
         await assert_accessible(page)
-        if codec == "opus":
+        if codec == "opus":  # the recognized turn and its answer in view
+            await log.locator(
+                ".talk-user", has_text="set the volume"
+            ).first.scroll_into_view_if_needed()
             await save_screenshot(page, "talk")
         await page.get_by_role("button", name="Disconnect").click()
         await expect(status).to_contain_text("Disconnected")
