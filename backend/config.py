@@ -290,6 +290,9 @@ class Settings(BaseSettings):
     llm_api_key: SecretStr | None = None
     llm_model: str = "qwen2.5:7b-instruct"
     guardrail_model: str = "qwen2.5:3b-instruct"
+    # The models a request may ask for (`chat_model`, `guardrail_model`: the console's settings),
+    # besides the two above. None: any the model service has; [] : only the configured ones.
+    chat_models_allowed: list[str] | None = None
     llm_timeout_s: float = Field(60.0, gt=0)
     search_enabled: bool = True
     # Tried in this order until one answers with results (env: "searxng,duckduckgo" or JSON).

@@ -228,6 +228,45 @@ async def test_bad_model_names_are_refused_before_any_model_call(
     assert not fake_llm.requests
 
 
+async def test_an_allow_list_bounds_the_models_a_request_may_ask_for(
+    bridge_factory: Any, fake_llm: FakeLlm
+) -> None:
+    fake_llm.models = ["cheap:1b", "costly-xl", CHAT_DEFAULT]
+    bridge = await bridge_factory(
+        llm_provider="openai",
+        llm_base_url=fake_llm.url,
+        llm_model=CHAT_DEFAULT,
+        guardrail_model=GUARD_DEFAULT,
+        chat_models_allowed=["cheap:1b"],
+    )
+    key = await create_key(bridge, "chat:use")
+    async with admin(bridge, key) as client:
+        # The listing offers only what a request may ask for.
+        listed = (await client.get("/api/chat/models")).json()["models"]
+        assert listed == ["cheap:1b", CHAT_DEFAULT]
+        completion = {"model": MODEL, "messages": [{"role": "user", "content": GUARDED}]}
+        for field in ("chat_model", "ollama_guardrail_model"):
+            response = await client.post(
+                "/v1/chat/completions", json={**completion, field: "costly-xl"}
+            )
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["code"] == "model_not_allowed"
+            assert error["param"] == field.replace("ollama_", "")
+            streamed = await client.post(
+                "/api/chat/stream", json={"message": GUARDED, field: "costly-xl"}
+            )
+            assert streamed.status_code == 400
+            assert streamed.json()["error"]["code"] == "model_not_allowed"
+        assert not fake_llm.requests  # refused before any model call
+        # An allowed one, and the configured defaults, go through.
+        body = {"message": GUARDED, "chat_model": "cheap:1b", "guardrail_model": GUARD_DEFAULT}
+        events = await stream(client, body)
+    assert events[-1]["type"] == "done"
+    assert fake_llm.models_of("chat") == ["cheap:1b"]
+    assert fake_llm.models_of("guardrail") == [GUARD_DEFAULT]
+
+
 async def test_a_name_and_its_alias_together_are_refused(
     http: httpx.AsyncClient, fake_llm: FakeLlm
 ) -> None:

@@ -63,6 +63,7 @@ from backend.chat import (
 from backend.chat.llm.base import ANY_SAMPLING, LlmError, Sampling
 from backend.chat.memory import Conversation, ConversationNotFound, check_conversation_id
 from backend.chat.text import first_surrogate
+from backend.config import Settings
 from backend.devices import DeviceRegistry
 from backend.keys import Principal, Scope
 from backend.mcp_servers.hub import McpServerHub
@@ -132,7 +133,28 @@ class ChatModels(BaseModel):
     error: str | None = None
 
 
-async def provider_models(chat: ChatService) -> ChatModels:
+def allowed_models(settings: Settings) -> frozenset[str] | None:
+    """The models a request may ask for: `chat_models_allowed` and the configured two, or None
+    (any the model service has)."""
+    if settings.chat_models_allowed is None:
+        return None
+    return frozenset([*settings.chat_models_allowed, settings.llm_model, settings.guardrail_model])
+
+
+def check_models_allowed(
+    models: tuple[str | None, str | None], allowed: frozenset[str] | None
+) -> None:
+    """400 `model_not_allowed` for a requested model outside `chat_models_allowed`: a key may
+    choose among the models the operator allowed, not run up a bill on any other."""
+    if allowed is None:
+        return
+    for param, model in zip(("chat_model", "guardrail_model"), models, strict=True):
+        if model is not None and model not in allowed:
+            message = f"model {model[:80]!r} is not allowed here (setting chat_models_allowed)"
+            raise ApiError(400, "model_not_allowed", message, param=param)
+
+
+async def provider_models(chat: ChatService, allowed: frozenset[str] | None = None) -> ChatModels:
     llm = chat.llm
     if llm is None:
         return ChatModels(
@@ -148,6 +170,8 @@ async def provider_models(chat: ChatService) -> ChatModels:
     except LlmError as exc:  # unreachable, refused, garbled: the page still offers the defaults
         log.info("chat model listing failed", provider=llm.name, error=str(exc))
         return ChatModels(provider=kind, defaults=defaults, models=[], error=str(exc))
+    if allowed is not None:
+        names = [name for name in names if name in allowed]
     return ChatModels(provider=kind, defaults=defaults, models=names[:_MAX_LISTED_MODELS])
 
 
@@ -312,8 +336,12 @@ class ChatFront:
 
 
 def chat_router(
-    chat: ChatService, registry: DeviceRegistry, servers: McpServerHub | None = None
+    chat: ChatService,
+    registry: DeviceRegistry,
+    servers: McpServerHub | None = None,
+    allowed: frozenset[str] | None = None,
 ) -> APIRouter:
+    """The chat routes; `allowed`: the models a request may ask for (None: any)."""
     front = ChatFront(chat, registry, servers)
     router = APIRouter(tags=["chat"])
 
@@ -326,7 +354,7 @@ def chat_router(
     @router.get("/api/chat/models", response_model=ChatModels)
     async def chat_models(_chatter: Chatter) -> ChatModels:
         """What the configured provider offers, for the console's settings page."""
-        return await provider_models(chat)
+        return await provider_models(chat, allowed)
 
     @router.get("/v1/models/{model}", responses=errors(404))
     async def get_model(model: str, _chatter: Chatter) -> dict[str, Any]:
@@ -344,6 +372,7 @@ def chat_router(
         if body.model != MODEL_ID:
             raise unknown_model(body.model)
         check_supported(body)
+        check_models_allowed((body.chat_model, body.guardrail_model), allowed)
         client_context = body.chat_id is None
         request = await front.prepare(
             principal,
@@ -421,6 +450,7 @@ def chat_router(
     @router.post("/api/chat/stream", response_model=None, responses=streamed(404, 503))
     async def stream(body: StreamRequest, principal: Chatter) -> StreamingResponse:
         check_text(body.model_dump())
+        check_models_allowed((body.chat_model, body.guardrail_model), allowed)
         request = await front.prepare(
             principal,
             text=body.message,

@@ -9,7 +9,7 @@ endpoint and the device conversations, on the bridge's database, registry and co
 from fastapi import APIRouter
 from starlette.routing import BaseRoute
 
-from backend.api.chat import chat_router
+from backend.api.chat import allowed_models, chat_router
 from backend.api.keys import keys_router
 from backend.api.mcp_endpoint import McpEndpoint
 from backend.chat import CHAT_MIGRATIONS, ChatService, SqliteMemoryStore
@@ -42,10 +42,12 @@ class FrontEnds:
         self.voice = build_voice(settings, hub, registry, self.device_chat)
         self._registry = registry
         self._servers = servers
+        self._allowed_models = allowed_models(settings)
         self._started = False
 
     def routers(self) -> list[APIRouter]:
-        return [keys_router(self.keys), chat_router(self.chat, self._registry, self._servers)]
+        chat = chat_router(self.chat, self._registry, self._servers, self._allowed_models)
+        return [keys_router(self.keys), chat]
 
     def routes(self) -> list[BaseRoute]:
         return [self.mcp.route]
