@@ -2,8 +2,12 @@
 device's complexity 0, then decoded) and the routing judge (does the offline router do with the
 recognized text what it does with the text that was spoken?)."""
 
+import json
 import re
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from backend.chat.llm import FunctionSpec
 from backend.chat.offline import IntentDetector, is_dental, with_description_choices
@@ -15,6 +19,38 @@ from simulator.in_process import FirmwareDevice
 
 # Two English voices of eSpeak NG (different accent and speaker variant).
 VOICES = ("en-us", "en-gb+m3")
+_ROOT = Path(__file__).resolve().parent.parent
+# eSpeak's output for a text depends on everything it synthesized before in the process (its
+# pitch flutter runs on across utterances; neither a seed nor re-initializing resets it), so a
+# set rendered after other tests' speech differed from run to run ("thirty" heard as "13" in
+# one run of three). Rendered in a fresh process, in a fixed order, it is the same every time.
+_RENDER_ALL = """
+import json, sys
+from backend.voice.tts import render
+for text, voice in json.loads(sys.stdin.read()):
+    pcm = render(text, voice=voice).pcm
+    sys.stdout.buffer.write(len(pcm).to_bytes(4, "big") + pcm)
+"""
+
+
+def render_fresh(items: list[tuple[str, str | None]]) -> list[bytes]:
+    """16 kHz PCM16 of each (text, eSpeak voice), rendered in a new process in this order:
+    the same bytes on every run, whatever this process synthesized before."""
+    done = subprocess.run(
+        [sys.executable, "-c", _RENDER_ALL],
+        input=json.dumps(items).encode(),
+        capture_output=True,
+        cwd=_ROOT,
+        timeout=120,
+        check=True,
+    )
+    out, clips = done.stdout, []
+    while out:
+        size = int.from_bytes(out[:4], "big")
+        clips.append(out[4 : 4 + size])
+        out = out[4 + size :]
+    assert len(clips) == len(items), done.stderr[-2000:]
+    return clips
 
 
 def device_path_frames(pcm: bytes) -> list[bytes]:

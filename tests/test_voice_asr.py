@@ -29,7 +29,13 @@ from backend.voice.asr_worker import Hyp, Word, choose, without_unsure_units
 from backend.voice.audio import UPLINK_RATE, frame_bytes, read_wav
 from backend.voice.tts import render
 from simulator.in_process import FirmwareDevice
-from tests.asr_helpers import VOICES, RoutingJudge, Utterance, device_path_frames
+from tests.asr_helpers import (
+    VOICES,
+    RoutingJudge,
+    Utterance,
+    device_path_frames,
+    render_fresh,
+)
 from tests.fakes.transcription_server import FakeTranscriptionServer, TranscriptionReply
 
 pytest.importorskip("pocketsphinx")
@@ -106,12 +112,14 @@ async def recognize(
 def recognition_results(
     sphinx: PocketsphinxRecognizer, hints: RecognitionHints
 ) -> list[tuple[str, Utterance, Transcript]]:
+    cases = [(voice, utterance) for voice in VOICES for utterance in RECOGNITION_SET]
+    speech = render_fresh([(utterance.text, voice) for voice, utterance in cases])
+
     async def run_all() -> list[tuple[str, Utterance, Transcript]]:
         results = []
-        for voice in VOICES:
-            for utterance in RECOGNITION_SET:
-                frames = device_path_frames(render(utterance.text, voice=voice).pcm)
-                results.append((voice, utterance, await recognize(sphinx, hints, frames)))
+        for (voice, utterance), pcm in zip(cases, speech, strict=True):
+            frames = device_path_frames(pcm)
+            results.append((voice, utterance, await recognize(sphinx, hints, frames)))
         return results
 
     return asyncio.run(run_all())
