@@ -10,14 +10,19 @@ from structlog.testing import capture_logs
 from backend.server import Bridge
 from backend.voice.audio import Clip
 from backend.voice.service import BUSY
-from backend.voice.tts import render
 from simulator.voice_client import VoiceDevice, speak_turn
+from tests.asr_helpers import render_fresh
 from tests.helpers import DEVICE_TOKEN, eventually, wait_state
 from tests.voice_helpers import spoken
 
 pytestmark = pytest.mark.slow
 
 COMMAND = "set the volume to thirty"
+
+
+def fresh_speech(text: str) -> Clip:
+    """`text` at 16 kHz, the same audio on every run (see tests/asr_helpers.render_fresh)."""
+    return Clip(render_fresh([(text, None)])[0], 16000)
 
 
 def _device(bridge: Bridge, device_id: str, **kwargs) -> VoiceDevice:
@@ -43,7 +48,7 @@ async def test_garbage_opus_is_dropped_and_the_device_and_its_neighbour_still_ta
         await wait_state(bridge, "02:00:00:00:a0:02")
         await bad.listen_start("auto")
         with capture_logs() as logs:
-            neighbour = asyncio.create_task(speak_turn(good, render(COMMAND, "en", 16000)))
+            neighbour = asyncio.create_task(speak_turn(good, fresh_speech(COMMAND)))
             await _garbage(bad, 300)
             reply = await neighbour
         session = bridge.frontends.voice.sessions["02:00:00:00:a0:01"]
@@ -53,7 +58,7 @@ async def test_garbage_opus_is_dropped_and_the_device_and_its_neighbour_still_ta
         assert "Opus" in dropped[0]["error"]
         assert reply.kinds[-1] == "tts stop" and good.mcp.calls
         # The garbage sender can still hold a turn.
-        again = await speak_turn(bad, render("set the volume to twenty", "en", 16000))
+        again = await speak_turn(bad, fresh_speech("set the volume to twenty"))
     assert again.kinds[-1] == "tts stop"
     assert bad.mcp.calls[-1] == ("self.audio_speaker.set_volume", {"volume": 20})
 
@@ -63,7 +68,7 @@ async def test_audio_without_listen_start_is_dropped_undecoded(bridge_factory):
     async with _device(bridge, "02:00:00:00:a1:01") as device:
         await wait_state(bridge, "02:00:00:00:a1:01")
         with capture_logs() as logs:
-            await device.send_speech(render(COMMAND, "en", 16000), realtime=False)
+            await device.send_speech(fresh_speech(COMMAND), realtime=False)
             await device.send_mcp({"jsonrpc": "2.0", "method": "notifications/ping"})
             await asyncio.sleep(0.3)
         assert "02:00:00:00:a1:01" not in bridge.frontends.voice.sessions
@@ -74,7 +79,7 @@ async def test_audio_without_listen_start_is_dropped_undecoded(bridge_factory):
 
 async def test_a_device_that_never_pauses_is_cut_at_the_utterance_limit(bridge_factory):
     bridge = await bridge_factory(voice_enabled=True, voice_max_utterance_s=3.0)
-    speech = render(" ".join([COMMAND] * 6), "en", 16000)  # ~10 s without a pause
+    speech = fresh_speech(" ".join([COMMAND] * 6))  # ~10 s without a pause
     async with _device(bridge, "02:00:00:00:a2:01") as device:
         await wait_state(bridge, "02:00:00:00:a2:01")
         with capture_logs() as logs:
@@ -156,7 +161,7 @@ async def test_past_the_session_bound_a_device_hears_it_is_busy_and_the_talker_g
         assert busy.sentences == [BUSY]
         assert any(line["event"].startswith("voice session refused") for line in logs)
         assert list(bridge.frontends.voice.sessions) == ["02:00:00:00:a6:01"]
-        reply = await speak_turn(talker, render(COMMAND, "en", 16000))
+        reply = await speak_turn(talker, fresh_speech(COMMAND))
     assert talker.mcp.calls[-1] == ("self.audio_speaker.set_volume", {"volume": 30})
     assert reply.kinds[-1] == "tts stop"
 
