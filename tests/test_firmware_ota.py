@@ -17,7 +17,7 @@ import pytest
 
 from backend.firmware import micropython_lib
 from backend.firmware.build import build
-from backend.firmware.bundle import make_bundle, read_manifest
+from backend.provisioning.bundle import make_bundle, read_manifest
 from backend.server import Bridge
 from simulator.firmware import firmware_module
 from simulator.processes import WatchedProcess

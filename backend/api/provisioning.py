@@ -38,7 +38,7 @@ from backend.provisioning.service import Provisioning
 from backend.transports.mqtt_credentials import mosquitto_password_file
 
 Admin = Annotated[Principal, Depends(needs(Scope.ADMIN))]
-# The checks of backend/firmware/releases.py (check_board, check_version) and of the serial key
+# The checks of backend/provisioning/releases.py (check_board, check_version) and of the serial key
 # store, said in the schema; the code's own checks stay, with their messages.
 BOARD_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"
 VERSION_PATTERN = r"^[0-9]{1,9}(\.[0-9]{1,9}){0,3}$"

@@ -274,7 +274,7 @@ def bundle(
 ) -> None:
     """Pack a firmware build into an OTA bundle for `firmware publish` (our MicroPython
     firmware updates its files from it)."""
-    from backend.firmware.bundle import make_bundle
+    from backend.provisioning.bundle import make_bundle
 
     with one_line_errors():
         ensure = stale_build(build_dir)

@@ -43,7 +43,6 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from backend.auth import DEVICE_TOKEN_FILE, load_or_create_secret, read_token
 from backend.config import Settings
 from backend.devices.registry import DeviceRegistry
-from backend.firmware.releases import FIRMWARE_DIR, FIRMWARE_MIGRATIONS, FirmwareReleases, Release
 from backend.logs import LogBudget
 from backend.provisioning import ota as proto
 from backend.provisioning.errors import TooManyPending
@@ -52,6 +51,12 @@ from backend.provisioning.ratelimit import (
     Limits,
     device_key,
     host_of,
+)
+from backend.provisioning.releases import (
+    FIRMWARE_DIR,
+    FIRMWARE_MIGRATIONS,
+    FirmwareReleases,
+    Release,
 )
 from backend.provisioning.store import (
     PROVISIONING_MIGRATIONS,

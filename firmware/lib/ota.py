@@ -6,7 +6,7 @@ its broker login and topics, which chooses the MQTT transport. A device the brid
 yet gets an `activation` {code, message, challenge}: it shows the code and polls
 `<ota_url>/activate` (202 pending, 200 approved) until the operator approves it, then checks
 again. A `firmware` offer of a newer version is a bundle of the firmware's files
-(backend/firmware/bundle.py): `apply_bundle` streams it into `<name>.new` files, checks every
+(backend/provisioning/bundle.py): `apply_bundle` streams it into `<name>.new` files, checks every
 file's size and SHA-256 and the whole bundle's, and only then renames them over the old ones
 and writes `version` (which the firmware reports from then on, so an upgrade cannot loop).
 
