@@ -112,11 +112,6 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
     logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
 
 
-def clip(text: str, limit: int = 120) -> str:
-    """Device-supplied text as it may appear in a log line: at most `limit` characters."""
-    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} chars)"
-
-
 class LogBudget:
     """Bounds what one noisy source (a device, a peer) can write to the log.
 

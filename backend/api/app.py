@@ -37,8 +37,9 @@ from backend.api.errors import (
 from backend.api.gate import OPEN_PATHS, AdminGate
 from backend.api.openapi import add_checked_constraints
 from backend.api.scopes import actor_of, needs, principal_of
+from backend.common import iso_time
 from backend.devices import DeviceRegistry, DeviceState
-from backend.devices.registry import LIVE_STATES, is_user_only, iso_time
+from backend.devices.registry import LIVE_STATES, is_user_only
 from backend.errors import BridgeError
 from backend.keys import Principal, Scope
 from backend.mcp_session import Tool

@@ -16,7 +16,8 @@ from typing import Any
 from backend.chat.llm.base import Message
 from backend.chat.offline import extractive_summary
 from backend.chat.prompts import SOURCES_HEADING
-from backend.chat.text import Language, clip
+from backend.chat.text import Language
+from backend.common import clip
 
 MAX_INSTRUCTIONS_CHARS = 4000
 _OLD_MESSAGE_CHARS = 160

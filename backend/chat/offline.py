@@ -35,7 +35,8 @@ from backend.chat.lexicon import (
 )
 from backend.chat.llm.base import FunctionSpec
 from backend.chat.search import SearchResult, kb_terms
-from backend.chat.text import Language, clip, sentences
+from backend.chat.text import Language, sentences
+from backend.common import clip
 
 DEFAULT_THRESHOLD = 0.7
 _NUMBER = re.compile(r"(?<![\w.])(-?\d{1,4})(?:\s*(?:%|phần trăm|percent|phan tram))?(?![\w])")

@@ -29,6 +29,7 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from backend.chat.text import Language, folded_words, wordset
+from backend.common import clip
 from backend.errors import BridgeError
 
 if TYPE_CHECKING:
@@ -274,11 +275,6 @@ def _http_link(value: object) -> str | None:
     return value if url.host else None
 
 
-def _clip(text: object, limit: int) -> str:
-    flat = " ".join(str(text or "").split())
-    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
-
-
 def _results(
     rows: object, n: int, origin: Origin, *, link: str, title: str, content: str
 ) -> list[SearchResult]:
@@ -295,8 +291,9 @@ def _results(
         seen.add(href)
         found.append(
             SearchResult(
-                title=_clip(row.get(title), MAX_TITLE_CHARS) or _clip(href, MAX_TITLE_CHARS),
-                content=_clip(row.get(content), MAX_CONTENT_CHARS),
+                title=clip(row.get(title), MAX_TITLE_CHARS, at_word=False)
+                or clip(href, MAX_TITLE_CHARS, at_word=False),
+                content=clip(row.get(content), MAX_CONTENT_CHARS, at_word=False),
                 link=href,
                 origin=origin,
             )
@@ -363,7 +360,11 @@ class GoogleSearch(_HttpSearch):
         except ValidationError:
             return super()._status_detail(status, body)
         reason = " ".join(part for part in (error.status, error.message) if part)
-        return f" ({_clip(reason, 160)})" if reason else super()._status_detail(status, body)
+        return (
+            f" ({clip(reason, 160, at_word=False)})"
+            if reason
+            else super()._status_detail(status, body)
+        )
 
 
 class SearxngSearch(_HttpSearch):

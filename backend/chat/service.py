@@ -75,9 +75,10 @@ from backend.chat.search import (
     WebSearch,
     format_results,
 )
-from backend.chat.text import Language, bounded_summary, clip, replace_surrogates
+from backend.chat.text import Language, bounded_summary, replace_surrogates
 from backend.chat.tokens import count_prompt, count_tokens, cut_to_tokens
 from backend.chat.tools import NoTools, ToolBox, ToolOutcome
+from backend.common import clip
 from backend.config import Settings
 from backend.errors import BridgeError
 

@@ -47,18 +47,6 @@ def sentences(text: str) -> list[str]:
     return [part for part in parts if part]
 
 
-def clip(text: str, limit: int) -> str:
-    """At most `limit` characters, cut at a word boundary, with an ellipsis when cut."""
-    text = " ".join(text.split())
-    if len(text) <= limit:
-        return text
-    cut = text[: limit - 1]
-    space = cut.rfind(" ")
-    if space > limit // 2:
-        cut = cut[:space]
-    return cut.rstrip(" ,;:") + "…"
-
-
 def wordset(text: str) -> frozenset[str]:
     """A set of the space-separated words in `text` (for compact word lists)."""
     return frozenset(text.split())

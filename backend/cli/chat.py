@@ -13,6 +13,7 @@ from rich.console import Console
 from backend.cli.client import AdminError
 from backend.cli.options import ConfigOpt, DataDirOpt, ServerOpt, admin_client
 from backend.cli.output import console, err_console, fail
+from backend.common import clip
 
 QUIT = frozenset({"/quit", "/exit", "/q"})
 
@@ -61,17 +62,12 @@ def _tool_line(event: dict[str, Any]) -> str:
     if status == "completed":
         texts = [str(part.get("text", "")) for part in event.get("result") or []]
         flag = " (tool reported an error)" if event.get("is_error") else ""
-        return f"  [tool] {tool} → {_clip(' '.join(texts))}{flag}"
+        return f"  [tool] {tool} → {clip(' '.join(texts), 160)}{flag}"
     return f"  [tool] {tool} failed: {event.get('error')}"
 
 
 def _compact(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-
-
-def _clip(text: str, limit: int = 160) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def chat(

@@ -6,6 +6,7 @@ from typing import Any
 
 from backend.auth import ADMIN_TOKEN_FILE, DEVICE_TOKEN_FILE, read_token
 from backend.cli.output import fail
+from backend.common import reachable_host, url_host
 from backend.config import ConfigError, Settings, load_settings
 from backend.runtime import read_runtime_file
 
@@ -17,15 +18,10 @@ def cli_settings(config: Path | None = None, **overrides: Any) -> Settings:
         raise fail(str(exc), 2) from None
 
 
-def local_host(host: str) -> str:
-    """A wildcard listen address is reached on loopback."""
-    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-
-
 def device_url(settings: Settings) -> str:
     """The running bridge's device endpoint, else the configured one."""
     return _runtime_value(settings, "ws_url") or (
-        f"ws://{local_host(settings.ws_host)}:{settings.ws_port}{settings.ws_path}"
+        f"ws://{url_host(reachable_host(settings.ws_host))}:{settings.ws_port}{settings.ws_path}"
     )
 
 
@@ -34,7 +30,7 @@ def api_url(settings: Settings) -> str:
     return (
         os.environ.get("BRIDGE_SERVER")
         or _runtime_value(settings, "api_url")
-        or f"http://{local_host(settings.http_host)}:{settings.http_port}"
+        or f"http://{url_host(reachable_host(settings.http_host))}:{settings.http_port}"
     )
 
 

@@ -23,7 +23,8 @@ from typing import Any
 
 import structlog
 
-from backend.devices.registry import DeviceEvent, DeviceRegistry, EventKind, iso_time
+from backend.common import iso_time
+from backend.devices.registry import DeviceEvent, DeviceRegistry, EventKind
 from backend.storage import Database, DatabaseError, Migration, WriteBehind
 
 log = structlog.get_logger("audit")

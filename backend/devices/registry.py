@@ -18,13 +18,13 @@ import weakref
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
 from enum import StrEnum
 from types import MappingProxyType
 from typing import Any, Protocol
 
 import structlog
 
+from backend.common import iso_time
 from backend.devices.confirm import ConfirmationPolicy
 from backend.devices.conversation import Conversation
 from backend.devices.errors import (
@@ -686,9 +686,3 @@ class DeviceRegistry:
         finally:
             unsubscribe()
         return self._live[device_id]
-
-
-def iso_time(timestamp: float | None) -> str | None:
-    if timestamp is None:
-        return None
-    return datetime.fromtimestamp(timestamp, UTC).isoformat()

@@ -20,11 +20,12 @@ from typing import Any
 
 import structlog
 
+from backend.common import excerpt
 from backend.config import Settings
 from backend.devices.conversation import Conversation, ConversationHub, HandlerResult
 from backend.devices.limits import InboundLimit
 from backend.devices.registry import Device, DeviceRegistry, DeviceState
-from backend.logs import DeviceBudgets, DeviceLog, LogBudget, clip
+from backend.logs import DeviceBudgets, DeviceLog, LogBudget
 from backend.mcp_session import DeviceDisconnected, McpClient, McpError, TimeoutPolicy, Tool
 from backend.mcp_session.models import ToolLimits
 from backend.protocol import (
@@ -183,7 +184,7 @@ class DeviceSession:
                 return
             message = device_message(data)
         except ParseError as exc:
-            self._dropped("dropped device message", reason=clip(str(exc)), size=len(text))
+            self._dropped("dropped device message", reason=excerpt(str(exc)), size=len(text))
             return
         if isinstance(message, DeviceHello):
             await self._on_hello(message)
@@ -192,7 +193,7 @@ class DeviceSession:
             for listen_handler in self._hub.listen_handlers():
                 self._run_handler(listen_handler, message)
         elif isinstance(message, Abort):
-            self._chatter("abort", reason=clip(message.reason) if message.reason else None)
+            self._chatter("abort", reason=excerpt(message.reason) if message.reason else None)
             for abort_handler in self._hub.abort_handlers():
                 self._run_handler(abort_handler, message)
         elif isinstance(message, Goodbye):
@@ -354,7 +355,9 @@ class DeviceSession:
         except DeviceDisconnected:
             return
         except McpError as exc:
-            self._log.warning("MCP handshake failed; device stays connected", error=clip(str(exc)))
+            self._log.warning(
+                "MCP handshake failed; device stays connected", error=excerpt(str(exc))
+            )
             self._registry.failed(self.device, str(exc))
             return
         self._last_relist = time.monotonic()
@@ -389,7 +392,7 @@ class DeviceSession:
                 try:
                     tools = await self._list_tools()
                 except McpError as exc:
-                    self._log.warning("re-listing tools failed", error=clip(str(exc)))
+                    self._log.warning("re-listing tools failed", error=excerpt(str(exc)))
                     continue
                 self._log.info("tool list read again", tools=len(tools))
                 self._registry.tools_changed(self.device, tools)
@@ -469,7 +472,7 @@ async def _awaited(outcome: Awaitable[None]) -> None:
 
 
 def _clipped(message: Listen) -> str | None:
-    return clip(message.text) if message.text is not None else None
+    return excerpt(message.text) if message.text is not None else None
 
 
 def timeout_policy(settings: Settings) -> TimeoutPolicy:

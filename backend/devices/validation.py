@@ -14,7 +14,7 @@ from typing import Any
 import jsonschema_rs
 import structlog
 
-from backend.logs import clip
+from backend.common import excerpt
 
 log = structlog.get_logger("devices.validation")
 
@@ -35,11 +35,11 @@ def argument_error(schema: dict[str, Any], arguments: dict[str, Any]) -> str | N
             return None
         error = next(validator.iter_errors(arguments), None)
     except (UnicodeError, ValueError, TypeError) as exc:  # e.g. a lone surrogate from json.loads
-        return clip(f"arguments are not valid JSON text: {type(exc).__name__}", MAX_REASON_CHARS)
+        return excerpt(f"arguments are not valid JSON text: {type(exc).__name__}", MAX_REASON_CHARS)
     if error is None:  # not expected: is_valid said no
         return "arguments do not match the tool's inputSchema"
     where = ".".join(str(part) for part in error.instance_path)
-    return clip(f"{where}: {error.message}" if where else str(error.message), MAX_REASON_CHARS)
+    return excerpt(f"{where}: {error.message}" if where else str(error.message), MAX_REASON_CHARS)
 
 
 # Schema dict identity -> (the dict, its validator). Tools are frozen and shared between devices

@@ -25,8 +25,9 @@ from typing import Any
 import structlog
 
 from backend import __version__
+from backend.common import excerpt
 from backend.errors import MessageTooLarge
-from backend.logs import LogBudget, clip
+from backend.logs import LogBudget
 from backend.mcp_session.errors import (
     DeviceDisconnected,
     DeviceError,
@@ -139,13 +140,13 @@ class McpClient:
         server = InitializeResult.from_wire(result)
         if server.protocol_version not in KNOWN_PROTOCOL_VERSIONS:
             self._log.warning(
-                "unknown MCP version from device", version=clip(server.protocol_version)
+                "unknown MCP version from device", version=excerpt(server.protocol_version)
             )
         await self.notify("notifications/initialized")
         self._log.debug(
             "MCP initialized",
-            server=clip(server.server_name) if server.server_name is not None else None,
-            mcp=clip(server.protocol_version),
+            server=excerpt(server.server_name) if server.server_name is not None else None,
+            mcp=excerpt(server.protocol_version),
         )
         return server
 
@@ -366,9 +367,9 @@ class McpClient:
             self._noisy().info("late MCP reply dropped", request_id=request_id)
         elif message.get("id") is None and message.get("error") is not None:
             error = _device_error(message["error"])
-            self._dropped("device reported an error without request id", error=clip(str(error)))
+            self._dropped("device reported an error without request id", error=excerpt(str(error)))
         else:
-            self._dropped("MCP reply with unknown id dropped", id=clip(repr(message.get("id"))))
+            self._dropped("MCP reply with unknown id dropped", id=excerpt(repr(message.get("id"))))
 
     def _on_device_request(self, method: str, request_id: Any) -> None:
         if type(request_id) not in (int, str, float):
@@ -387,7 +388,9 @@ class McpClient:
         if method == "ping":
             reply["result"] = {}
         else:
-            self._noisy().info("device request answered with method not found", method=clip(method))
+            self._noisy().info(
+                "device request answered with method not found", method=excerpt(method)
+            )
             reply["error"] = {"code": METHOD_NOT_FOUND, "message": f"Method not found: {method}"}
         self._replies_in_flight += 1
         self._spawn(self._send_reply(reply), "mcp-reply")
@@ -409,7 +412,7 @@ class McpClient:
 
     def _on_notification(self, method: str) -> None:
         if method != "notifications/tools/list_changed":
-            self._log.debug("device notification ignored", method=clip(method))
+            self._log.debug("device notification ignored", method=excerpt(method))
             return
         callback = self._on_tools_changed
         if callback is None:
@@ -498,9 +501,9 @@ def _device_error(error: Any) -> DeviceError:
             suffix = f" (code {code})" if code is not None else ""
             message = f"device error without a message{suffix}"
         # It travels on: into log lines, the device's `error`, API answers. Clipped once, here.
-        return DeviceError(clip(message, MAX_ERROR_CHARS), code, error.get("data"))
+        return DeviceError(excerpt(message, MAX_ERROR_CHARS), code, error.get("data"))
     if isinstance(error, str) and error:
-        return DeviceError(f"malformed error from device: {clip(error, MAX_ERROR_CHARS)}")
+        return DeviceError(f"malformed error from device: {excerpt(error, MAX_ERROR_CHARS)}")
     return DeviceError(f"malformed error from device ({json_kind(error)})")
 
 

@@ -13,7 +13,8 @@ from typing import Annotated, Any
 import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
-from backend.logs import LogBudget, clip
+from backend.common import excerpt
+from backend.logs import LogBudget
 from backend.mcp_session.errors import ProtocolViolation
 
 Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -156,12 +157,12 @@ def parse_tools(
         try:
             tool = _parse_tool(index, raw, budget)
         except (ValueError, RecursionError) as exc:  # pydantic's ValidationError is a ValueError
-            budget.warning("tool dropped", index=index, reason=clip(str(exc).splitlines()[0]))
+            budget.warning("tool dropped", index=index, reason=excerpt(str(exc).splitlines()[0]))
             continue
         if tool is None:
             continue
         if tool.name in seen:
-            budget.warning("duplicate tool name; keeping the first", tool=clip(tool.name))
+            budget.warning("duplicate tool name; keeping the first", tool=excerpt(tool.name))
             continue
         seen.add(tool.name)
         tools.append(tool)
@@ -181,12 +182,12 @@ def _parse_tool(index: int, raw: Any, log: Any) -> Tool | None:
     schema = raw.get("inputSchema", _MISSING)
     problem = _schema_problem(schema)
     if problem is not None:
-        log.warning("tool schema replaced by an empty one", tool=clip(name), reason=problem)
+        log.warning("tool schema replaced by an empty one", tool=excerpt(name), reason=problem)
         schema = default_input_schema()
     description = raw.get("description")
     if description is not None and not isinstance(description, str):
         kind = json_kind(description)
-        log.info("tool description ignored", tool=clip(name), reason=f"it is {kind}")
+        log.info("tool description ignored", tool=excerpt(name), reason=f"it is {kind}")
     return _shared_tool(
         name=name,
         description=description if isinstance(description, str) else "",

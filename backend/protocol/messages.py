@@ -10,8 +10,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from backend.common import excerpt
 from backend.errors import BridgeError
-from backend.logs import clip
 
 
 class ParseError(BridgeError):
@@ -128,7 +128,7 @@ def decode_device_message(text: str | bytes) -> dict[str, Any]:
     if not isinstance(kind, str):
         raise ParseError("message has no string 'type'")
     if kind not in DEVICE_TYPES:
-        raise ParseError(f"unknown message type {clip(kind)!r}")  # the reason is logged
+        raise ParseError(f"unknown message type {excerpt(kind)!r}")  # the reason is logged
     return data
 
 

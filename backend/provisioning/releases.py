@@ -34,7 +34,7 @@ from typing import Any, BinaryIO
 
 import structlog
 
-from backend.devices.registry import iso_time
+from backend.common import iso_time
 from backend.provisioning.errors import InvalidRelease, UnknownRelease
 from backend.provisioning.ota import is_newer, parse_version, valid_version
 from backend.storage import Database, Migration

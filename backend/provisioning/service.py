@@ -41,6 +41,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from backend.auth import DEVICE_TOKEN_FILE, load_or_create_secret, read_token
+from backend.common import reachable_host, url_host
 from backend.config import Settings
 from backend.devices.registry import DeviceRegistry
 from backend.logs import LogBudget
@@ -78,7 +79,6 @@ MIGRATIONS: tuple[Migration, ...] = (*PROVISIONING_MIGRATIONS, *FIRMWARE_MIGRATI
 REVOKED = "device credentials revoked"
 REQUEST_HEAD_S = 10.0  # a device-side HTTP connection must start each request within this
 _HOSTNAME = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]{1,253})$")
-_WILDCARDS = ("", "0.0.0.0", "::")
 MAX_REMEMBERED_HOSTS = 10_000  # the OTA Host of this many devices, for their vision URL
 
 
@@ -192,9 +192,8 @@ class Provisioning:
 
     @property
     def ota_url(self) -> str:
-        host = self.settings.device_http_host
-        host = "127.0.0.1" if host in _WILDCARDS else host
-        return f"http://{_url_host(host)}:{self.http_port}{self.settings.ota_path}"
+        host = url_host(reachable_host(self.settings.device_http_host))
+        return f"http://{host}:{self.http_port}{self.settings.ota_path}"
 
     def vision_capability(self, device_id: str) -> dict[str, str] | None:
         """`capabilities.vision` of the device's MCP initialize: the external `vision_url` (and
@@ -506,7 +505,7 @@ class Provisioning:
             if _HOSTNAME.match(name):
                 return name
         configured = self.settings.ws_host
-        return _url_host("127.0.0.1" if configured in _WILDCARDS else configured)
+        return url_host(reachable_host(configured))
 
 
 class _RequestDeadline(H11Protocol):
@@ -556,10 +555,6 @@ def _owner_only(path: Path) -> None:
     for candidate in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
         with contextlib.suppress(OSError):
             candidate.chmod(0o600)
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def _bind(host: str, port: int) -> socket.socket:

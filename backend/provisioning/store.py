@@ -41,7 +41,7 @@ from typing import Any, Literal
 
 import structlog
 
-from backend.devices.registry import iso_time
+from backend.common import iso_time
 from backend.logs import LogBudget
 from backend.provisioning.errors import (
     AmbiguousActivation,

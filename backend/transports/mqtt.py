@@ -40,6 +40,7 @@ from urllib.parse import unquote, urlsplit
 import aiomqtt
 import structlog
 
+from backend.common import WILDCARD_HOSTS
 from backend.errors import BridgeError, MessageTooLarge
 from backend.logs import EventBudget
 from backend.protocol.audio import AudioFrame
@@ -164,7 +165,7 @@ class MqttSettings:
     def announced_udp_host(self) -> str:
         if self.udp_public_host:
             return self.udp_public_host
-        if self.udp_host in ("", "0.0.0.0", "::"):
+        if self.udp_host in WILDCARD_HOSTS:
             raise MqttConfigError(
                 "udp_public_host must be set when the UDP socket binds to all interfaces "
                 "(devices are told this address in the hello)"

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from backend.common import reachable_host, url_host
 from backend.errors import MessageTooLarge
 from backend.logs import LogBudget
 from backend.protocol import mqtt_packets as mp
@@ -266,9 +267,7 @@ class MqttEndpoint:
         return port
 
     def endpoints(self) -> dict[str, str]:
-        host = self.settings.host
-        host = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
-        host = f"[{host}]" if ":" in host else host
+        host = url_host(reachable_host(self.settings.host))
         return {"mqtt": f"mqtt://{host}:{self.port}", "udp": f"udp://{host}:{self.udp.port}"}
 
     @property

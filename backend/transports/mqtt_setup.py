@@ -15,6 +15,7 @@ from pathlib import Path
 
 import structlog
 
+from backend.common import WILDCARD_HOSTS, reachable_host, url_host
 from backend.config import Settings
 from backend.transports.admission import Admission, HandshakeLimits
 from backend.transports.base import LinkAcceptor
@@ -40,7 +41,6 @@ log = structlog.get_logger("transport.mqtt")
 
 EMBEDDED = "embedded"
 MQTT_SECRET_FILE = "mqtt.secret"
-_WILDCARDS = ("", "0.0.0.0", "::")
 
 
 def mqtt_enabled(settings: Settings) -> bool:
@@ -79,14 +79,6 @@ def device_credentials(settings: Settings, created: list[Path] | None = None) ->
     return DerivedCredentials(mqtt_secret(settings, created))
 
 
-def _reachable(host: str) -> str:
-    return "127.0.0.1" if host in _WILDCARDS else host
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-
-
 class MqttService:
     """The `Transport` the bridge starts: the embedded endpoint, or a client of a broker."""
 
@@ -122,7 +114,7 @@ class MqttService:
         self.transport: MqttTransport | None = None
 
     def _check_udp(self) -> None:
-        if not self.settings.udp_public_host and self.settings.udp_host in _WILDCARDS:
+        if not self.settings.udp_public_host and self.settings.udp_host in WILDCARD_HOSTS:
             raise MqttConfigError(
                 "udp_public_host must be set when udp_host binds every interface: it is the "
                 "address devices send audio to (--udp-public-host or BRIDGE_UDP_PUBLIC_HOST)"
@@ -195,23 +187,21 @@ class MqttService:
         """Where devices reach MQTT (no credentials): `mqtt://host:port`."""
         if self.endpoint is not None:
             host = self.settings.mqtt_host
-            if host in _WILDCARDS and self.settings.udp_public_host:
+            if host in WILDCARD_HOSTS and self.settings.udp_public_host:
                 host = self.settings.udp_public_host
-            return f"mqtt://{_url_host(_reachable(host))}:{self.endpoint.port}"
+            return f"mqtt://{url_host(reachable_host(host))}:{self.endpoint.port}"
         if self.embedded:
-            return (
-                f"mqtt://{_url_host(_reachable(self.settings.mqtt_host))}:{self.settings.mqtt_port}"
-            )
+            return f"mqtt://{url_host(reachable_host(self.settings.mqtt_host))}:{self.settings.mqtt_port}"
         address = self._address
         assert address is not None
         scheme = "mqtts" if address.tls else "mqtt"
-        return f"{scheme}://{_url_host(address.host)}:{address.port}"
+        return f"{scheme}://{url_host(address.host)}:{address.port}"
 
     def device_endpoint(self, hostname: str) -> str:
         """`host:port` of MQTT for the OTA answer of a device that reached the bridge at
         `hostname`: that host with the embedded endpoint's port, else the external broker's."""
         if self.endpoint is not None:
-            return f"{_url_host(hostname)}:{self.endpoint.port}"
+            return f"{url_host(hostname)}:{self.endpoint.port}"
         return self.device_url.split("://", 1)[1]
 
     def endpoints(self) -> dict[str, str]:

@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 from enum import StrEnum
 
+from backend.common import excerpt
 from backend.errors import BridgeError
 
 DEFAULT_PREFIX = "xiaozhi"
@@ -60,7 +61,7 @@ class DeviceTopic:
 def validate_device_key(key: str) -> str:
     """`key` if it is a single safe topic level; TopicError otherwise."""
     if not isinstance(key, str) or not _KEY.match(key):
-        raise TopicError(f"invalid device key {_clip(key)!r}")
+        raise TopicError(f"invalid device key {excerpt(key)!r}")
     return key
 
 
@@ -74,7 +75,7 @@ def device_key(device_id: str) -> str:
     if _MAC_ID.match(device_id):
         return device_id.lower().replace(":", "_")
     if ":" in device_id:
-        raise TopicError(f"device id {_clip(device_id)!r} has ':' but is not a MAC address")
+        raise TopicError(f"device id {excerpt(device_id)!r} has ':' but is not a MAC address")
     return validate_device_key(device_id)
 
 
@@ -92,7 +93,7 @@ def validate_prefix(prefix: str) -> str:
         raise TopicError("topic prefix must not be empty")
     for level in prefix.split("/"):
         if not _PREFIX_LEVEL.match(level):
-            raise TopicError(f"invalid topic prefix {_clip(prefix)!r}")
+            raise TopicError(f"invalid topic prefix {excerpt(prefix)!r}")
     return prefix
 
 
@@ -132,13 +133,13 @@ class TopicScheme:
             raise TopicError("topic must be a string")
         levels = topic.split("/")
         if len(levels) != self._levels + 2 or "/".join(levels[: self._levels]) != self.prefix:
-            raise TopicError(f"not a device topic under {self.prefix!r}: {_clip(topic)!r}")
+            raise TopicError(f"not a device topic under {self.prefix!r}: {excerpt(topic)!r}")
         key, kind = levels[self._levels], levels[self._levels + 1]
         validate_device_key(key)
         try:
             return DeviceTopic(key, TopicKind(kind))
         except ValueError:
-            raise TopicError(f"unknown topic kind {_clip(kind)!r}") from None
+            raise TopicError(f"unknown topic kind {excerpt(kind)!r}") from None
 
     def is_own(self, key: str, topic: str, *kinds: TopicKind) -> bool:
         """True when `topic` is exactly one of `kinds` of device `key` (no wildcards, no others)."""
@@ -175,24 +176,24 @@ def is_stock_client_id(mqtt_client_id: str) -> bool:
 def parse_client_id(mqtt_client_id: str) -> StockClientId:
     """Split a client id of the stock convention; TopicError if it does not follow it."""
     if not is_stock_client_id(mqtt_client_id):
-        raise TopicError(f"client id {_clip(mqtt_client_id)!r} is not GID@@@device@@@uuid")
+        raise TopicError(f"client id {excerpt(mqtt_client_id)!r} is not GID@@@device@@@uuid")
     parts = mqtt_client_id.split(CLIENT_ID_SEPARATOR)
     if len(parts) != 3:
-        raise TopicError(f"client id {_clip(mqtt_client_id)!r} is not GID@@@device@@@uuid")
+        raise TopicError(f"client id {excerpt(mqtt_client_id)!r} is not GID@@@device@@@uuid")
     group, key, uuid = parts
     if not _CLIENT_GROUP.match(group):
-        raise TopicError(f"invalid group in client id {_clip(mqtt_client_id)!r}")
+        raise TopicError(f"invalid group in client id {excerpt(mqtt_client_id)!r}")
     if not _CLIENT_UUID.match(uuid):
-        raise TopicError(f"invalid client uuid in client id {_clip(mqtt_client_id)!r}")
+        raise TopicError(f"invalid client uuid in client id {excerpt(mqtt_client_id)!r}")
     return StockClientId(group, validate_device_key(key), uuid)
 
 
 def build_client_id(device_id: str, client_uuid: str, group: str = "GID_xiaozhi") -> str:
     """The stock convention's client id for a device, as an OTA answer would hand it out."""
     if not _CLIENT_GROUP.match(group):
-        raise TopicError(f"invalid client id group {_clip(group)!r}")
+        raise TopicError(f"invalid client id group {excerpt(group)!r}")
     if not _CLIENT_UUID.match(client_uuid):
-        raise TopicError(f"invalid client uuid {_clip(client_uuid)!r}")
+        raise TopicError(f"invalid client uuid {excerpt(client_uuid)!r}")
     return str(StockClientId(group, device_key(device_id), client_uuid))
 
 
@@ -232,7 +233,7 @@ def parse_presence(payload: bytes) -> Presence:
             ):
                 client_id = None
             return Presence(event["state"] == ONLINE, client_id)
-    raise TopicError(f"unknown presence payload {_clip(text)!r}")
+    raise TopicError(f"unknown presence payload {excerpt(text)!r}")
 
 
 def claimed_device_id(text: str) -> object | None:
@@ -257,8 +258,3 @@ def claims_another_device(text: str, device_id: str) -> bool:
         return True
     normalized = claimed.strip().lower() if ":" in claimed else claimed.strip()
     return normalized != device_id and normalized.replace("_", ":") != device_id
-
-
-def _clip(value: object, limit: int = 80) -> str:
-    text = value if isinstance(value, str) else repr(value)
-    return text if len(text) <= limit else text[:limit] + "…"

@@ -23,6 +23,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.frames import CloseCode
 from websockets.http11 import Request, Response
 
+from backend.common import reachable_host, url_host
 from backend.config import Settings
 from backend.errors import MessageTooLarge
 from backend.logs import LogBudget
@@ -162,8 +163,7 @@ class WebSocketTransport:
 
     @property
     def url(self) -> str:
-        host = self._settings.ws_host
-        host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        host = url_host(reachable_host(self._settings.ws_host))
         return f"ws://{host}:{self.port}{self._settings.ws_path}"
 
     def endpoints(self) -> dict[str, str]:

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import httpx
 import structlog
 
+from backend.common import clip
 from backend.config import Settings
 from backend.voice.audio import SAMPLE_BYTES, Clip
 from backend.voice.errors import SpeechFailed, VoiceUnavailable
@@ -387,7 +388,7 @@ class OpenAISpeech:
                     await response.aread()
                     raise SpeechFailed(
                         f"{self.name} speech answered HTTP {response.status_code}: "
-                        f"{_clip(response.text)}"
+                        f"{clip(response.text, 160)}"
                     )
                 pcm = _PcmBody(sample_rate, wav=_is_wav(response))
                 async for piece in response.aiter_raw():
@@ -408,11 +409,6 @@ class OpenAISpeech:
 def _is_wav(response: httpx.Response) -> bool:
     kind = response.headers.get("content-type", "").split(";")[0].strip().lower()
     return kind in {"audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave"}
-
-
-def _clip(text: str, limit: int = 160) -> str:
-    flat = " ".join(text.split())
-    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 
 # ---- fallback -------------------------------------------------------------------------------

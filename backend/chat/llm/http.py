@@ -16,7 +16,7 @@ import httpx
 import structlog
 
 from backend.chat.llm.base import FunctionSpec, LlmError, LlmUnavailable, Message, Sampling, Usage
-from backend.chat.text import clip
+from backend.common import clip
 
 log = structlog.get_logger("chat.llm")
 

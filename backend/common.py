@@ -1,0 +1,53 @@
+"""Small helpers that several packages share: times for JSON, text clipped for logs and people,
+and the address a local client uses to reach a listener.
+
+Standard library only, and nothing of `backend` imported: every package may use it.
+"""
+
+from datetime import UTC, datetime
+
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})  # listen addresses meaning "every interface"
+
+
+def iso_time(timestamp: float | None) -> str | None:
+    """A Unix timestamp as ISO 8601 in UTC (what the APIs show), None kept as None."""
+    if timestamp is None:
+        return None
+    return datetime.fromtimestamp(timestamp, UTC).isoformat()
+
+
+def excerpt(text: object, limit: int = 120) -> str:
+    """Untrusted text as it may appear in a log line or an error: the characters themselves (a
+    non-string as its repr), at most `limit` of them, and the full length when cut, so one huge
+    value cannot flood a log while a reader still sees what it was."""
+    text = text if isinstance(text, str) else repr(text)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} chars)"
+
+
+def clip(text: object, limit: int, *, at_word: bool = True) -> str:
+    """Text for a person or a model: whitespace folded to single spaces, at most `limit`
+    characters, ending with an ellipsis when cut. `at_word` cuts at a word boundary when one
+    is in the second half (readable), otherwise the whole budget is used. None reads as ""."""
+    flat = " ".join(("" if text is None else str(text)).split())
+    if len(flat) <= limit:
+        return flat
+    cut = flat[: limit - 1]
+    if at_word:
+        space = cut.rfind(" ")
+        if space > limit // 2:
+            cut = cut[:space]
+        cut = cut.rstrip(" ,;:")
+    return cut + "…"
+
+
+def reachable_host(host: str) -> str:
+    """The address a client on this machine uses for a listener bound to `host`: loopback of
+    the same family for a wildcard (`::` is IPv6, which may be IPv6-only), `host` otherwise."""
+    if host == "::":
+        return "::1"
+    return "127.0.0.1" if host in WILDCARD_HOSTS else host
+
+
+def url_host(host: str) -> str:
+    """`host` as it stands in a URL: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

@@ -1,0 +1,76 @@
+"""backend.common: the helpers every package shares (times, clipped text, loopback addresses)."""
+
+import pytest
+
+from backend.common import WILDCARD_HOSTS, clip, excerpt, iso_time, reachable_host, url_host
+
+
+def test_iso_time_is_utc_and_keeps_none() -> None:
+    assert iso_time(0) == "1970-01-01T00:00:00+00:00"
+    assert iso_time(1_700_000_000.5) == "2023-11-14T22:13:20.500000+00:00"
+    assert iso_time(None) is None
+
+
+def test_excerpt_keeps_short_text_exactly() -> None:
+    assert excerpt("a\nb  c") == "a\nb  c"  # whitespace is evidence in a log line: kept
+
+
+def test_excerpt_cuts_and_tells_the_length() -> None:
+    assert excerpt("x" * 500, 10) == "xxxxxxxxxx… (500 chars)"
+
+
+def test_excerpt_shows_a_non_string_as_its_repr() -> None:
+    assert excerpt(b"\x00\xff") == "b'\\x00\\xff'"
+    assert excerpt(None) == "None"
+
+
+def test_clip_folds_whitespace_to_one_line() -> None:
+    assert clip("  one\n\ttwo   three ", 100) == "one two three"
+
+
+def test_clip_cuts_at_a_word_in_the_second_half() -> None:
+    assert clip("alpha beta gamma delta", 15) == "alpha beta…"
+
+
+def test_clip_cuts_inside_a_word_when_no_space_is_in_the_second_half() -> None:
+    assert clip("abcdefghijklmnop qr", 10) == "abcdefghi…"
+
+
+def test_clip_drops_punctuation_before_the_ellipsis() -> None:
+    assert clip("first, second, third, fourth", 20) == "first, second…"
+
+
+def test_clip_without_at_word_uses_the_whole_budget() -> None:
+    clipped = clip("alpha beta gamma delta", 15, at_word=False)
+    assert clipped == "alpha beta gam…" and len(clipped) == 15
+
+
+@pytest.mark.parametrize("value, expected", [(None, ""), (42, "42"), ({"a": 1}, "{'a': 1}")])
+def test_clip_reads_none_as_empty_and_other_values_as_text(value: object, expected: str) -> None:
+    assert clip(value, 50) == expected
+
+
+@pytest.mark.parametrize(
+    "host, expected",
+    [
+        ("0.0.0.0", "127.0.0.1"),
+        ("", "127.0.0.1"),
+        ("::", "::1"),  # an IPv6 wildcard may be IPv6-only: its loopback is ::1
+        ("192.0.2.7", "192.0.2.7"),
+        ("::1", "::1"),
+        ("bridge.example", "bridge.example"),
+    ],
+)
+def test_reachable_host_maps_wildcards_to_the_loopback_of_their_family(
+    host: str, expected: str
+) -> None:
+    assert reachable_host(host) == expected
+    assert reachable_host(host) not in WILDCARD_HOSTS
+
+
+@pytest.mark.parametrize(
+    "host, expected",
+    [("::1", "[::1]"), ("[::1]", "[::1]"), ("127.0.0.1", "127.0.0.1"), ("a.b", "a.b")],
+)
+def test_url_host_brackets_ipv6_once(host: str, expected: str) -> None:
+    assert url_host(host) == expected
