@@ -461,7 +461,8 @@ async def test_closing_a_link_from_inside_its_own_handler(mosquitto: BrokerUnder
 async def test_late_messages_after_offline_do_not_reopen_a_link(
     mosquitto: BrokerUnderTest,
 ) -> None:
-    # A broker may deliver a device's last messages after its presence event (amqtt does).
+    # A broker may deliver a device's last messages after its presence event (amqtt, the
+    # embedded broker before the bridge's own endpoint, did).
     # Mosquitto delivers in order (and acknowledges a QoS 1 publish after routing it), so the
     # devices can stage exactly that order.
     acceptor = RecordingAcceptor()
