@@ -104,6 +104,14 @@ class Settings(BaseSettings):
     cors_origins: list[str] = Field(default_factory=list)
     # The web console at `/` of the admin listener (docs/console.md); off: the API alone.
     console_enabled: bool = True
+    # Prometheus metrics (docs/metrics.md): GET /metrics on the admin listener (scope
+    # metrics:read). Off: nothing is recorded and no /metrics is served. A listener of its own
+    # when metrics_port is set (0: any free port), on metrics_host; metrics_auth = false lets a
+    # scraper in without a key there only (never on the admin listener).
+    metrics_enabled: bool = True
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    metrics_auth: bool = True
     hello_timeout_s: float = Field(10.0, gt=0)
     init_timeout_s: float = Field(10.0, gt=0)
     call_timeout_s: float = Field(10.0, gt=0)

@@ -23,6 +23,7 @@ import uvicorn
 
 from backend.api import create_app
 from backend.api.device_events import DeviceStreams
+from backend.api.metrics import MetricsListener, metrics_app, metrics_router
 from backend.api.provisioning import provisioning_router
 from backend.auth import Tokens, ensure_tokens
 from backend.config import Settings
@@ -38,6 +39,7 @@ from backend.frontends import FRONTEND_MIGRATIONS, FrontEnds
 from backend.mcp_dialin.endpoint import DialInEndpoint, dialin_limits
 from backend.mcp_servers.api import mcp_servers_router
 from backend.mcp_servers.hub import McpServerHub
+from backend.metrics import measure_loop_lag, set_enabled, unwatch_devices, watch_devices
 from backend.provisioning.service import MIGRATIONS as PROVISIONING_MIGRATIONS
 from backend.provisioning.service import Provisioning
 from backend.runtime import remove_runtime_file, write_runtime_file
@@ -85,6 +87,7 @@ class Bridge:
         """`clock` times the devices' rate limits (tests freeze it to make them exact)."""
         self.settings = settings
         self.tokens = tokens or ensure_tokens(settings)
+        set_enabled(settings.metrics_enabled)  # the process's recorders (backend/metrics)
         self.registry = DeviceRegistry(
             max_pending_calls=settings.max_pending_calls,
             confirmation=ConfirmationPolicy(
@@ -160,6 +163,7 @@ class Bridge:
                 *self.frontends.routers(),
                 provisioning_router(self.provisioning, self.audit),
                 mcp_servers_router(self.mcp_servers),
+                *([metrics_router()] if settings.metrics_enabled else []),
                 *([self.browser.router()] if self.browser is not None else []),
             ],
             routes=[
@@ -172,6 +176,17 @@ class Bridge:
             cors_origins=settings.cors_origins,
             device_streams=self.device_streams,
         )
+        # GET /metrics on a listener of its own too, when metrics_port is set.
+        self.metrics_listener: MetricsListener | None = None
+        if settings.metrics_enabled and settings.metrics_port is not None:
+            self.metrics_listener = MetricsListener(
+                metrics_app(
+                    self.tokens.admin, self.frontends.keys.resolve, auth=settings.metrics_auth
+                ),
+                settings.metrics_host,
+                settings.metrics_port,
+            )
+        self._loop_lag: asyncio.Task[None] | None = None
         self._started: list[Transport] = []
         self._api: _ApiServer | None = None
         self._api_task: asyncio.Task[None] | None = None
@@ -223,6 +238,7 @@ class Bridge:
                 self._started.append(transport)
             await self._start_api()
             await self.provisioning.start_listener()
+            await self._start_metrics()
         except BaseException:
             await self.stop()
             raise
@@ -240,6 +256,26 @@ class Bridge:
         log.info(
             "bridge listening", api=self.api_url, ota=self.provisioning.ota_url, **self.endpoints()
         )
+
+    async def _start_metrics(self) -> None:
+        if not self.settings.metrics_enabled:
+            return
+        watch_devices(self.registry)
+        self._loop_lag = asyncio.create_task(measure_loop_lag(), name="event-loop-lag")
+        if self.metrics_listener is not None:
+            await self.metrics_listener.start()
+            if not self.settings.metrics_auth:
+                log.warning("metrics served without a key", url=self.metrics_listener.url)
+
+    async def _stop_metrics(self) -> None:
+        unwatch_devices(self.registry)
+        if self._loop_lag is not None:
+            self._loop_lag.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_lag
+            self._loop_lag = None
+        if self.metrics_listener is not None:
+            await self.metrics_listener.stop()
 
     async def _start_api(self) -> None:
         self._api_socket = _bind(self.settings.http_host, self.settings.http_port)
@@ -268,6 +304,7 @@ class Bridge:
         if self._running:
             log.info("bridge stopping", devices=len(self.registry))
         self.registry.shutdown(SHUTDOWN)
+        await self._stop_metrics()
         await self.provisioning.stop_listener()
         for transport in reversed(self._started):
             await transport.stop()

@@ -110,7 +110,12 @@ class AuditLog:
         self._registry = registry
         self._max_buffer = max_buffer
         self._buffer: list[tuple[Any, ...]] = []
-        self._writer = WriteBehind(self.flush, name="audit-log", interval_s=flush_interval_s)
+        self._writer = WriteBehind(
+            self.flush,
+            name="audit-log",
+            interval_s=flush_interval_s,
+            depth=lambda: len(self._buffer),
+        )
         self._unsubscribe: Any = None
         self.dropped = 0
         self.written = 0

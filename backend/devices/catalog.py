@@ -114,6 +114,7 @@ class DeviceCatalog:
             interval_s=flush_interval_s,
             heartbeat_s=heartbeat_s,
             on_heartbeat=self._mark_live_devices,
+            depth=lambda: len(self._dirty) + len(self._forgotten) + len(self._seen),
         )
         self._unsubscribe: Any = None
         self.rows_written = 0  # device rows written since start (the tests count them)

@@ -41,6 +41,7 @@ from backend.devices.errors import (
 from backend.devices.validation import argument_error
 from backend.logs import LineRate
 from backend.mcp_session import CallResult, McpClient, Tool
+from backend.metrics import record_mcp_call
 from backend.transports.base import DeviceIdentity
 
 log = structlog.get_logger("devices")
@@ -354,7 +355,10 @@ class Device:
             error = type(exc).__name__
             raise
         finally:
-            duration_ms = (time.perf_counter() - started) * 1000
+            seconds = time.perf_counter() - started
+            failure = _FAILURES.get(error or "", "other")
+            record_mcp_call(failure if outcome == "error" else outcome, seconds)
+            duration_ms = seconds * 1000
             self._registry.emit(
                 EventKind.TOOL_CALLED,
                 self.device_id,
@@ -379,6 +383,15 @@ class Device:
         if reason is not None:
             raise InvalidArguments(name, reason)
         return tool
+
+
+# The metrics' outcome of a call that failed after it was sent, by the error's class.
+_FAILURES = {
+    "RequestTimeout": "timeout",
+    "DeviceDisconnected": "disconnected",
+    "DeviceError": "device_error",
+    "ProtocolViolation": "protocol_error",
+}
 
 
 # ---- the registry -----------------------------------------------------------------------------
@@ -647,6 +660,7 @@ class DeviceRegistry:
         """Announce a call refused before it reached a device (an unknown or offline device, a
         key without permission; `error` names the error class) as one `tool_called` event, so
         the audit log keeps it too."""
+        record_mcp_call("refused", 0.0)
         self.emit(
             EventKind.TOOL_CALLED,
             device_id[:_MAX_AUDITED_ID],

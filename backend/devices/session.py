@@ -28,6 +28,7 @@ from backend.devices.registry import Device, DeviceRegistry, DeviceState
 from backend.logs import DeviceBudgets, DeviceLog, LogBudget
 from backend.mcp_session import DeviceDisconnected, McpClient, McpError, TimeoutPolicy, Tool
 from backend.mcp_session.models import ToolLimits
+from backend.metrics import link_metrics, record_tool_relist
 from backend.protocol import (
     Abort,
     AudioFrame,
@@ -52,6 +53,7 @@ POLICY_VIOLATION = 1008
 RELIST_INTERVAL_S = 2.0
 # Pipeline handlers running at once for one device; more messages are dropped (and counted).
 MAX_HANDLER_TASKS = 8
+INBOUND_RATE = "inbound rate limit exceeded"  # the other cut-off: the MCP client's violations
 
 
 def new_session_id() -> str:
@@ -76,6 +78,7 @@ class DeviceSession:
         "_last_relist",
         "_log",
         "_log_budgets",
+        "_metrics",
         "_registry",
         "_relist_task",
         "_relist_wanted",
@@ -104,6 +107,7 @@ class DeviceSession:
         self._hub = hub
         self._settings = settings
         self._session_id = new_session_id()
+        self._metrics = link_metrics(identity.transport)  # bound once per link
         self._log = DeviceLog(log, identity.device_id, self._session_id)
         self.hello: DeviceHello | None = None  # the first hello (MCP, features); kept after it
         self._in_conversation = False  # from a hello until its goodbye (or the link's end)
@@ -173,6 +177,7 @@ class DeviceSession:
     # ---- inbound, called by the transport ------------------------------------------------------
 
     async def on_text(self, text: str) -> None:
+        self._metrics.text_in.add(len(text))
         if not self._inbound.allow(len(text)):
             self._cut_off_for("inbound rate limit exceeded")
             return
@@ -184,6 +189,7 @@ class DeviceSession:
                 return
             message = device_message(data)
         except ParseError as exc:
+            self._metrics.dropped("malformed")
             self._dropped("dropped device message", reason=excerpt(str(exc)), size=len(text))
             return
         if isinstance(message, DeviceHello):
@@ -200,10 +206,12 @@ class DeviceSession:
             await self._on_device_goodbye()
 
     def on_audio(self, frame: AudioFrame) -> None:
+        self._metrics.audio_in.add(len(frame.payload))
         if not self._inbound.charge(len(frame.payload)):
             self._cut_off_for("inbound rate limit exceeded")
             return
         if not self._in_conversation:
+            self._metrics.dropped("outside_conversation")
             self._dropped("audio outside a conversation dropped", size=len(frame.payload))
             return
         self._hub.dispatch_audio(self.conversation, frame)
@@ -217,6 +225,7 @@ class DeviceSession:
         handler they are given (see `transports.websocket`, `transports.mqtt`)."""
         if self._cut_off or self._closed:
             return
+        self._metrics.dropped("transport")
         if not self._inbound.charge(size):
             self._cut_off_for("inbound rate limit exceeded")
 
@@ -253,6 +262,7 @@ class DeviceSession:
         if self._cut_off:
             return
         self._cut_off = True
+        self._metrics.cut_off("inbound_rate" if reason == INBOUND_RATE else "mcp_violation")
         self._log.warning("device cut off", reason=reason)
         self.disconnect(reason, POLICY_VIOLATION)
 
@@ -273,10 +283,13 @@ class DeviceSession:
     # ---- conversation outbox (used by `Conversation`) ------------------------------------------
 
     async def send_message(self, message: ServerMessage) -> None:
-        await self.link.send_text(message.to_json())
+        text = message.to_json()
+        await self.link.send_text(text)
+        self._metrics.text_out.add(len(text))
 
     async def send_audio(self, frame: AudioFrame) -> None:
         await self.link.send_audio(frame)
+        self._metrics.audio_out.add(len(frame.payload))
 
     async def end_conversation(self) -> None:
         if self.link.conversation_scoped:
@@ -284,7 +297,9 @@ class DeviceSession:
             return
         if not self._in_conversation:
             return  # nothing to end (a stale session id would only confuse the device)
-        await self.link.send_text(ServerGoodbye(session_id=self._session_id).to_json())
+        goodbye = ServerGoodbye(session_id=self._session_id).to_json()
+        await self.link.send_text(goodbye)
+        self._metrics.text_out.add(len(goodbye))
         self._conversation_over("goodbye from the bridge")
 
     # ---- hello ---------------------------------------------------------------------------------
@@ -302,7 +317,9 @@ class DeviceSession:
         self.hello = hello
         self._in_conversation = True
         # The stock device waits 10 s for this reply; it goes out before any other work.
-        await self.link.send_text(self._server_hello())
+        server_hello = self._server_hello()
+        await self.link.send_text(server_hello)
+        self._metrics.text_out.add(len(server_hello))
         for opened_handler in self._hub.opened_handlers():
             self._run_handler(opened_handler, hello)
         if not first:
@@ -393,7 +410,9 @@ class DeviceSession:
                     tools = await self._list_tools()
                 except McpError as exc:
                     self._log.warning("re-listing tools failed", error=excerpt(str(exc)))
+                    record_tool_relist(ok=False)
                     continue
+                record_tool_relist(ok=True)
                 self._log.info("tool list read again", tools=len(tools))
                 self._registry.tools_changed(self.device, tools)
         finally:
@@ -402,7 +421,9 @@ class DeviceSession:
     # ---- outbound and housekeeping -------------------------------------------------------------
 
     async def _send_mcp(self, payload: dict[str, Any]) -> None:
-        await self.link.send_text(mcp_envelope(self._session_id, payload))
+        text = mcp_envelope(self._session_id, payload)
+        await self.link.send_text(text)
+        self._metrics.text_out.add(len(text))
         if "method" in payload and "id" in payload:
             self._inbound.expect_reply()
 
@@ -418,6 +439,7 @@ class DeviceSession:
         if self._handler_tasks >= MAX_HANDLER_TASKS:
             if isinstance(outcome, Coroutine):
                 outcome.close()
+            self._metrics.dropped("pipeline_busy")
             self._dropped("pipeline busy; message dropped", limit=MAX_HANDLER_TASKS)
             return
         self._handler_tasks += 1

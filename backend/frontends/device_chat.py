@@ -53,6 +53,7 @@ from backend.devices.registry import EventKind
 from backend.errors import BridgeError
 from backend.logs import DeviceBudgets, LogBudget
 from backend.mcp_servers.hub import McpServerHub
+from backend.metrics import record_voice_turn
 from backend.protocol import Abort, Listen
 from backend.voice.timings import TurnTimings
 
@@ -414,6 +415,7 @@ class DeviceChat:
             **report,
         )
         if "end_of_speech_ms" in report:
+            record_voice_turn(report)
             self.registry.emit(EventKind.VOICE_TURN, device_id, **report)
 
     async def _announce(self, conversation: DeviceConversation, text: str, emotion: str) -> None:

@@ -8,9 +8,10 @@ no slow KDF is needed for random tokens).
 
 Scopes: `chat:use` (talk to the assistant), `devices:read` (list devices and tools),
 `devices:call` (call tools, optionally only on some device ids; includes `devices:read`),
-`admin` (everything, including key management), and `mcp:<server>` (use that external MCP
-server's tools in chat turns; backend/mcp_servers). `mcp:endpoint` is a scope of its own, not
-a server: a user's MCP server may dial in with the key (backend/mcp_dialin).
+`metrics:read` (scrape `GET /metrics`), `admin` (everything, including key management), and
+`mcp:<server>` (use that external MCP server's tools in chat turns; backend/mcp_servers).
+`mcp:endpoint` is a scope of its own, not a server: a user's MCP server may dial in with the key
+(backend/mcp_dialin).
 
 The running bridge checks keys without touching the database: `load()` reads the active keys
 into an in-memory index (key id → hash and principal) that `create` and `revoke` keep current,
@@ -72,6 +73,8 @@ class Scope(StrEnum):
     MCP_ENDPOINT = "mcp:endpoint"
     # The browser may become a voice device on the talk page (backend/transports/browser.py).
     CONSOLE_TALK = "console:talk"
+    # GET /metrics: the bridge's Prometheus metrics (docs/metrics.md), for a scraper's key.
+    METRICS_READ = "metrics:read"
 
 
 _MCP_SCOPE = re.compile(r"mcp:[a-z0-9_-]{1,32}")

@@ -9,10 +9,22 @@ children are bound once at import, so a hot path pays one dict lookup and one lo
 `set_enabled(False)` (the setting `metrics_enabled`) turns every recording into a no-op.
 """
 
-from collections.abc import Mapping
-from typing import TypeVar
+import asyncio
+import weakref
+from collections.abc import Iterator, Mapping
+from typing import Protocol, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Metric,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 # No `_created` series beside every counter and histogram: they double a scrape and no dashboard
 # here reads them (a process-wide switch of prometheus_client; the bridge is its only user).
@@ -77,3 +89,472 @@ def record_chat_stage(stage: str, seconds: float) -> None:
     "llm_first_token", "tools" or "store"."""
     if _enabled:
         _pick(_chat_stage_by_name, stage).observe(seconds)
+
+
+# ---- devices: state gauge computed at scrape from the registry --------------------------------
+
+TRANSPORTS = ("websocket", "mqtt", "browser")
+DEVICE_STATES = ("connecting", "initializing", "ready", "failed")
+
+
+class LiveDevice(Protocol):
+    @property
+    def transport(self) -> str: ...
+
+    @property
+    def state(self) -> str: ...
+
+
+class DeviceSource(Protocol):
+    """What the gauge reads: the registry's live devices (a snapshot)."""
+
+    def __iter__(self) -> Iterator[LiveDevice]: ...
+
+    @property
+    def known_count(self) -> int: ...
+
+
+class _DeviceCollector(Collector):
+    """`bridge_devices{state, transport}` and `bridge_devices_known`, read at scrape from every
+    watched registry (one per bridge in this process): no counter to keep in step."""
+
+    def __init__(self) -> None:
+        self.sources: weakref.WeakSet[DeviceSource] = weakref.WeakSet()
+
+    def collect(self) -> Iterator[Metric]:
+        counts = dict.fromkeys(
+            ((state, transport) for state in DEVICE_STATES for transport in (*TRANSPORTS, OTHER)),
+            0,
+        )
+        known = 0
+        for source in list(self.sources):
+            known += source.known_count
+            for device in source:
+                transport = device.transport if device.transport in TRANSPORTS else OTHER
+                key = (str(device.state), transport)
+                if key in counts:
+                    counts[key] += 1
+        live = GaugeMetricFamily(
+            "bridge_devices",
+            "Connected devices by state and transport (offline ones are in bridge_devices_known).",
+            labels=["state", "transport"],
+        )
+        for (state, transport), count in counts.items():
+            live.add_metric([state, transport], count)
+        yield live
+        yield GaugeMetricFamily(
+            "bridge_devices_known", "Devices the bridge remembers, online or not.", value=known
+        )
+
+
+_devices = _DeviceCollector()
+REGISTRY.register(_devices)
+
+
+def watch_devices(source: DeviceSource) -> None:
+    """Count `source`'s devices in `bridge_devices` (a bridge calls it when it starts)."""
+    _devices.sources.add(source)
+
+
+def unwatch_devices(source: DeviceSource) -> None:
+    _devices.sources.discard(source)
+
+
+# ---- handshakes and connections refused --------------------------------------------------------
+
+CONNECTION_REFUSALS = ("penalty_box", "address_rate", "pending_cap", "address_pending")
+HANDSHAKE_REFUSALS = (
+    "not_found",  # wrong WebSocket path
+    "address_rate",  # too many handshakes from one address (429)
+    "malformed",  # missing or bad Device-Id, Protocol-Version, Client-Id (400)
+    "credential",  # missing or wrong token (401)
+    "device_rate",  # too many handshakes of one device (429)
+    "ticket",  # the talk page's ticket: unknown, used, expired, its key revoked
+    "origin",  # the talk page's cross-origin WebSocket
+    "unavailable",  # the listener is stopping
+)
+
+_connections_refused = Counter(
+    "bridge_connections_refused",
+    "Device TCP connections dropped at accept, before a byte is parsed.",
+    ["transport", "reason"],
+    registry=REGISTRY,
+)
+_handshakes_refused = Counter(
+    "bridge_handshakes_refused",
+    "Device handshakes refused, by reason.",
+    ["transport", "reason"],
+    registry=REGISTRY,
+)
+_connection_refusal = {
+    (t, r): _connections_refused.labels(t, r)
+    for t in (*TRANSPORTS, OTHER)
+    for r in (*CONNECTION_REFUSALS, OTHER)
+}
+_handshake_refusal = {
+    (t, r): _handshakes_refused.labels(t, r)
+    for t in (*TRANSPORTS, OTHER)
+    for r in (*HANDSHAKE_REFUSALS, OTHER)
+}
+
+
+def _pair(transport: str, reason: str, known: tuple[str, ...]) -> tuple[str, str]:
+    return (
+        transport if transport in TRANSPORTS else OTHER,
+        reason if reason in known else OTHER,
+    )
+
+
+def record_connection_refused(transport: str, reason: str) -> None:
+    if _enabled:
+        _connection_refusal[_pair(transport, reason, CONNECTION_REFUSALS)].inc()
+
+
+def record_handshake_refused(transport: str, reason: str) -> None:
+    if _enabled:
+        _handshake_refusal[_pair(transport, reason, HANDSHAKE_REFUSALS)].inc()
+
+
+# ---- device traffic ----------------------------------------------------------------------------
+
+DROP_REASONS = (
+    "malformed",  # a text that is not a device message
+    "outside_conversation",  # audio before a hello or after its goodbye
+    "pipeline_busy",  # too many of the device's messages still being handled
+    "transport",  # the transport could not hand it over (undecodable audio, not UTF-8, ...)
+)
+CUT_OFF_REASONS = (
+    "inbound_rate",  # more messages or bytes a second than allowed
+    "mcp_violation",  # too many JSON-RPC requests in flight from the device
+    "message_too_big",  # a frame or packet over max_message_bytes
+    "malformed",  # an MQTT packet that does not parse
+)
+
+_messages = Counter(
+    "bridge_device_messages",
+    "Messages between the bridge and devices (text: JSON messages, audio: Opus packets).",
+    ["transport", "direction", "kind"],
+    registry=REGISTRY,
+)
+_bytes = Counter(
+    "bridge_device_bytes",
+    "Payload sizes of those messages (a text's characters: its UTF-8 bytes for ASCII JSON).",
+    ["transport", "direction", "kind"],
+    registry=REGISTRY,
+)
+_dropped = Counter(
+    "bridge_device_frames_dropped",
+    "Device messages dropped without effect, by reason.",
+    ["transport", "reason"],
+    registry=REGISTRY,
+)
+_cut_offs = Counter(
+    "bridge_device_cutoffs",
+    "Device links the bridge closed because the device broke a bound.",
+    ["transport", "reason"],
+    registry=REGISTRY,
+)
+
+
+class _Flow:
+    """One direction and kind of one transport's traffic: its two counters, bound."""
+
+    __slots__ = ("_bytes", "_messages")
+
+    def __init__(self, transport: str, direction: str, kind: str) -> None:
+        self._messages = _messages.labels(transport, direction, kind)
+        self._bytes = _bytes.labels(transport, direction, kind)
+
+    def add(self, size: int) -> None:
+        if _enabled:
+            self._messages.inc()
+            self._bytes.inc(size)
+
+
+class LinkMetrics:
+    """What one device link records, bound to its transport's children at link setup: the hot
+    path (every message) is a flag test and two locked adds, nothing allocated."""
+
+    __slots__ = ("audio_in", "audio_out", "text_in", "text_out", "transport")
+
+    def __init__(self, transport: str) -> None:
+        self.transport = transport if transport in TRANSPORTS else OTHER
+        self.text_in, self.text_out, self.audio_in, self.audio_out = _flows[self.transport]
+
+    def dropped(self, reason: str) -> None:
+        if _enabled:
+            _dropped_child[_pair(self.transport, reason, DROP_REASONS)].inc()
+
+    def cut_off(self, reason: str) -> None:
+        if _enabled:
+            _cut_off_child[_pair(self.transport, reason, CUT_OFF_REASONS)].inc()
+
+
+_flows = {
+    transport: (
+        _Flow(transport, "in", "text"),
+        _Flow(transport, "out", "text"),
+        _Flow(transport, "in", "audio"),
+        _Flow(transport, "out", "audio"),
+    )
+    for transport in (*TRANSPORTS, OTHER)
+}
+_dropped_child = {
+    (t, r): _dropped.labels(t, r) for t in (*TRANSPORTS, OTHER) for r in (*DROP_REASONS, OTHER)
+}
+_cut_off_child = {
+    (t, r): _cut_offs.labels(t, r) for t in (*TRANSPORTS, OTHER) for r in (*CUT_OFF_REASONS, OTHER)
+}
+_link_metrics = {transport: LinkMetrics(transport) for transport in (*TRANSPORTS, OTHER)}
+
+
+def link_metrics(transport: str) -> LinkMetrics:
+    """The (shared, stateless) recorder of a link on `transport`."""
+    return _link_metrics.get(transport) or _link_metrics[OTHER]
+
+
+def record_cut_off(transport: str, reason: str) -> None:
+    link_metrics(transport).cut_off(reason)
+
+
+# ---- MCP ---------------------------------------------------------------------------------------
+
+MCP_OUTCOMES = (
+    "ok",
+    "tool_error",  # the tool answered isError: true
+    "refused",  # before the device: unknown tool, bad arguments, unconfirmed, busy, not ready
+    "timeout",
+    "disconnected",
+    "device_error",  # a JSON-RPC error from the device
+    "protocol_error",  # a reply that breaks the protocol
+)
+# A tool call on a LAN device takes milliseconds; a camera's photo up to 30 s.
+CALL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+_mcp_calls = Counter(
+    "bridge_mcp_calls",
+    "tools/call requests to devices, by outcome.",
+    ["outcome"],
+    registry=REGISTRY,
+)
+_mcp_call_seconds = Histogram(
+    "bridge_mcp_call_seconds",
+    "Time from asking a device's tool to its answer, by outcome (refused ones not observed).",
+    ["outcome"],
+    buckets=CALL_BUCKETS,
+    registry=REGISTRY,
+)
+_mcp_relists = Counter(
+    "bridge_mcp_tool_relists",
+    "Tool lists read again after notifications/tools/list_changed, by outcome.",
+    ["outcome"],
+    registry=REGISTRY,
+)
+_mcp_call_children = {
+    outcome: (_mcp_calls.labels(outcome), _mcp_call_seconds.labels(outcome))
+    for outcome in (*MCP_OUTCOMES, OTHER)
+}
+_relist_children = {outcome: _mcp_relists.labels(outcome) for outcome in ("ok", "failed")}
+
+
+def record_mcp_call(outcome: str, seconds: float) -> None:
+    """One tools/call ended; a refused one (never sent) counts without a duration."""
+    if _enabled:
+        count, duration = _pick(_mcp_call_children, outcome)
+        count.inc()
+        if outcome != "refused":
+            duration.observe(seconds)
+
+
+def record_tool_relist(ok: bool) -> None:
+    if _enabled:
+        _relist_children["ok" if ok else "failed"].inc()
+
+
+# ---- voice -------------------------------------------------------------------------------------
+
+# From the stamps of a spoken turn (backend/voice/timings.py, milliseconds from the end of
+# speech): each stage's own share, and the whole wait the user hears.
+VOICE_STAGES = {
+    "vad": (None, "silence_wait_ms"),  # the detector's hangover before the turn ends
+    "asr": ("end_of_speech_ms", "recognized_ms"),
+    "llm": ("recognized_ms", "first_token_ms"),
+    "tts": ("first_token_ms", "first_audio_ms"),
+    "first_audio_out": ("end_of_speech_ms", "first_frame_sent_ms"),
+}
+_voice_stage_seconds = Histogram(
+    "bridge_voice_stage_seconds",
+    "Time each stage of a spoken turn took (first_audio_out: end of speech to the first frame).",
+    ["stage"],
+    buckets=STAGE_BUCKETS,
+    registry=REGISTRY,
+)
+_voice_stage_children = {stage: _voice_stage_seconds.labels(stage) for stage in VOICE_STAGES}
+
+
+def record_voice_turn(report: Mapping[str, float]) -> None:
+    """A spoken turn ended; `report` is `TurnTimings.report()` (stages it never reached are
+    absent and not observed)."""
+    if not _enabled:
+        return
+    for stage, (start, end) in VOICE_STAGES.items():
+        end_ms = report.get(end)
+        start_ms = 0.0 if start is None else report.get(start)
+        if end_ms is not None and start_ms is not None and end_ms >= start_ms:
+            _voice_stage_children[stage].observe((end_ms - start_ms) / 1000)
+
+
+# ---- provisioning ------------------------------------------------------------------------------
+
+OTA_OUTCOMES = (
+    "answered",  # 200: server time, credentials, maybe a firmware offer
+    "activation",  # 200 with an activation code: nobody approved the device yet
+    "pending",  # activate: 202, still waiting for the operator
+    "rate_limited",  # 429
+    "refused",  # any other 4xx/5xx (bad headers or body, a wrong HMAC, a full table)
+)
+APPROVALS = ("operator", "enrollment", "mac_prefix")
+
+_ota_checks = Counter(
+    "bridge_ota_checks",
+    "OTA checks (POST <ota_path>) answered, by outcome.",
+    ["outcome"],
+    registry=REGISTRY,
+)
+_activations = Counter(
+    "bridge_activations",
+    "Activation polls (POST <ota_path>activate) answered, by outcome.",
+    ["outcome"],
+    registry=REGISTRY,
+)
+_approvals = Counter(
+    "bridge_activation_approvals",
+    "Devices approved, by who approved them.",
+    ["by"],
+    registry=REGISTRY,
+)
+_provisioning_children = {
+    kind: {outcome: family.labels(outcome) for outcome in (*OTA_OUTCOMES, OTHER)}
+    for kind, family in (("ota", _ota_checks), ("activate", _activations))
+}
+_approval_children = {by: _approvals.labels(by) for by in (*APPROVALS, OTHER)}
+
+
+def record_provisioning(kind: str, status: int, activation_code: bool = False) -> None:
+    """One answer of the OTA endpoint: `kind` "ota" or "activate", its HTTP status, and
+    whether it hands out an activation code."""
+    if not _enabled:
+        return
+    if status == 200:
+        outcome = "activation" if activation_code else "answered"
+    elif status == 202:
+        outcome = "pending"
+    elif status == 429:
+        outcome = "rate_limited"
+    else:
+        outcome = "refused"
+    children = _provisioning_children.get(kind)
+    if children is not None:
+        children[outcome].inc()
+
+
+def record_approval(by: str) -> None:
+    """A device approved: "operator", "enrollment" or "mac_prefix"."""
+    if _enabled:
+        _pick(_approval_children, by).inc()
+
+
+# ---- storage: write-behind queues --------------------------------------------------------------
+
+WRITERS = ("device-catalog", "audit-log", "provisioning-writer")  # depth: the first two only
+
+
+class WriteQueue(Protocol):
+    """A write-behind writer as the gauge reads it."""
+
+    @property
+    def name(self) -> str: ...
+
+    def depth(self) -> int: ...
+
+
+class _QueueCollector(Collector):
+    """`bridge_db_write_queue_depth{writer}`: rows waiting for the next flush, read at scrape."""
+
+    def __init__(self) -> None:
+        self.queues: weakref.WeakSet[WriteQueue] = weakref.WeakSet()
+
+    def collect(self) -> Iterator[Metric]:
+        depths: dict[str, int] = {}
+        for queue in list(self.queues):
+            writer = queue.name if queue.name in WRITERS else OTHER
+            depths[writer] = depths.get(writer, 0) + queue.depth()
+        family = GaugeMetricFamily(
+            "bridge_db_write_queue_depth",
+            "Changes held in memory, waiting for the writer's next database flush.",
+            labels=["writer"],
+        )
+        for writer, depth in depths.items():
+            family.add_metric([writer], depth)
+        yield family
+
+
+_queues = _QueueCollector()
+REGISTRY.register(_queues)
+_flush_seconds = Histogram(
+    "bridge_db_flush_seconds",
+    "Time one write-behind flush (one transaction) took.",
+    ["writer"],
+    buckets=STAGE_BUCKETS,
+    registry=REGISTRY,
+)
+_flush_children = {writer: _flush_seconds.labels(writer) for writer in (*WRITERS, OTHER)}
+
+
+def watch_write_queue(queue: WriteQueue) -> None:
+    _queues.queues.add(queue)
+
+
+def unwatch_write_queue(queue: WriteQueue) -> None:
+    _queues.queues.discard(queue)
+
+
+def record_flush(writer: str, seconds: float) -> None:
+    if _enabled:
+        _pick(_flush_children, writer).observe(seconds)
+
+
+# ---- event loop lag ----------------------------------------------------------------------------
+
+LAG_INTERVAL_S = 0.5
+LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+_loop_lag = Histogram(
+    "bridge_event_loop_lag_seconds",
+    f"How late a {LAG_INTERVAL_S:g} s sleep on the event loop wakes up (time others held it).",
+    buckets=LAG_BUCKETS,
+    registry=REGISTRY,
+)
+_loop_lag_last = Gauge(
+    "bridge_event_loop_lag_last_seconds",
+    "The lag of the latest such sleep.",
+    registry=REGISTRY,
+)
+
+
+async def measure_loop_lag(interval_s: float = LAG_INTERVAL_S) -> None:
+    """Run until cancelled: sleep `interval_s` again and again and record the overshoot, which
+    is how long something else kept the loop (a slow callback, a blocking call)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + interval_s
+        await asyncio.sleep(interval_s)
+        lag = max(0.0, loop.time() - due)
+        if _enabled:
+            _loop_lag.observe(lag)
+            _loop_lag_last.set(lag)
+
+
+def generate_text() -> str:
+    """Every family in Prometheus' text format (what `GET /metrics` answers)."""
+    return generate_latest(REGISTRY).decode()

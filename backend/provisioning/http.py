@@ -29,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from backend.metrics import record_provisioning
 from backend.provisioning.ota import MAX_BODY_BYTES
 from backend.provisioning.service import Answer, Provisioning, refusal
 from backend.vision.http import explain
@@ -121,13 +122,13 @@ async def _handle(service: Provisioning, request: Request, kind: str) -> Respons
         },
     )
     if isinstance(identified, Answer):
-        return _answer(identified)
+        return _counted(kind, identified)
     try:
         body = await _json_body(request)
     except _TooLarge:
-        return _answer(refusal(413, f"body larger than {MAX_BODY_BYTES} bytes"))
+        return _counted(kind, refusal(413, f"body larger than {MAX_BODY_BYTES} bytes"))
     except (ValueError, RecursionError):
-        return _answer(refusal(400, "the body is not a JSON object"))
+        return _counted(kind, refusal(400, "the body is not a JSON object"))
     enrollment = request.path_params.get("code")
     if kind == "ota":
         answer = await service.ota(
@@ -138,6 +139,12 @@ async def _handle(service: Provisioning, request: Request, kind: str) -> Respons
         )
     else:
         answer = await service.activate(identified, body)
+    return _counted(kind, answer)
+
+
+def _counted(kind: str, answer: Answer) -> Response:
+    """The answer to an OTA check or activation poll, counted by outcome (docs/metrics.md)."""
+    record_provisioning(kind, answer.status, activation_code="activation" in answer.body)
     return _answer(answer)
 
 

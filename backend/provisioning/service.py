@@ -45,6 +45,7 @@ from backend.common import reachable_host, url_host
 from backend.config import Settings
 from backend.devices.registry import DeviceRegistry
 from backend.logs import LogBudget
+from backend.metrics import record_approval
 from backend.provisioning import ota as proto
 from backend.provisioning.errors import TooManyPending
 from backend.provisioning.ratelimit import (
@@ -355,6 +356,7 @@ class Provisioning:
         pending = {p.code: p for p in self.store.pending()}
         request = pending.get(target.strip())
         device = await self.store.approve(target, by=by, transport=transport)
+        record_approval("operator")
         if request is None:  # approved by device id
             request = next((p for p in pending.values() if p.device_id == device.device_id), None)
         if request is not None:
@@ -424,6 +426,7 @@ class Provisioning:
             by=by,
             transport=transport,
         )
+        record_approval("enrollment" if by.startswith("auto:enrollment") else "mac_prefix")
         return device
 
     def _activation(self, request: PendingActivation) -> dict[str, Any]:

@@ -2,13 +2,17 @@
 
 The owner marks what changed and calls `wake()`; the task waits `interval_s` so a burst of
 changes becomes one transaction, then calls the owner's `flush`. A flush that fails keeps its
-rows for the next one (the owner's job) and raises `DatabaseError`; the task carries on.
+rows for the next one (the owner's job) and raises `DatabaseError`; the task carries on. Each
+flush is timed (`bridge_db_flush_seconds`), and an owner that says how many changes it holds
+(`depth`) is read at scrape (`bridge_db_write_queue_depth`).
 """
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable
 
+from backend.metrics import record_flush, unwatch_write_queue, watch_write_queue
 from backend.storage.database import DatabaseError
 
 
@@ -17,6 +21,8 @@ class WriteBehind:
     `on_heartbeat` (then flushes) at least that often even when nothing wakes it."""
 
     __slots__ = (
+        "__weakref__",  # the metrics' gauge holds writers weakly
+        "_depth",
         "_flush",
         "_heartbeat_s",
         "_interval_s",
@@ -34,8 +40,11 @@ class WriteBehind:
         interval_s: float,
         heartbeat_s: float | None = None,
         on_heartbeat: Callable[[], None] = lambda: None,
+        depth: Callable[[], int] | None = None,
     ) -> None:
+        """`depth`: how many changes the owner holds for the next flush (for the metrics)."""
         self._flush = flush
+        self._depth = depth
         self._name = name
         self._interval_s = interval_s
         self._heartbeat_s = heartbeat_s
@@ -43,14 +52,24 @@ class WriteBehind:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def depth(self) -> int:
+        return self._depth() if self._depth is not None else 0
+
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=self._name)
+        if self._depth is not None:
+            watch_write_queue(self)
 
     def wake(self) -> None:
         self._wake.set()
 
     async def stop(self) -> None:
         """Stop the task; the owner writes what is still pending itself."""
+        unwatch_write_queue(self)
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -69,8 +88,10 @@ class WriteBehind:
                 heartbeat = self._next_heartbeat(loop)
             await asyncio.sleep(self._interval_s)  # a burst becomes one transaction
             self._wake.clear()
+            began = time.perf_counter()
             with contextlib.suppress(DatabaseError):
                 await self._flush()
+            record_flush(self._name, time.perf_counter() - began)
 
     def _next_heartbeat(self, loop: asyncio.AbstractEventLoop) -> float | None:
         return None if self._heartbeat_s is None else loop.time() + self._heartbeat_s

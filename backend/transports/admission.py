@@ -13,6 +13,7 @@ from typing import Protocol
 
 from backend.auth import token_matches
 from backend.errors import BridgeError
+from backend.metrics import record_handshake_refused
 from backend.transports.base import DeviceIdentity
 
 _DEVICE_ID = re.compile(r"^[A-Za-z0-9:_.\-]{1,64}$")
@@ -89,20 +90,25 @@ class Admission:
         """The device's identity, or HandshakeRefused (429 too many handshakes from that
         address, 400 malformed fields, 401 credential, 429 too many for that device)."""
         limits = self.limits
+        transport = request.transport
         if limits is not None and (refusal := limits.ip_refusal(request.remote)) is not None:
-            raise HandshakeRefused(429, refusal)
-        device_id = normalize_device_id(request.device_id)
-        version = _protocol_version(request.protocol_version)
+            raise _counted(transport, "address_rate", HandshakeRefused(429, refusal))
+        try:
+            device_id = normalize_device_id(request.device_id)
+            version = _protocol_version(request.protocol_version)
+        except HandshakeRefused as malformed:
+            raise _counted(transport, "malformed", malformed) from None
         refusal = self.credentials.refusal(device_id, request.credential)
         if refusal is not None:
-            raise HandshakeRefused(401, refusal)
+            raise _counted(transport, "credential", HandshakeRefused(401, refusal))
         # Counted per device only once the credential holds: a stranger cannot spend a device's
         # budget (strangers are bounded per address above), and a revoked device hears 401.
         if limits is not None and (refusal := limits.device_refusal(device_id)) is not None:
-            raise HandshakeRefused(429, refusal)
+            raise _counted(transport, "device_rate", HandshakeRefused(429, refusal))
         client_id = (request.client_id or "").strip() or None
         if client_id is not None and len(client_id) > 128:
-            raise HandshakeRefused(400, "Client-Id longer than 128 characters")
+            too_long = HandshakeRefused(400, "Client-Id longer than 128 characters")
+            raise _counted(transport, "malformed", too_long)
         return DeviceIdentity(
             device_id=device_id,
             client_id=client_id,
@@ -117,6 +123,12 @@ class Admission:
         device costs a few connections a minute, not one per second."""
         if self.limits is not None:
             self.limits.penalize(device_id)
+
+
+def _counted(transport: str, reason: str, refused: HandshakeRefused) -> HandshakeRefused:
+    """`refused`, counted in bridge_handshakes_refused_total."""
+    record_handshake_refused(transport, reason)
+    return refused
 
 
 def normalize_device_id(raw: str | None) -> str:

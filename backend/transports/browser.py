@@ -51,6 +51,7 @@ from backend.config import Settings
 from backend.errors import MessageTooLarge
 from backend.keys import Principal, Scope
 from backend.logs import LogBudget, mask_uvicorn_query_tokens
+from backend.metrics import record_handshake_refused
 from backend.protocol.audio import AudioFrame
 from backend.transports.admission import HandshakeLimits
 from backend.transports.base import DeviceIdentity, LinkAcceptor, LinkClosed, LinkHandler
@@ -210,10 +211,11 @@ class BrowserLink:
 class Refused(Exception):
     """The upgrade is answered with `status` and `reason` instead of a WebSocket."""
 
-    def __init__(self, status: int, reason: str) -> None:
+    def __init__(self, status: int, reason: str, kind: str = "other") -> None:
         super().__init__(reason)
         self.status = status
         self.reason = reason
+        self.kind = kind  # bridge_handshakes_refused_total's reason
 
 
 class BrowserTransport:
@@ -293,6 +295,7 @@ class BrowserTransport:
         try:
             identity = self._admit(websocket, remote)
         except Refused as refused:
+            record_handshake_refused(self.name, refused.kind)
             self._refusals.warning(
                 f"talk handshake refused ({refused.status})", reason=refused.reason, remote=remote
             )
@@ -325,20 +328,20 @@ class BrowserTransport:
         """The device this upgrade becomes, or Refused. The ticket is spent only once the
         origin and the address budget passed: a refused page keeps no used-up ticket."""
         if self._acceptor is None:
-            raise Refused(503, SHUTDOWN)
+            raise Refused(503, SHUTDOWN, "unavailable")
         if not self._same_origin(websocket.headers):
-            raise Refused(403, "cross-origin WebSocket refused")
+            raise Refused(403, "cross-origin WebSocket refused", "origin")
         limits = self._limits
         if limits is not None and (refusal := limits.ip_refusal(remote)) is not None:
-            raise Refused(429, refusal)
+            raise Refused(429, refusal, "address_rate")
         key_id = self.tickets.redeem(websocket.query_params.get("ticket"))
         if key_id is None:
-            raise Refused(401, "unknown, used or expired ticket")
+            raise Refused(401, "unknown, used or expired ticket", "ticket")
         if key_id != "admin" and self._active_key(key_id) is None:
-            raise Refused(401, "the ticket's key was revoked")
+            raise Refused(401, "the ticket's key was revoked", "ticket")
         device_id = device_id_of(key_id)
         if limits is not None and (refusal := limits.device_refusal(device_id)) is not None:
-            raise Refused(429, refusal)
+            raise Refused(429, refusal, "device_rate")
         return DeviceIdentity(
             device_id=device_id,
             client_id=None,

@@ -37,6 +37,7 @@ import structlog
 from backend.common import reachable_host, url_host
 from backend.errors import MessageTooLarge
 from backend.logs import LogBudget
+from backend.metrics import record_cut_off
 from backend.protocol import mqtt_packets as mp
 from backend.protocol.audio import AudioFrame
 from backend.transports.admission import Admission, HandshakeRefused, HandshakeRequest
@@ -61,6 +62,8 @@ from backend.transports.udp import UdpAudioChannel
 log = structlog.get_logger("transport.mqtt_endpoint")
 
 TRANSPORT = "mqtt"
+# The endpoint's own cut-offs, as bridge_device_cutoffs_total names them.
+_CUT_OFF_REASONS = {"packet_too_large": "message_too_big", "malformed": "malformed"}
 POLICY_VIOLATION = 1008
 GOING_AWAY = 1001
 REPLACED = "replaced by a new connection"
@@ -489,6 +492,8 @@ class MqttEndpoint:
             self._finish(link, handler)
 
     def _violation(self, link: EndpointLink, reason: str, detail: str) -> None:
+        if reason in _CUT_OFF_REASONS:  # others were counted by the session that closed it
+            record_cut_off(TRANSPORT, _CUT_OFF_REASONS[reason])
         self.count(f"cut_off_{reason}" if " " not in reason else "cut_off")
         self._budget.warning(
             "mqtt device cut off", key=reason, reason=detail, device_id=link.identity.device_id

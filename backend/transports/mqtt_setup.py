@@ -148,7 +148,7 @@ class MqttService:
                 udp_public_host=self._udp_public_host(),
             ),
             Admission(DeviceLogin(self._logins), self._handshake_limits),
-            ConnectionGuard.for_listener(settings, log),
+            ConnectionGuard.for_listener(settings, log, transport="mqtt"),
             udp=UdpAudioChannel(settings.udp_host, settings.udp_port),
         )
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Self
 import structlog
 
 from backend.logs import LogBudget
+from backend.metrics import record_connection_refused
 
 if TYPE_CHECKING:
     from backend.config import Settings
@@ -129,8 +130,10 @@ class ConnectionGuard:
         penalty_s: float = 10.0,
         logger: Any = None,
         max_pending_per_address: int | None = None,
+        transport: str = "other",
     ) -> None:
         self.limit = limit
+        self.transport = transport  # the metrics' label
         self._log = logger if logger is not None else log
         self._per_address = per_address
         self._exempt = exempt if exempt is not None else ExemptNetworks(())
@@ -145,7 +148,9 @@ class ConnectionGuard:
         self._blocked_until: dict[str, float] = {}
 
     @classmethod
-    def for_listener(cls, settings: "Settings", logger: Any = None) -> Self:
+    def for_listener(
+        cls, settings: "Settings", logger: Any = None, *, transport: str = "other"
+    ) -> Self:
         """The guard of a device listener (WebSocket, MQTT), from the shared settings."""
         rate = settings.rate_limits["connection_ip"]
         return cls(
@@ -154,11 +159,13 @@ class ConnectionGuard:
             exempt=ExemptNetworks(settings.rate_limit_exempt),
             logger=logger,
             max_pending_per_address=settings.max_pending_handshakes_per_address,
+            transport=transport,
         )
 
     def admit(self, connection: Hashable, address: str | None) -> bool:
         if address is not None and self._is_blocked(address):
             self.refused += 1
+            record_connection_refused(self.transport, "penalty_box")
             self._budget.warning("connection dropped: address in the penalty box", remote=address)
             return False
         if (
@@ -168,15 +175,18 @@ class ConnectionGuard:
             and not self._per_address.allow(address)
         ):
             self.refused += 1
+            record_connection_refused(self.transport, "address_rate")
             self._budget.warning("connection dropped: too many from this address", remote=address)
             return False
         if len(self.pending) >= self.limit:
             self.refused += 1
+            record_connection_refused(self.transport, "pending_cap")
             self._budget.warning("connection refused: too many handshakes in progress",
                                  limit=self.limit, refused=self.refused)  # fmt: skip
             return False
         if address is not None and address not in self._exempt and self._holds_its_share(address):
             self.refused += 1
+            record_connection_refused(self.transport, "address_pending")
             self._budget.warning("connection dropped: too many handshakes from this address",
                                  remote=address)  # fmt: skip
             return False

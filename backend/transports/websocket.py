@@ -27,6 +27,7 @@ from backend.common import reachable_host, url_host
 from backend.config import Settings
 from backend.errors import MessageTooLarge
 from backend.logs import LogBudget
+from backend.metrics import record_cut_off, record_handshake_refused
 from backend.protocol.audio import AudioFrame, AudioFrameError, decode_audio, encode_audio
 from backend.transports.admission import Admission, HandshakeRefused, HandshakeRequest
 from backend.transports.base import DeviceIdentity, LinkAcceptor, LinkClosed
@@ -153,7 +154,7 @@ class WebSocketTransport:
         self._limits = LinkLimits(settings.max_message_bytes, settings.write_timeout_s)
         # Refusals are logged a few at a time, then counted: a refused client may retry fast.
         self._refusals = LogBudget(log, burst=5)
-        self.handshakes = HandshakeGuard.for_listener(settings, log)
+        self.handshakes = HandshakeGuard.for_listener(settings, log, transport=self.name)
 
     @property
     def port(self) -> int:
@@ -217,6 +218,7 @@ class WebSocketTransport:
         url = urlsplit(request.path)
         remote = _remote(connection)
         if url.path.rstrip("/") != self._settings.ws_path.rstrip("/"):
+            record_handshake_refused(self.name, "not_found")
             return _refuse(
                 connection, HandshakeRefused(404, "no device endpoint here"), remote, self._refusals
             )
@@ -283,6 +285,8 @@ class WebSocketTransport:
             self._links.discard(link)
             if _we_closed_for_policy(connection):
                 self._admission.cut_off(link.identity.device_id)
+                if _close_code(connection) == CloseCode.MESSAGE_TOO_BIG:  # websockets closed it
+                    record_cut_off(self.name, "message_too_big")
             handler.on_closed(_close_reason(connection))
 
 
@@ -319,6 +323,11 @@ def _we_closed_for_policy(connection: ServerConnection) -> bool:
         and sent.code in _BROKE_A_BOUND
         and not connection.protocol.close_rcvd_then_sent
     )
+
+
+def _close_code(connection: ServerConnection) -> int | None:
+    sent = connection.protocol.close_sent
+    return sent.code if sent is not None else None
 
 
 def _close_reason(connection: ServerConnection) -> str:

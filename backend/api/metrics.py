@@ -1,0 +1,135 @@
+"""`GET /metrics`: the bridge's Prometheus metrics (backend/metrics, docs/metrics.md).
+
+On the admin listener it is a route like the others: the admin token or a key with the scope
+`metrics:read` (401 without one, 403 with another key). With `metrics_port` set it is also served
+on a listener of its own (on `metrics_host`, loopback by default), behind the same gate unless
+`metrics_auth = false`: only there may a scraper come in without a key, and that listener serves
+nothing but `/metrics`.
+"""
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Iterator
+from typing import Annotated
+
+import structlog
+import uvicorn
+from fastapi import APIRouter, Depends
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from backend.api.errors import error_body
+from backend.api.gate import PRINCIPAL, AdminGate, AsgiApp, KeyResolver
+from backend.api.scopes import needs
+from backend.keys import Principal, Scope
+from backend.metrics import REGISTRY
+
+log = structlog.get_logger("metrics")
+
+METRICS_PATH = "/metrics"
+Scraper = Annotated[Principal, Depends(needs(Scope.METRICS_READ))]
+
+
+def exposition() -> Response:
+    """Every family in the text format (scrape-time gauges are read now)."""
+    return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+
+def metrics_router() -> APIRouter:
+    """The admin listener's route."""
+    router = APIRouter(tags=["metrics"])
+
+    @router.get(
+        METRICS_PATH,
+        response_class=Response,
+        responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "text format"}},
+    )
+    async def metrics(_principal: Scraper) -> Response:
+        return exposition()
+
+    return router
+
+
+def metrics_app(admin_token: str, resolve_key: KeyResolver, *, auth: bool) -> AsgiApp:
+    """The dedicated listener's app: `/metrics` only, behind the API's gate unless `auth` is
+    off (the operator's explicit choice)."""
+
+    async def metrics(request: Request) -> Response:
+        if auth:
+            principal = request.scope.get("state", {}).get(PRINCIPAL)
+            if not isinstance(principal, Principal) or not principal.has(Scope.METRICS_READ):
+                message = f"this key lacks the scope {Scope.METRICS_READ}"
+                return JSONResponse(error_body(403, "forbidden", message), status_code=403)
+        return exposition()
+
+    async def not_found(request: Request, _exc: Exception) -> Response:
+        return JSONResponse(error_body(404, "http_error", "Not Found"), status_code=404)
+
+    app = Starlette(
+        routes=[Route(METRICS_PATH, metrics, methods=["GET"])],
+        exception_handlers={404: not_found},
+    )
+    if not auth:
+        return app
+    return AdminGate(app, admin_token, resolve_key=resolve_key)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: the bridge owns SIGINT/SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class MetricsListener:
+    """The optional listener of `metrics_port`."""
+
+    def __init__(self, app: AsgiApp, host: str, port: int) -> None:
+        self._app = app
+        self._host = host
+        self._port = port
+        self._socket: socket.socket | None = None
+        self._server: _Server | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def url(self) -> str:
+        assert self._socket is not None, "metrics listener not started"
+        port: int = self._socket.getsockname()[1]
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"http://{host}:{port}{METRICS_PATH}"
+
+    async def start(self) -> None:
+        self._socket = _bind(self._host, self._port)
+        config = uvicorn.Config(self._app, log_config=None, access_log=False, lifespan="off")
+        self._server = _Server(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[self._socket]))
+        while not self._server.started:
+            if self._task.done():
+                await self._task
+                raise RuntimeError("metrics listener stopped during startup")
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            await self._task
+        self._server = self._task = None
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
