@@ -10,6 +10,7 @@ from bench.common import REPO, parse_args
 # voice loop, then the firmware's heap benchmark (needs the MicroPython unix port).
 BENCHMARKS = (
     "tool_call",
+    "metrics_overhead",
     "sdk_compare",
     "hello_ready",
     "fleet",
