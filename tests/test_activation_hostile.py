@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from backend.provisioning.store import MAX_PENDING_PER_DEVICE
+from backend.provisioning.pending import MAX_PENDING_PER_DEVICE
 from backend.server import Bridge
 from simulator.stock_ota import stock_headers, system_info
 from tests.helpers import ADMIN_TOKEN, ManualClock, can_bind, run_cli

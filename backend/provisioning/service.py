@@ -54,20 +54,15 @@ from backend.provisioning.ratelimit import (
     device_key,
     host_of,
 )
+from backend.provisioning.records import Enrollment, PendingActivation, Provisioned, Transport
 from backend.provisioning.releases import (
     FIRMWARE_DIR,
     FIRMWARE_MIGRATIONS,
     FirmwareReleases,
     Release,
 )
-from backend.provisioning.store import (
-    PROVISIONING_MIGRATIONS,
-    Enrollment,
-    PendingActivation,
-    Provisioned,
-    ProvisioningStore,
-    Transport,
-)
+from backend.provisioning.store import ProvisioningStore
+from backend.provisioning.tables import PROVISIONING_MIGRATIONS
 from backend.provisioning.tokens import SECRET_FILE
 from backend.storage import Database, Migration
 from backend.transports.admission import HandshakeRefused, normalize_device_id
