@@ -8,8 +8,10 @@ before the event with one taken after it.
 
 import asyncio
 import json
+import re
 import socket
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -443,3 +445,20 @@ def test_disabled_recorders_are_no_ops() -> None:
     finally:
         metrics.set_enabled(True)
     assert parse(metrics.generate_text()) == before
+
+
+def test_dashboard_and_docs_name_only_families_that_exist() -> None:
+    """docs/grafana/bridge-dashboard.json and docs/metrics.md against the registry: a renamed
+    family would leave an empty panel or a wrong table row."""
+    repo = Path(__file__).resolve().parent.parent
+    exposed = {family.name for family in metrics.REGISTRY.collect()}
+    dashboard = json.loads((repo / "docs/grafana/bridge-dashboard.json").read_text())
+    queries = " ".join(
+        target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])
+    )
+    suffixes = r"(_bucket|_sum|_count|_total)?\b"
+    used = {re.sub(suffixes, "", name) for name in re.findall(r"\bbridge_[a-z_]+", queries)}
+    assert used and used <= exposed, used - exposed
+    assert used == exposed, exposed - used  # every family has a panel
+    documented = re.findall(r"^\| `(bridge_[a-z_]+)`", (repo / "docs/metrics.md").read_text(), re.M)
+    assert {re.sub(suffixes, "", name) for name in documented} <= exposed
