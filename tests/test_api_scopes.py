@@ -42,8 +42,9 @@ ROUTES = [
         "chat:use",
     ),
     ("POST", "/api/chat/stream", {"message": "How often should I floss?"}, "chat:use"),
+    ("GET", "/metrics", None, "metrics:read"),
 ]
-SCOPES = ["chat:use", "devices:read", "devices:call", "admin"]
+SCOPES = ["chat:use", "devices:read", "devices:call", "metrics:read", "admin"]
 TOKENS = Tokens(admin=ADMIN_TOKEN, device=DEVICE_TOKEN)
 
 

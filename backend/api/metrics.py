@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from backend.api.errors import error_body
+from backend.api.errors import error_body, errors
 from backend.api.gate import PRINCIPAL, AdminGate, AsgiApp, KeyResolver
 from backend.api.scopes import needs
 from backend.keys import Principal, Scope
@@ -46,7 +46,10 @@ def metrics_router() -> APIRouter:
     @router.get(
         METRICS_PATH,
         response_class=Response,
-        responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "text format"}},
+        responses={
+            200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"},
+            **errors(401, 403),
+        },
     )
     async def metrics(_principal: Scraper) -> Response:
         return exposition()
