@@ -156,7 +156,7 @@ def test_knowledge_base_ranks_the_right_entry_first(
 def test_knowledge_base_leaves_out_entries_that_share_only_common_words(kb: KnowledgeBase) -> None:
     # "teeth" and "brush" also occur in the dentures entry; quoting it would be off topic.
     query = "tell me how long I should brush my teeth"
-    loose = kb.search(query, 3, language="en", min_share=0.0)
+    loose = kb.search(query, 3, language="en", min_share=0.0, min_cover=0.0)
     strict = kb.search(query, 3, language="en")
     assert any("Dentures" in r.title for r in loose)
     assert [r.title for r in strict] == [loose[0].title]

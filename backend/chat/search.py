@@ -501,7 +501,8 @@ _STOPWORDS = wordset(
     "the a an is are to of and or in on for with how what why when should can do does i my me "
     "you your it this that be at by as from much many often tell please know want need la cua va "
     "hoac trong tren cho "
-    "voi the nao gi tai sao khi nen co the toi ban khong bao nhieu duoc mot nhung cac"
+    "voi the nao gi tai sao khi nen co the toi ban khong bao nhieu duoc mot nhung cac "
+    "bi"  # bị, the passive marker ("răng bị rơi", "bị chảy máu"), not a topic
 )
 _K1 = 1.2
 _B = 0.75
@@ -528,6 +529,8 @@ def _stem(token: str) -> str:
             stem = token[: -len(suffix)]
             if suffix == "s" and stem.endswith(("s", "u", "i")):
                 return token  # "floss", "plus", "gingivitis"
+            if suffix == "ed" and stem.endswith("e"):
+                return token  # "bleed", "need": "bleeding" and "bleeds" stem to "bleed" too
             if suffix == "es" and not stem.endswith(("sh", "ch", "x", "ss")):
                 return token[:-1]
             return stem
@@ -604,11 +607,15 @@ class KnowledgeBase:
         language: Language | None = None,
         min_score: float | None = None,
         min_share: float = 0.4,
+        min_cover: float = 0.5,
     ) -> list[SearchResult]:
         """The best `n` entries (by BM25) in `language` (when given) whose `relevance` is at
         least `min_score` (default: the index's) and whose score is at least `min_share` of the
         best: an entry far below the best shares only common words with the query ("teeth" for
-        a brushing question) and would be quoted off topic."""
+        a brushing question) and would be quoted off topic. Nor is an entry cited that contains
+        less than `min_cover` of what the best one contains of the question (its terms weighted
+        by idf): "Tại sao chân răng bị chảy máu?" scores the knocked-out tooth entry high on
+        "chân răng" alone, and it says nothing of bleeding."""
         if min_score is None:
             min_score = self.min_score
         scores = self.scores(query)
@@ -621,8 +628,25 @@ class KnowledgeBase:
             and (language is None or self.entries[index].lang == language)
         ]
         scored.sort(key=lambda pair: (-pair[0], pair[1]))
-        floor = scored[0][0] * min_share if scored else 0.0
-        return [_kb_result(self.entries[index]) for score, index in scored[:n] if score >= floor]
+        if not scored:
+            return []
+        floor = scored[0][0] * min_share
+        best = self._covered(query, scored[0][1])
+        return [
+            _kb_result(self.entries[index])
+            for score, index in scored[:n]
+            if score >= floor and self._covered(query, index) >= best * min_cover
+        ]
+
+    def _covered(self, query: str, index: int) -> float:
+        """How much of the question the entry contains: its terms weighted by idf, without the
+        word pairs that hold a stop word ("răng bị" says nothing of a topic)."""
+        doc = self._docs[index]
+        return sum(
+            self._idf[term]
+            for term in set(kb_terms(query))
+            if term in doc and not _STOPWORDS.intersection(term.split("_"))
+        )
 
 
 def _kb_result(entry: KbEntry) -> SearchResult:
