@@ -67,6 +67,8 @@ def arguments_digest(arguments: Any) -> str:
 
 @dataclass(frozen=True, slots=True)
 class AuditEntry:
+    """One audit row as read back: the arguments only as their SHA-256."""
+
     id: int
     at: float
     actor: str | None
@@ -80,6 +82,7 @@ class AuditEntry:
     bytes: int | None = None  # the size of a photo upload (None for tool calls)
 
     def to_json(self) -> dict[str, Any]:
+        """The row for the API and CLI, with `at` as ISO-8601 UTC."""
         return {
             "id": self.id,
             "at": iso_time(self.at),
@@ -121,10 +124,13 @@ class AuditLog:
         self.written = 0
 
     def start(self) -> None:
+        """Follow the registry's `tool_called` events and start the periodic writer."""
         self._unsubscribe = self._registry.subscribe(self._on_event)
         self._writer.start()
 
     async def stop(self) -> None:
+        """Stop following events and write what is buffered (a failing database loses only those
+        rows)."""
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
@@ -175,6 +181,8 @@ class AuditLog:
         self._writer.wake()
 
     async def flush(self) -> None:
+        """Write the buffered rows in one transaction; on a database error they are counted as
+        dropped."""
         rows, self._buffer = self._buffer, []
         if not rows:
             return

@@ -134,6 +134,7 @@ class DeviceCatalog:
         return len(records)
 
     def start(self) -> None:
+        """Follow registry events and start the periodic writer."""
         self._unsubscribe = self._registry.subscribe(self._on_event)
         self._writer.start()
 

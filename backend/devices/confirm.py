@@ -53,6 +53,8 @@ _DROPPED = frozenset({"Cf", "Cc", "Cs", "Cn"})
 
 
 def parse_rule(text: str) -> _Rule:
+    """Parse one `confirm_tools` rule (`[!][DEVICE/]TOOL`); raises ValueError on an empty tool
+    pattern."""
     raw = text.strip()
     confirm = not raw.startswith("!")
     body = raw[1:].strip() if not confirm else raw
@@ -65,6 +67,8 @@ def parse_rule(text: str) -> _Rule:
 
 
 class ConfirmationPolicy:
+    """Decides which tool calls need `confirmed=True`: the rules, then the destructive hint."""
+
     def __init__(
         self, rules: Iterable[str] = DEFAULT_CONFIRM_TOOLS, *, destructive_hint: bool = True
     ) -> None:

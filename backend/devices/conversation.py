@@ -44,19 +44,26 @@ class ConversationOutbox(Protocol):
     """What a `Conversation` needs from the session that carries it."""
 
     @property
-    def session_id(self) -> str: ...
+    def session_id(self) -> str:
+        """The session id the device was handed in its hello reply."""
 
     @property
-    def device_hello(self) -> DeviceHello | None: ...
+    def device_hello(self) -> DeviceHello | None:
+        """The device's hello, or None before it said hello."""
 
     @property
-    def downlink_audio(self) -> AudioParams: ...
+    def downlink_audio(self) -> AudioParams:
+        """The audio format the bridge sends to the device."""
 
-    async def send_message(self, message: ServerMessage) -> None: ...
+    async def send_message(self, message: ServerMessage) -> None:
+        """Send one JSON message over the device's transport."""
 
-    async def send_audio(self, frame: AudioFrame) -> None: ...
+    async def send_audio(self, frame: AudioFrame) -> None:
+        """Send one encoded audio frame over the device's audio channel."""
 
-    async def end_conversation(self) -> None: ...
+    async def end_conversation(self) -> None:
+        """End the conversation the way the transport does it (goodbye, or closing a
+        per-conversation link)."""
 
 
 class Conversation:
@@ -71,6 +78,7 @@ class Conversation:
 
     @property
     def session_id(self) -> str:
+        """The current session id, filled into every message sent."""
         return self._outbox.session_id
 
     @property
@@ -105,6 +113,7 @@ class Conversation:
         await self._send_tts("stop")
 
     async def send_alert(self, status: str, message: str, emotion: str = "neutral") -> None:
+        """Show an alert (status line, message, emotion) on the device."""
         await self._outbox.send_message(
             Alert(session_id=self.session_id, status=status, message=message, emotion=emotion)
         )
@@ -130,7 +139,8 @@ class Conversation:
 class ConversationSource(Protocol):
     """Where the hub finds the conversation of a live device (the registry)."""
 
-    def conversation_of(self, device_id: str) -> Conversation: ...
+    def conversation_of(self, device_id: str) -> Conversation:
+        """The `Conversation` of a live device; raises a device-layer error otherwise."""
 
 
 class ConversationHub:
@@ -149,6 +159,7 @@ class ConversationHub:
         return _add(self._listen, handler)
 
     def on_abort(self, handler: AbortHandler) -> Unsubscribe:
+        """Subscribe to the devices' `abort` messages (the user interrupted the reply)."""
         return _add(self._abort, handler)
 
     def on_opened(self, handler: OpenedHandler) -> Unsubscribe:
@@ -169,24 +180,30 @@ class ConversationHub:
 
     @property
     def wants_audio(self) -> bool:
+        """Whether any audio handler is subscribed (sessions drop uplink audio otherwise)."""
         return bool(self._audio)
 
     # ---- dispatch (called by sessions) --------------------------------------------------------
 
     def listen_handlers(self) -> list[ListenHandler]:
+        """A snapshot of the `listen` handlers, safe to iterate while they unsubscribe."""
         return list(self._listen)
 
     def abort_handlers(self) -> list[AbortHandler]:
+        """A snapshot of the `abort` handlers."""
         return list(self._abort)
 
     def opened_handlers(self) -> list[OpenedHandler]:
+        """A snapshot of the handlers told when a device's audio channel opens."""
         return list(self._opened)
 
     def dispatch_ended(self, conversation: Conversation, reason: str) -> None:
+        """Tell every ended handler; one handler's exception is logged, not passed on."""
         for handler in list(self._ended):
             _call_quietly(handler, conversation, reason)
 
     def dispatch_audio(self, conversation: Conversation, frame: AudioFrame) -> None:
+        """Hand one uplink frame to every audio handler; their exceptions are logged, not raised."""
         for handler in self._audio:
             _call_quietly(handler, conversation, frame)
 

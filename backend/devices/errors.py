@@ -34,6 +34,8 @@ class DeviceOnline(DeviceLayerError):
 
 
 class UnknownTool(DeviceLayerError):
+    """The device exists but its current tool list has no such tool."""
+
     def __init__(self, device_id: str, tool: str) -> None:
         super().__init__(f"device {device_id!r} has no tool {tool!r}")
         self.device_id = device_id
@@ -41,6 +43,8 @@ class UnknownTool(DeviceLayerError):
 
 
 class DeviceNotReady(DeviceLayerError):
+    """The device is connected but its MCP handshake has not finished (or failed)."""
+
     def __init__(self, device_id: str, state: str) -> None:
         super().__init__(f"device {device_id!r} is not ready (state: {state})")
         self.device_id = device_id
@@ -48,12 +52,16 @@ class DeviceNotReady(DeviceLayerError):
 
 
 class DeviceBusy(DeviceLayerError):
+    """The device already has its limit of tool calls in flight; retry later."""
+
     def __init__(self, device_id: str, limit: int) -> None:
         super().__init__(f"device {device_id!r} already has {limit} calls in flight")
         self.device_id = device_id
 
 
 class InvalidArguments(DeviceLayerError):
+    """The arguments do not match the tool's input schema; nothing was sent to the device."""
+
     def __init__(self, tool: str, reason: str) -> None:
         super().__init__(f"invalid arguments for {tool!r}: {reason}")
         self.tool = tool

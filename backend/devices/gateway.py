@@ -30,6 +30,7 @@ class DeviceGateway:
         self._vision = vision
 
     def open_link(self, link: DeviceLink) -> LinkHandler:
+        """Start a `DeviceSession` for a new transport link; the transport feeds it what arrives."""
         session = DeviceSession(
             link,
             self._registry,

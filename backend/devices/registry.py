@@ -54,6 +54,8 @@ POLICY_VIOLATION = 1008
 
 
 class DeviceState(StrEnum):
+    """A device's state as the registry sees it; values are the API's `state` strings."""
+
     CONNECTING = "connecting"  # link up, waiting for the device hello
     INITIALIZING = "initializing"  # MCP initialize / tools/list in progress
     READY = "ready"
@@ -67,6 +69,8 @@ LIVE_STATES = frozenset(
 
 
 class EventKind(StrEnum):
+    """What a `DeviceEvent` reports; values are the event names of the API's event stream."""
+
     CONNECTED = "connected"  # → connecting
     INITIALIZING = "initializing"  # → initializing
     READY = "ready"  # → ready
@@ -84,6 +88,8 @@ _MAX_AUDITED_ID = 256  # a refused call may name any device id or tool: kept bou
 
 @dataclass(frozen=True, slots=True)
 class DeviceEvent:
+    """One registry change, delivered to every listener in order."""
+
     kind: EventKind
     device_id: str
     detail: dict[str, Any] = field(default_factory=dict)
@@ -106,6 +112,7 @@ class ToolSet:
 
     @classmethod
     def of(cls, tools: Iterable[Tool]) -> "ToolSet":
+        """The shared `ToolSet` of these tools: equal lists (by canonical JSON) are one object."""
         tools = tuple(tools)
         if not tools:
             return EMPTY_TOOLS
@@ -119,6 +126,7 @@ class ToolSet:
         return shared
 
     def to_wire(self) -> list[dict[str, Any]]:
+        """The tools as MCP `tools/list` entries."""
         return [tool.to_wire() for tool in self.tools]
 
 
@@ -173,11 +181,14 @@ class DeviceRecord:
 
     @property
     def board(self) -> str | None:
+        """The board name the device reported (MCP server info, else its OTA check), if any."""
         value = (self.server_info or {}).get("name") or (self.ota or {}).get("board_type")
         return value if isinstance(value, str) else None
 
     @property
     def firmware(self) -> str | None:
+        """The firmware version the device reported (MCP server info, else its OTA check), if
+        any."""
         value = (self.server_info or {}).get("version") or (self.ota or {}).get("firmware_version")
         return value if isinstance(value, str) else None
 
@@ -214,13 +225,16 @@ class DeviceConnection(Protocol):
     """What the registry needs of the session that carries a live device."""
 
     @property
-    def session_id(self) -> str: ...
+    def session_id(self) -> str:
+        """The session id of the link."""
 
     @property
-    def mcp(self) -> McpClient: ...
+    def mcp(self) -> McpClient:
+        """The MCP client speaking to the device over this link."""
 
     @property
-    def conversation(self) -> Conversation: ...
+    def conversation(self) -> Conversation:
+        """The conversation API over this link."""
 
     def disconnect(self, reason: str, code: int) -> None:
         """Fail pending calls with `reason` now and close the link in the background."""
@@ -263,40 +277,50 @@ class Device:
 
     @property
     def state(self) -> DeviceState:
+        """The current state; only the registry changes it."""
         return self._state
 
     @property
     def server_info(self) -> Mapping[str, Any] | None:
+        """The MCP `serverInfo` from the device's initialize result, once it is known."""
         return self._server_info
 
     @property
     def tools(self) -> ToolSet:
+        """The tool list read at the handshake (or the last `list_changed` re-list)."""
         return self._tools
 
     @property
     def error(self) -> str | None:
+        """Why the MCP handshake failed, in state `failed`."""
         return self._error
 
     @property
     def session_id(self) -> str:
+        """The session id of the current link."""
         return self._connection.session_id
 
     @property
     def mcp(self) -> McpClient:
+        """The MCP client of the current link."""
         return self._connection.mcp
 
     @property
     def connection(self) -> DeviceConnection:
+        """The transport-side session this device runs over."""
         return self._connection
 
     @property
     def is_live(self) -> bool:
+        """Whether the device is connected now (any state but offline)."""
         return self._state is not DeviceState.OFFLINE
 
     def tool_list(self, *, include_user_only: bool = True) -> list[Tool]:
+        """The tools; without the user-only ones (`include_user_only=False`) for models."""
         return [t for t in self._tools.tools if include_user_only or not is_user_only(t)]
 
     def summary(self) -> dict[str, Any]:
+        """The device as the API lists it: state, transport, tools count, board and firmware."""
         record = self._registry.record(self.device_id)
         return {
             "device_id": self.device_id,
@@ -434,6 +458,7 @@ class DeviceRegistry:
 
     @property
     def known_count(self) -> int:
+        """How many devices are remembered, live or offline."""
         return len(self._known)
 
     def get(self, device_id: str) -> Device | None:
@@ -455,6 +480,7 @@ class DeviceRegistry:
         return self._known.get(device_id)
 
     def records(self) -> list[DeviceRecord]:
+        """Every remembered device's record, offline ones included."""
         return list(self._known.values())
 
     def conversation_of(self, device_id: str) -> Conversation:
@@ -462,6 +488,7 @@ class DeviceRegistry:
         return self.require(device_id).connection.conversation
 
     def require_record(self, device_id: str) -> DeviceRecord:
+        """The record of a remembered device; raises UnknownDevice otherwise."""
         record = self._known.get(device_id)
         if record is None:
             raise UnknownDevice(device_id)
@@ -529,6 +556,7 @@ class DeviceRegistry:
         return device
 
     def initializing(self, device: Device) -> None:
+        """The session started the MCP handshake; ignored from a replaced session."""
         if self._is_current(device) and device.state is not DeviceState.INITIALIZING:
             device._state = DeviceState.INITIALIZING
             self.emit(EventKind.INITIALIZING, device.device_id)
@@ -560,6 +588,7 @@ class DeviceRegistry:
         self.emit(EventKind.TOOLS_CHANGED, device.device_id, tool_count=len(tool_set))
 
     def failed(self, device: Device, error: str) -> None:
+        """The MCP handshake failed with `error`; ignored from a replaced session."""
         if not self._is_current(device):
             return
         device._state = DeviceState.FAILED
@@ -674,6 +703,8 @@ class DeviceRegistry:
         )
 
     def emit(self, kind: EventKind, device_id: str, **detail: Any) -> None:
+        """Deliver one event to every listener; a failing listener is logged and the others still
+        run."""
         event = DeviceEvent(kind, device_id, detail)
         for listener in list(self._listeners):
             try:

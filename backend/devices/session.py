@@ -57,6 +57,7 @@ INBOUND_RATE = "inbound rate limit exceeded"  # the other cut-off: the MCP clien
 
 
 def new_session_id() -> str:
+    """A fresh random session id (hex only: stock firmware puts it in JSON unescaped)."""
     # Hex only: stock firmware concatenates it into JSON without escaping.
     return secrets.token_hex(16)
 
@@ -156,15 +157,18 @@ class DeviceSession:
 
     @property
     def device(self) -> Device:
+        """The registry's device for this link; only valid after `start`."""
         assert self._device is not None, "session not started"
         return self._device
 
     @property
     def session_id(self) -> str:
+        """The session id sent in the hello reply."""
         return self._session_id
 
     @property
     def device_hello(self) -> DeviceHello | None:
+        """The device's hello, once received."""
         return self.hello
 
     @property
@@ -177,6 +181,7 @@ class DeviceSession:
     # ---- inbound, called by the transport ------------------------------------------------------
 
     async def on_text(self, text: str) -> None:
+        """Handle one text frame: rate-limit, decode, then route MCP, hello, listen or abort."""
         self._metrics.text_in.add(len(text))
         if not self._inbound.allow(len(text)):
             self._cut_off_for("inbound rate limit exceeded")
@@ -206,6 +211,7 @@ class DeviceSession:
             await self._on_device_goodbye()
 
     def on_audio(self, frame: AudioFrame) -> None:
+        """Handle one uplink audio frame: rate-limit it, drop it outside a conversation."""
         self._metrics.audio_in.add(len(frame.payload))
         if not self._inbound.charge(len(frame.payload)):
             self._cut_off_for("inbound rate limit exceeded")
@@ -230,6 +236,7 @@ class DeviceSession:
             self._cut_off_for("inbound rate limit exceeded")
 
     def on_closed(self, reason: str) -> None:
+        """The link is gone: cancel this session's tasks and report it once to the registry."""
         if self._closed:
             return
         self._closed = True
@@ -283,15 +290,18 @@ class DeviceSession:
     # ---- conversation outbox (used by `Conversation`) ------------------------------------------
 
     async def send_message(self, message: ServerMessage) -> None:
+        """Send one JSON message to the device, counting its size."""
         text = message.to_json()
         await self.link.send_text(text)
         self._metrics.text_out.add(len(text))
 
     async def send_audio(self, frame: AudioFrame) -> None:
+        """Send one audio frame to the device, counting its size."""
         await self.link.send_audio(frame)
         self._metrics.audio_out.add(len(frame.payload))
 
     async def end_conversation(self) -> None:
+        """End the conversation: close a per-conversation link, else send `goodbye`."""
         if self.link.conversation_scoped:
             await self.link.close(1000, "goodbye")
             return

@@ -117,10 +117,12 @@ class McpClient:
 
     @property
     def pending_count(self) -> int:
+        """How many requests are waiting for the device's answer."""
         return len(self._pending)
 
     @property
     def closed(self) -> bool:
+        """Whether the link is gone; every call then raises DeviceDisconnected."""
         return self._closed_reason is not None
 
     # ---- requests ------------------------------------------------------------------------------
@@ -230,6 +232,8 @@ class McpClient:
         return await self._roundtrip(method, params, timeout, cancellable=method != "initialize")
 
     async def notify(self, method: str, params: dict[str, Any] | None = None) -> None:
+        """Send a JSON-RPC notification (no answer expected); raises DeviceDisconnected once
+        closed."""
         if self._closed_reason is not None:
             raise DeviceDisconnected(self._closed_reason)
         message: dict[str, Any] = {"jsonrpc": "2.0", "method": method}

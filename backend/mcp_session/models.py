@@ -36,6 +36,7 @@ class TimeoutPolicy(BaseModel):
     per_tool: dict[str, Seconds] = Field(default_factory=dict)
 
     def for_tool(self, name: str) -> float:
+        """The timeout of a tool call in seconds: the tool's own, else the default."""
         return self.per_tool.get(name, self.default_s)
 
 
@@ -69,6 +70,8 @@ class Tool(BaseModel):
 
 
 class InitializeResult(BaseModel):
+    """The device's answer to MCP `initialize`, as the client keeps it."""
+
     model_config = ConfigDict(frozen=True)
 
     protocol_version: str
@@ -78,11 +81,13 @@ class InitializeResult(BaseModel):
 
     @property
     def server_name(self) -> str | None:
+        """`serverInfo.name` if the device sent a string there."""
         name = self.server_info.get("name")
         return name if isinstance(name, str) else None
 
     @property
     def server_version(self) -> str | None:
+        """`serverInfo.version` if the device sent a string there."""
         version = self.server_info.get("version")
         return version if isinstance(version, str) else None
 
@@ -119,6 +124,7 @@ class CallResult:
 
     @classmethod
     def from_wire(cls, result: Any) -> "CallResult":
+        """Parse a `tools/call` result; raises ProtocolViolation when it is not the MCP shape."""
         if type(result) is not dict:
             raise ProtocolViolation(f"tools/call result is {json_kind(result)}, not an object")
         content = result.get("content", _MISSING)

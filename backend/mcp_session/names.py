@@ -45,6 +45,7 @@ class UnknownToolName(BridgeError):
 
 
 def is_llm_name(name: str) -> bool:
+    """Whether a name is usable as a function name by LLM APIs as it is."""
     return _LLM_NAME.fullmatch(name) is not None
 
 
@@ -62,12 +63,14 @@ class ToolNameMap:
         self._from_llm = {llm: name for name, llm in self._to_llm.items()}
 
     def to_llm(self, name: str) -> str:
+        """The LLM-safe name of an MCP tool name; raises UnknownToolName."""
         try:
             return self._to_llm[name]
         except KeyError:
             raise UnknownToolName(name) from None
 
     def from_llm(self, llm_name: str) -> str:
+        """The MCP tool name behind an LLM-safe name; raises UnknownToolName."""
         try:
             return self._from_llm[llm_name]
         except KeyError:

@@ -23,6 +23,8 @@ class AudioFrameError(BridgeError):
 
 @dataclass(frozen=True, slots=True)
 class AudioFrame:
+    """One encoded audio packet (Opus unless `type` says otherwise) with its timestamp in ms."""
+
     payload: bytes
     timestamp_ms: int = 0
     type: int = OPUS

@@ -26,6 +26,8 @@ class _Message(BaseModel):
 
 
 class AudioParams(BaseModel):
+    """The `audio_params` of a hello: codec, sample rate, channels, frame duration."""
+
     model_config = ConfigDict(extra="allow")
 
     format: str = "opus"
@@ -55,6 +57,8 @@ def downlink_params(uplink: AudioParams, opus_rate: int, frame_duration: int) ->
 
 
 class Features(BaseModel):
+    """The `features` a device announces in its hello (unknown ones are kept)."""
+
     model_config = ConfigDict(extra="allow")
 
     mcp: bool = False
@@ -66,6 +70,8 @@ class Features(BaseModel):
 
 
 class DeviceHello(_Message):
+    """The device's first message: protocol version, transport, audio params, features."""
+
     # Frozen: devices of one model send the same hello, so one parsed copy serves them all.
     model_config = ConfigDict(extra="allow", frozen=True)
 
@@ -78,6 +84,8 @@ class DeviceHello(_Message):
 
 
 class Listen(_Message):
+    """The device's microphone state: `start`/`stop`, or `detect` with the wake word in `text`."""
+
     type: Literal["listen"]
     state: Literal["start", "stop", "detect"]
     mode: Literal["auto", "manual", "realtime"] | None = None
@@ -85,16 +93,22 @@ class Listen(_Message):
 
 
 class Abort(_Message):
+    """The device asks to stop the reply it is playing (e.g. the user spoke over it)."""
+
     type: Literal["abort"]
     reason: str | None = None
 
 
 class McpEnvelope(_Message):
+    """A JSON-RPC message of the device's MCP server, carried in `payload`."""
+
     type: Literal["mcp"]
     payload: Any
 
 
 class Goodbye(_Message):
+    """The device ends the conversation."""
+
     type: Literal["goodbye"]
 
 
@@ -191,6 +205,8 @@ class _ServerMessage(BaseModel):
 
 
 class ServerHello(_ServerMessage):
+    """The bridge's hello reply: the session id and the audio format it sends."""
+
     type: Literal["hello"] = "hello"
     # Must be present and exactly "websocket": a missing transport crashes stock firmware.
     transport: Literal["websocket", "udp"] = "websocket"
@@ -199,12 +215,16 @@ class ServerHello(_ServerMessage):
 
 
 class Stt(_ServerMessage):
+    """What the bridge heard the user say, shown on the device."""
+
     type: Literal["stt"] = "stt"
     session_id: str | None = None
     text: str
 
 
 class Tts(_ServerMessage):
+    """Speech playback state: `start`, each `sentence_start` with its text, `stop`."""
+
     type: Literal["tts"] = "tts"
     session_id: str | None = None
     state: Literal["start", "sentence_start", "stop"]
@@ -212,6 +232,8 @@ class Tts(_ServerMessage):
 
 
 class Llm(_ServerMessage):
+    """The reply's emotion (the device shows a matching face), optionally with text."""
+
     type: Literal["llm"] = "llm"
     session_id: str | None = None
     emotion: str
@@ -219,12 +241,16 @@ class Llm(_ServerMessage):
 
 
 class System(_ServerMessage):
+    """A system command to the device (e.g. `reboot`)."""
+
     type: Literal["system"] = "system"
     session_id: str | None = None
     command: str
 
 
 class Alert(_ServerMessage):
+    """An alert the device shows: status line, message and emotion."""
+
     type: Literal["alert"] = "alert"
     session_id: str | None = None
     status: str

@@ -47,6 +47,8 @@ class PacketTooLarge(MalformedPacket):
 
 @dataclass(frozen=True, slots=True)
 class Will:
+    """The last-will message a CONNECT asks the broker to publish if the client vanishes."""
+
     topic: str
     payload: bytes
     qos: int
@@ -55,6 +57,8 @@ class Will:
 
 @dataclass(frozen=True, slots=True)
 class Connect:
+    """A parsed MQTT 3.1.1 CONNECT."""
+
     client_id: str
     username: str | None
     password: str | None
@@ -66,6 +70,8 @@ class Connect:
 
 @dataclass(frozen=True, slots=True)
 class Publish:
+    """A parsed PUBLISH; `packet_id` is set only for QoS 1 and 2."""
+
     topic: str
     payload: bytes
     qos: int
@@ -84,12 +90,16 @@ class Ack:
 
 @dataclass(frozen=True, slots=True)
 class Subscribe:
+    """A parsed SUBSCRIBE: topic filters with their requested QoS."""
+
     packet_id: int
     filters: tuple[tuple[str, int], ...]
 
 
 @dataclass(frozen=True, slots=True)
 class Unsubscribe:
+    """A parsed UNSUBSCRIBE."""
+
     packet_id: int
     filters: tuple[str, ...]
 
@@ -122,9 +132,11 @@ class PacketReader:
 
     @property
     def buffered(self) -> int:
+        """Bytes received but not yet parsed into a packet."""
         return len(self._buffer)
 
     def feed(self, data: bytes) -> None:
+        """Append bytes from the socket; `packets()` takes out the complete ones."""
         self._buffer += data
 
     def packets(self) -> Iterator[Packet]:
@@ -347,10 +359,12 @@ def _string(value: str) -> bytes:
 
 
 def connack(return_code: int, session_present: bool = False) -> bytes:
+    """A CONNACK with the given return code (0 accepted)."""
     return bytes([CONNACK << 4, 2, 1 if session_present else 0, return_code])
 
 
 def publish(topic: str, payload: bytes, *, qos: int = 0, packet_id: int | None = None) -> bytes:
+    """A PUBLISH packet; QoS 1 and 2 need a `packet_id` in 1..65535."""
     body = _string(topic)
     if qos:
         assert packet_id is not None and 0 < packet_id < 65536
@@ -365,6 +379,7 @@ def ack(kind: int, packet_id: int) -> bytes:
 
 
 def suback(packet_id: int, codes: list[int]) -> bytes:
+    """A SUBACK granting (or refusing, 0x80) each filter of a SUBSCRIBE in order."""
     return _packet(SUBACK << 4, struct.pack(">H", packet_id) + bytes(codes))
 
 

@@ -44,7 +44,8 @@ class HandshakeRequest:
 class DeviceCredentials(Protocol):
     """Decides whether `presented` lets `device_id` in; returns a refusal reason or None."""
 
-    def refusal(self, device_id: str, presented: str | None) -> str | None: ...
+    def refusal(self, device_id: str, presented: str | None) -> str | None:
+        """Why this device's presented credential is refused, or None to admit it."""
 
 
 class SharedDeviceToken:
@@ -54,6 +55,7 @@ class SharedDeviceToken:
         self._token = token
 
     def refusal(self, device_id: str, presented: str | None) -> str | None:
+        """Admit only the shared device token (compared in constant time)."""
         if token_matches(presented, self._token):
             return None
         return "missing device token" if not presented else "invalid device token"
@@ -62,9 +64,11 @@ class SharedDeviceToken:
 class HandshakeLimits(Protocol):
     """Rate limits for handshakes: a refusal reason (answered 429) or None."""
 
-    def ip_refusal(self, remote: str | None) -> str | None: ...
+    def ip_refusal(self, remote: str | None) -> str | None:
+        """Why a handshake from this address is refused now, or None."""
 
-    def device_refusal(self, device_id: str) -> str | None: ...
+    def device_refusal(self, device_id: str) -> str | None:
+        """Why a handshake for this device id is refused now, or None."""
 
     def penalize(self, device_id: str) -> None:
         """`device_id` was cut off for breaking a bound: hold its next handshake off."""
@@ -74,6 +78,7 @@ class NoDeviceAuth:
     """Device auth switched off (`device_auth = false`): anyone with a valid Device-Id."""
 
     def refusal(self, device_id: str, presented: str | None) -> str | None:
+        """Admit every device (device auth switched off)."""
         return None
 
 

@@ -35,7 +35,8 @@ class DeviceLink(Protocol):
     """One live connection to one device, as the session sees it."""
 
     @property
-    def identity(self) -> DeviceIdentity: ...
+    def identity(self) -> DeviceIdentity:
+        """Who the device said it is in its handshake (ids, protocol version)."""
 
     @property
     def conversation_scoped(self) -> bool:
@@ -90,7 +91,8 @@ class LinkHandler(Protocol):
 class LinkAcceptor(Protocol):
     """The bridge side of the seam: hands every new link to a session."""
 
-    def open_link(self, link: DeviceLink) -> LinkHandler: ...
+    def open_link(self, link: DeviceLink) -> LinkHandler:
+        """Take over a new admitted link; the handler returned receives what it carries."""
 
 
 class Transport(Protocol):

@@ -136,6 +136,8 @@ def _digest(ticket: str) -> str:
 
 
 class TalkTicket(BaseModel):
+    """A short-lived, single-use ticket that lets the console page open a device WebSocket."""
+
     ticket: str
     device_id: str
     path: str
@@ -147,6 +149,8 @@ class TalkTicket(BaseModel):
 
 @dataclass(frozen=True, slots=True)
 class LinkLimits:
+    """Per-link limits: the largest message in bytes and the write timeout in seconds."""
+
     max_message_bytes: int
     write_timeout_s: float
 
@@ -164,12 +168,14 @@ class BrowserLink:
         self.close_sent: int | None = None
 
     async def send_text(self, text: str) -> None:
+        """Send a JSON message; raises MessageTooLarge past the link's limit."""
         limit = self._limits.max_message_bytes
         if len(text) * 4 > limit and (size := len(text.encode())) > limit:
             raise MessageTooLarge(size, limit)
         await self._send({"type": "websocket.send", "text": text})
 
     async def send_audio(self, frame: AudioFrame) -> None:
+        """Send one audio frame as a binary message; raises MessageTooLarge past the limit."""
         if len(frame.payload) > self._limits.max_message_bytes:
             raise MessageTooLarge(len(frame.payload), self._limits.max_message_bytes)
         await self._send({"type": "websocket.send", "bytes": frame.payload})
@@ -189,14 +195,17 @@ class BrowserLink:
             raise LinkClosed(f"link closed ({type(exc).__name__})") from None
 
     def hello_fields(self, session_id: str) -> dict[str, str]:
+        """The hello reply's transport fields: the page is a stock WebSocket device."""
         # The protocol's value: the page is a stock WebSocket device ("browser" is only the
         # registry's transport name, which says how it got here).
         return {"transport": "websocket"}
 
     def conversation_ended(self, session_id: str) -> None:
+        """Nothing to release: the link is the conversation."""
         pass  # the link is the conversation, as on the device WebSocket
 
     async def close(self, code: int = 1000, reason: str = "") -> None:
+        """Close the WebSocket once; a page that is already gone is not an error."""
         if self.close_sent is not None:
             return
         self.close_sent = code
@@ -246,6 +255,7 @@ class BrowserTransport:
     # ---- Transport ----
 
     async def start(self, acceptor: LinkAcceptor) -> None:
+        """Remember the acceptor; the routes serve on the admin listener, nothing to bind."""
         self._acceptor = acceptor
 
     async def stop(self) -> None:
@@ -257,19 +267,23 @@ class BrowserTransport:
         )
 
     def endpoints(self) -> dict[str, str]:
+        """No endpoint of its own: it is served on the admin listener."""
         return {}  # on the admin listener, whose URL the bridge reports itself
 
     @property
     def links(self) -> int:
+        """How many browser links are open."""
         return len(self._links)
 
     # ---- HTTP ----
 
     @property
     def routes(self) -> list[BaseRoute]:
+        """The WebSocket route the console page connects to with its ticket."""
         return [WebSocketRoute(DEVICE_PATH, self.serve)]
 
     def router(self) -> APIRouter:
+        """The API route that issues talk tickets (scope `console:talk`)."""
         router = APIRouter()
         talker = Annotated[Principal, Depends(needs(Scope.CONSOLE_TALK))]
 

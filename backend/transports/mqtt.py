@@ -91,6 +91,8 @@ class BrokerVouched:
     """
 
     def refusal(self, device_id: str, presented: str | None) -> str | None:
+        """Admit only links the broker authenticated (the transport passes a marker, never a
+        secret)."""
         return None if presented == BROKER_CREDENTIAL else "not authenticated by the broker"
 
 
@@ -106,6 +108,7 @@ class BrokerAddress:
 
     @classmethod
     def parse(cls, url: str) -> "BrokerAddress":
+        """Parse an `mqtt://` or `mqtts://` URL; raises MqttConfigError with what is wrong."""
         try:
             parts = urlsplit(url)
             port = parts.port
@@ -133,6 +136,8 @@ class BrokerAddress:
 
 @dataclass(frozen=True, slots=True)
 class MqttSettings:
+    """How the bridge reaches an external broker and where its UDP audio listens."""
+
     broker_url: str = field(default="mqtt://127.0.0.1:1883", repr=False)  # may hold a password
     client_id: str = "esp32-mcp-bridge"
     topic_prefix: str = DEFAULT_PREFIX
@@ -160,9 +165,11 @@ class MqttSettings:
     max_message_bytes: int = 65536
 
     def address(self) -> BrokerAddress:
+        """The parsed broker URL; raises MqttConfigError."""
         return BrokerAddress.parse(self.broker_url)
 
     def announced_udp_host(self) -> str:
+        """The UDP host devices are told; raises MqttConfigError when a wildcard bind gives none."""
         if self.udp_public_host:
             return self.udp_public_host
         if self.udp_host in WILDCARD_HOSTS:
@@ -194,6 +201,7 @@ class MqttLink:
 
     @property
     def identity(self) -> DeviceIdentity:
+        """Who the device is (from its MQTT client id and hello)."""
         return self._identity
 
     async def send_text(self, text: str) -> None:
@@ -208,6 +216,7 @@ class MqttLink:
         await self._transport.publish(self.down_topic, data)
 
     async def send_audio(self, frame: AudioFrame) -> None:
+        """Send one frame over the conversation's UDP session; counted and dropped without one."""
         if self.closed:
             raise LinkClosed("link closed")
         if not self.audio.send(frame):
@@ -220,6 +229,7 @@ class MqttLink:
         return self.audio.open(session_id)
 
     def conversation_ended(self, session_id: str) -> None:
+        """Release the UDP session of that conversation."""
         self.audio.ended(session_id)
 
     async def close(self, code: int = 1000, reason: str = "") -> None:
@@ -313,6 +323,7 @@ class MqttTransport:
         await self.udp.stop()
 
     def endpoints(self) -> dict[str, str]:
+        """The broker (password redacted) and the announced UDP address."""
         return {
             "mqtt": self.address.redacted(),
             "udp": f"{self.udp_public_host}:{self.udp.port}",
@@ -322,6 +333,7 @@ class MqttTransport:
 
     @property
     def connected(self) -> bool:
+        """Whether the bridge is connected to the broker now."""
         return self._connected.is_set()
 
     async def wait_connected(self, timeout_s: float = 10.0) -> None:
@@ -334,9 +346,11 @@ class MqttTransport:
         return {device.link.identity.device_id: device.link for device in self._devices.values()}
 
     def count(self, name: str, amount: int = 1) -> None:
+        """Add to a named counter of the transport's stats."""
         self.counters[name] = self.counters.get(name, 0) + amount
 
     def stats(self) -> dict[str, int]:
+        """The transport's counters, its link count and its UDP channel's counters."""
         udp = {f"udp_{name}": value for name, value in self.udp.stats().items()}
         return {**self.counters, "links": len(self._devices), **udp}
 

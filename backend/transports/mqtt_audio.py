@@ -13,6 +13,8 @@ from backend.transports.udp import UdpAudioChannel, UdpError, UdpSession
 
 
 class LinkAudio:
+    """The UDP session of one MQTT link's current conversation, if any."""
+
     __slots__ = ("_channel", "_device_id", "_on_audio", "_public_host", "session")
 
     def __init__(
@@ -47,11 +49,13 @@ class LinkAudio:
         return True
 
     def ended(self, session_id: str) -> None:
+        """The conversation `session_id` ended: release its UDP session (a stale id is ignored)."""
         session = self.session
         if session is not None and session.session_id == session_id:
             self.release()
 
     def release(self) -> None:
+        """Close the current UDP session, if any."""
         if self.session is not None:
             self._channel.close_session(self.session)
             self.session = None

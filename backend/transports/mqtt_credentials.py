@@ -69,7 +69,8 @@ class BridgeAccount:
 class CredentialProvider(Protocol):
     """Checks a device login; the embedded endpoint asks it for every CONNECT of a device."""
 
-    def verify(self, username: str, password: str) -> bool: ...
+    def verify(self, username: str, password: str) -> bool:
+        """Whether this MQTT username (a device key) and password are valid."""
 
 
 class DerivedCredentials:
@@ -84,10 +85,12 @@ class DerivedCredentials:
         self._secret = secret
 
     def issue(self, device_id: str) -> DeviceCredential:
+        """The device's MQTT credential, derived from the bridge's secret (nothing stored)."""
         key = device_key(device_id)
         return DeviceCredential(device_id, key, self._password(key))
 
     def verify(self, username: str, password: str) -> bool:
+        """Check a derived password in constant time; a malformed username is just refused."""
         try:
             validate_device_key(username)
         except BridgeError:
@@ -107,6 +110,7 @@ class EitherCredentials:
         self._providers = providers
 
     def verify(self, username: str, password: str) -> bool:
+        """Valid if any of the providers accepts it."""
         return any(provider.verify(username, password) for provider in self._providers)
 
 
@@ -124,14 +128,17 @@ class CredentialTable:
         return DeviceCredential(device_id, key, password)
 
     def set(self, username: str, password: str) -> None:
+        """Store a salted PBKDF2 hash of the password; raises on an invalid device key."""
         validate_device_key(username)
         salt = secrets.token_bytes(16)
         self._hashes[username] = (salt, _pbkdf2(password, salt))
 
     def revoke(self, device_id: str) -> None:
+        """Forget the device's password; unknown devices are ignored."""
         self._hashes.pop(device_key(device_id), None)
 
     def verify(self, username: str, password: str) -> bool:
+        """Check a password against its stored hash in constant time."""
         entry = self._hashes.get(username)
         if entry is None:
             return False

@@ -44,6 +44,7 @@ MQTT_SECRET_FILE = "mqtt.secret"
 
 
 def mqtt_enabled(settings: Settings) -> bool:
+    """Whether an MQTT transport is configured (`mqtt_url` set)."""
     return bool(settings.mqtt_url)
 
 
@@ -76,6 +77,7 @@ def _read(path: Path) -> str | None:
 
 
 def device_credentials(settings: Settings, created: list[Path] | None = None) -> DerivedCredentials:
+    """The derived MQTT credentials, keyed by `mqtt_secret` (see there)."""
     return DerivedCredentials(mqtt_secret(settings, created))
 
 
@@ -172,6 +174,7 @@ class MqttService:
             raise
 
     async def stop(self) -> None:
+        """Stop whichever MQTT side is running."""
         if self.transport is not None:
             await self.transport.stop()
         if self.endpoint is not None:
@@ -179,6 +182,7 @@ class MqttService:
 
     @property
     def udp(self) -> UdpAudioChannel | None:
+        """The UDP audio channel of the running MQTT side, if any."""
         running = self.endpoint or self.transport
         return None if running is None else running.udp
 
@@ -205,6 +209,7 @@ class MqttService:
         return self.device_url.split("://", 1)[1]
 
     def endpoints(self) -> dict[str, str]:
+        """What the bridge reports for MQTT: device URL, broker kind, topic prefix, UDP address."""
         found = {
             "mqtt": self.device_url,
             "mqtt_broker": EMBEDDED if self.embedded else "external",

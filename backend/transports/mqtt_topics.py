@@ -41,6 +41,8 @@ class TopicError(BridgeError):
 
 
 class TopicKind(StrEnum):
+    """The last segment of a device topic: `up` from the device, `down` to it, `status`."""
+
     UP = "up"
     DOWN = "down"
     STATUS = "status"
@@ -55,6 +57,7 @@ class DeviceTopic:
 
     @property
     def device_id(self) -> str:
+        """The device id encoded in the topic's device key."""
         return device_id_from_key(self.device_key)
 
 
@@ -107,15 +110,19 @@ class TopicScheme:
         self._levels = prefix.count("/") + 1
 
     def topic(self, key: str, kind: TopicKind) -> str:
+        """`<prefix>/<key>/<kind>`; raises TopicError on an invalid device key."""
         return f"{self.prefix}/{validate_device_key(key)}/{kind.value}"
 
     def up(self, key: str) -> str:
+        """The topic the device publishes on."""
         return self.topic(key, TopicKind.UP)
 
     def down(self, key: str) -> str:
+        """The topic the bridge publishes to the device on."""
         return self.topic(key, TopicKind.DOWN)
 
     def status(self, key: str) -> str:
+        """The device's presence topic (retained online/offline)."""
         return self.topic(key, TopicKind.STATUS)
 
     def filter(self, kind: TopicKind) -> str:
@@ -163,6 +170,7 @@ class StockClientId:
 
     @property
     def device_id(self) -> str:
+        """The device id encoded in the client id's device key."""
         return device_id_from_key(self.device_key)
 
     def __str__(self) -> str:
@@ -170,6 +178,7 @@ class StockClientId:
 
 
 def is_stock_client_id(mqtt_client_id: str) -> bool:
+    """Whether an MQTT client id has the stock firmware's `GID@@@KEY` shape."""
     return isinstance(mqtt_client_id, str) and CLIENT_ID_SEPARATOR in mqtt_client_id
 
 
@@ -208,6 +217,7 @@ class Presence:
     client_id: str | None = None
 
     def encode(self) -> bytes:
+        """The status payload: bare `online`/`offline`, or JSON with the client id."""
         state = ONLINE if self.online else OFFLINE
         if self.client_id is None:
             return state.encode()

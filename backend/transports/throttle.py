@@ -51,6 +51,7 @@ class KeyedLimiter:
         self.refused = 0
 
     def allow(self, key: str) -> bool:
+        """Take a token from the key's bucket; False when it is empty."""
         now = self._clock()
         bucket = self._buckets.get(key)
         if bucket is None:
@@ -163,6 +164,7 @@ class ConnectionGuard:
         )
 
     def admit(self, connection: Hashable, address: str | None) -> bool:
+        """Admit a new connection or say no (penalty box, pending cap, per-address rate)."""
         if address is not None and self._is_blocked(address):
             self.refused += 1
             record_connection_refused(self.transport, "penalty_box")
@@ -219,6 +221,7 @@ class ConnectionGuard:
         return False
 
     def done(self, connection: Hashable) -> None:
+        """The connection finished its handshake or went away: it no longer counts as pending."""
         if connection not in self.pending:
             return
         address = self.pending.pop(connection)
