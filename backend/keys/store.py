@@ -65,6 +65,8 @@ log = structlog.get_logger("keys")
 
 
 class Scope(StrEnum):
+    """What an API key may do; the values are the scope strings of the API and CLI."""
+
     CHAT_USE = "chat:use"
     DEVICES_READ = "devices:read"
     DEVICES_CALL = "devices:call"
@@ -87,12 +89,14 @@ class McpScope(str):
     __slots__ = ()
 
     def __new__(cls, value: str) -> "McpScope":
+        """Accept only `mcp:<server>`; raises ValueError otherwise."""
         if not isinstance(value, str) or _MCP_SCOPE.fullmatch(value) is None:
             raise ValueError(f"not an MCP server scope: {str(value)[:60]!r} (mcp:<server>)")
         return super().__new__(cls, value)
 
     @property
     def server(self) -> str:
+        """The server name after `mcp:`."""
         return self[4:]
 
 
@@ -115,6 +119,8 @@ class InvalidKey(BridgeError):
 
 
 class UnknownKey(BridgeError):
+    """No API key has this id (the API answers 404)."""
+
     def __init__(self, key_id: str) -> None:
         super().__init__(f"no API key {key_id[:40]!r}")
         self.key_id = key_id
@@ -139,6 +145,7 @@ class Principal:
 
     @property
     def is_admin(self) -> bool:
+        """Whether the caller holds the `admin` scope (every device, every action)."""
         return Scope.ADMIN in self.scopes
 
     def may_use_server(self, server: str) -> bool:
@@ -161,6 +168,8 @@ class Principal:
         return self.device_ids is None or device_id in self.device_ids
 
     def may_read(self, device_id: str) -> bool:
+        """Whether the caller may see this device: a devices scope, and the device in its list if it
+        has one."""
         if self.is_admin:
             return True
         if Scope.DEVICES_READ not in self.scopes and Scope.DEVICES_CALL not in self.scopes:
@@ -211,11 +220,14 @@ class ApiKey:
 
     @property
     def active(self) -> bool:
+        """Whether the key is still usable (not revoked)."""
         return self.revoked_at is None
 
 
 @dataclass(frozen=True, slots=True)
 class CreatedKey:
+    """A key just created, with its secret token: shown to the operator once, never stored."""
+
     key: ApiKey
     token: str  # shown once; not stored
 
@@ -224,10 +236,12 @@ class CreatedKey:
 
 
 def hash_token(token: str) -> str:
+    """The SHA-256 hex of a token: what the store keeps and looks tokens up by."""
     return hashlib.sha256(token.encode("utf-8")).hexdigest()
 
 
 def parse_scopes(values: Iterable[str]) -> frozenset[AnyScope]:
+    """Parse scope strings; raises ValueError on an unknown one or on none at all."""
     scopes: set[AnyScope] = set()
     for value in values:
         try:
@@ -262,6 +276,7 @@ class KeyStore:
 
     @property
     def loaded(self) -> bool:
+        """Whether the key index has been read from the database."""
         return self._index is not None
 
     async def load(self) -> None:
@@ -347,6 +362,7 @@ class KeyStore:
         *,
         device_ids: Iterable[str] | None = None,
     ) -> CreatedKey:
+        """Create a key; raises ValueError on a bad name (1 to 100 characters) or scope."""
         name = " ".join(name.split())
         if not name or len(name) > 100:
             raise ValueError("a key name is 1 to 100 characters")
@@ -375,6 +391,8 @@ class KeyStore:
         return CreatedKey(key, token)
 
     async def list(self, *, include_revoked: bool = True) -> list[ApiKey]:
+        """Every key (never the tokens), oldest first; only active ones with
+        `include_revoked=False`."""
         where = "" if include_revoked else "WHERE revoked_at IS NULL"
         rows = await self.db.fetchall(
             f"SELECT id, name, scopes, device_ids, created_at, last_used_at, revoked_at"
@@ -401,6 +419,8 @@ class KeyStore:
         )
 
     async def revoke(self, key_id: str) -> ApiKey:
+        """Revoke a key at once (a second revoke keeps the first time); raises UnknownKey."""
+
         def work(c: sqlite3.Connection) -> ApiKey:
             c.execute(
                 "UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",

@@ -28,6 +28,8 @@ _NAME = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
 
 
 def check_name(name: str) -> str:
+    """The name if it may go into a bundle (relative, no `..`, at most 128 characters); raises
+    UsageError."""
     if not _NAME.match(name) or ".." in name.split("/") or len(name) > 128:
         raise UsageError(f"file name {name!r} cannot go into a bundle")
     return name

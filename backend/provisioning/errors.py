@@ -52,11 +52,15 @@ class TooManyPending(ProvisioningError):
 
 
 class UnknownEnrollment(ProvisioningError):
+    """No enrollment code has this id."""
+
     def __init__(self, enrollment_id: str) -> None:
         super().__init__(f"no enrollment code {enrollment_id[:40]!r}")
 
 
 class UnknownRelease(ProvisioningError):
+    """No release is published for this board and version."""
+
     def __init__(self, board: str, version: str) -> None:
         super().__init__(f"no published firmware {version!r} for board {board!r}")
 
@@ -66,5 +70,7 @@ class InvalidRelease(ProvisioningError):
 
 
 class UnknownSerialKey(ProvisioningError):
+    """No HMAC key is registered for this serial number."""
+
     def __init__(self, serial: str) -> None:
         super().__init__(f"no key registered for serial number {serial[:64]!r}")

@@ -45,6 +45,7 @@ class _TooLarge(Exception):
 
 
 def device_app(service: Provisioning) -> Starlette:
+    """The Starlette app of the device-facing listener (routes in the module docstring)."""
     base = service.settings.ota_path  # always ends with "/"
 
     async def health(_request: Request) -> Response:

@@ -51,6 +51,7 @@ class OtaHeaders(BaseModel):
 
     @property
     def ua_version(self) -> str | None:
+        """The firmware version from the User-Agent (`board/version ...`), if it has one."""
         if not self.user_agent or "/" not in self.user_agent:
             return None
         words = self.user_agent.split("/", 1)[1].split()
@@ -65,6 +66,7 @@ def parse_version(text: object) -> tuple[int, ...] | None:
 
 
 def valid_version(text: str) -> bool:
+    """Whether the text is a version stock firmware can compare (dotted digits)."""
     return parse_version(text) is not None
 
 
@@ -119,6 +121,8 @@ def summarize(body: dict[str, Any], headers: OtaHeaders) -> dict[str, Any]:
 
 
 def server_time(offset_min: int | None = None, now: float | None = None) -> dict[str, int]:
+    """The `server_time` section: now in ms and the UTC offset in minutes (the host's by
+    default)."""
     moment = time.time() if now is None else now
     if offset_min is None:
         local = time.localtime(moment).tm_gmtoff
@@ -141,11 +145,14 @@ def upgrade(version: str, url: str, sha256: str, size: int) -> dict[str, Any]:
 
 
 def websocket_section(url: str, token: str, version: int = 1) -> dict[str, Any]:
+    """The stock `websocket` section: URL, the device's token, protocol version."""
     return {"url": url, "token": token, "version": version}
 
 
 @dataclass(frozen=True, slots=True)
 class MqttAccess:
+    """What a device is told about MQTT: the broker endpoint, topic prefix and keepalive."""
+
     endpoint: str
     topic_prefix: str
     keepalive_s: int = 240
@@ -168,6 +175,7 @@ def mqtt_section(access: MqttAccess, device_id: str, client_id: str, token: str)
 
 
 def activation_section(code: str, message: str, challenge: str) -> dict[str, Any]:
+    """The stock `activation` section: the code shown to the user and the HMAC challenge."""
     return {"code": code, "message": message, "challenge": challenge, "timeout_ms": 30000}
 
 

@@ -46,19 +46,25 @@ class Limits:
         self._exempt = ExemptNetworks(exempt)
 
     def ip_refusal(self, kind: str, ip: str | None) -> str | None:
+        """Why a request of this kind from this address is refused now, or None (exempt addresses
+        never are)."""
         if ip is None or self._is_exempt(ip) or self._ip[kind].allow(ip):
             return None
         return f"too many {kind} requests from this address; slow down"
 
     def device_refusal(self, kind: str, device_id: str) -> str | None:
+        """Why a request of this kind for this device is refused now, or None."""
         if self._device[kind].allow(device_id):
             return None
         return f"too many {kind} requests for this device; slow down"
 
     def penalize(self, kind: str, device_id: str) -> None:
+        """Empty the device's bucket for this kind: it waits a whole burst before its next
+        request."""
         self._device[kind].penalize(device_id)
 
     def refused(self) -> dict[str, int]:
+        """How many requests were refused, by kind and by address or device."""
         counts = {f"{kind}_ip": limiter.refused for kind, limiter in self._ip.items()}
         counts.update({f"{kind}_device": lim.refused for kind, lim in self._device.items()})
         return counts
@@ -104,10 +110,13 @@ class HandshakeLimiter:
         self._limits = limits
 
     def ip_refusal(self, remote: str | None) -> str | None:
+        """Why a device handshake from this address is refused now, or None."""
         return self._limits.ip_refusal("handshake", host_of(remote))
 
     def device_refusal(self, device_id: str) -> str | None:
+        """Why a handshake for this device is refused now, or None."""
         return self._limits.device_refusal("handshake", device_id)
 
     def penalize(self, device_id: str) -> None:
+        """Make the device wait a whole burst before its next handshake (it was cut off)."""
         self._limits.penalize("handshake", device_id)

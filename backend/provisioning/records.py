@@ -28,9 +28,11 @@ class Provisioned:
 
     @property
     def active(self) -> bool:
+        """Whether the device's credential is usable (approved, not revoked)."""
         return self.status == "approved"
 
     def to_json(self) -> dict[str, Any]:
+        """The device as the API lists it (never its token)."""
         return {
             "device_id": self.device_id,
             "client_id": self.client_id,
@@ -62,6 +64,7 @@ class PendingActivation:
     polls: int = field(default=0, compare=False)
 
     def to_json(self, *, key_registered: bool) -> dict[str, Any]:
+        """The request as the API lists it; `serial` says whether the device proved its serial."""
         serial = None
         if self.serial_number is not None:
             serial = (
@@ -98,6 +101,8 @@ class Enrollment:
     revoked_at: float | None = None
 
     def usable(self, now: float) -> bool:
+        """Whether the code may approve one more device at `now` (not revoked, uses left, not
+        expired)."""
         return (
             self.revoked_at is None
             and self.uses_left > 0
@@ -105,6 +110,7 @@ class Enrollment:
         )
 
     def to_json(self) -> dict[str, Any]:
+        """The code as the API lists it (never the code itself: only its hash is kept)."""
         return {
             "id": self.id,
             "name": self.name,

@@ -71,6 +71,8 @@ _ARTIFACT = re.compile(r"[0-9a-f]{16}\.bin")
 
 @dataclass(frozen=True, slots=True)
 class Release:
+    """One published firmware: its board, version, stored file, size and SHA-256."""
+
     board: str
     version: str
     file: str  # relative to the releases folder
@@ -80,6 +82,7 @@ class Release:
     downloads: int = 0  # since the bridge started
 
     def to_json(self) -> dict[str, Any]:
+        """The release as the API lists it (not its file path)."""
         return {
             "board": self.board,
             "version": self.version,
@@ -91,6 +94,7 @@ class Release:
 
 
 def check_board(board: str) -> str:
+    """The board type if valid (also a path segment, so no `..`); raises InvalidRelease."""
     if not _BOARD.fullmatch(board) or ".." in board:
         raise InvalidRelease(
             f"invalid board type {board[:80]!r}: 1 to 64 ASCII letters, digits, _ . -, "
@@ -100,6 +104,7 @@ def check_board(board: str) -> str:
 
 
 def check_version(version: str) -> str:
+    """The version if stock firmware can compare it (digits and dots); raises InvalidRelease."""
     if not _VERSION.fullmatch(version) or not valid_version(version):
         raise InvalidRelease(
             f"invalid version {version[:40]!r}: digits and dots only, e.g. 2.4.3 (stock firmware "
@@ -119,6 +124,7 @@ class FirmwareReleases:
         self._offers: dict[str, tuple[str, int]] = {}  # device id -> (version offered, times)
 
     async def load(self) -> None:
+        """Create the releases folder if missing and read the published releases."""
         # Created up front: it is where an operator drops files to publish by name.
         await asyncio.to_thread(self.directory.mkdir, parents=True, exist_ok=True)
         rows = await self._db.fetchall("SELECT * FROM firmware_releases")
@@ -158,12 +164,14 @@ class FirmwareReleases:
         return None if digest == release.sha256 else "artifact content changed"
 
     def releases(self) -> list[Release]:
+        """Every release, by board then version."""
         return sorted(
             self._releases.values(),
             key=lambda r: (r.board, parse_version(r.version) or ()),
         )
 
     def get(self, board: str, version: str) -> Release:
+        """The release of this board and version; raises UnknownRelease."""
         release = self._releases.get((board, version))
         if release is None:
             raise UnknownRelease(board, version)
@@ -195,6 +203,7 @@ class FirmwareReleases:
         return reader
 
     def latest(self, board: str) -> Release | None:
+        """The newest release for the board, if any."""
         mine = [r for (b, _v), r in self._releases.items() if b == board]
         return max(mine, key=lambda r: parse_version(r.version) or (), default=None)
 
@@ -290,6 +299,7 @@ class FirmwareReleases:
         return release
 
     async def unpublish(self, board: str, version: str) -> Release:
+        """Withdraw a release (devices stop being offered it); raises UnknownRelease."""
         release = self.get(board, version)
         await self._db.execute(
             "DELETE FROM firmware_releases WHERE board = ? AND version = ?", (board, version)
@@ -323,6 +333,7 @@ class FirmwareReleases:
         return release
 
     def downloaded(self, release: Release) -> None:
+        """Count one download of the release (in memory: counted since the bridge started)."""
         current = self._releases.get((release.board, release.version))
         if current is not None:
             self._releases[(release.board, release.version)] = replace(

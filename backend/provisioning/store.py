@@ -114,6 +114,8 @@ class ProvisioningStore:
     # ---- lifecycle ----------------------------------------------------------------------------
 
     async def load(self) -> None:
+        """Read devices, pending requests, serial keys and enrollment codes into memory."""
+
         def read(c: sqlite3.Connection) -> tuple[list[sqlite3.Row], ...]:
             return (
                 c.execute("SELECT * FROM provisioned_devices").fetchall(),
@@ -146,9 +148,11 @@ class ProvisioningStore:
         )
 
     def start(self) -> None:
+        """Start the write-behind task."""
         self._writer.start()
 
     async def stop(self) -> None:
+        """Stop the write-behind task and write what is left (a failing database is not raised)."""
         await self._writer.stop()
         with contextlib.suppress(DatabaseError):
             await self.flush()
@@ -172,9 +176,11 @@ class ProvisioningStore:
         return device_id is not None and self.refusal(device_id, password) is None
 
     def device(self, device_id: str) -> Provisioned | None:
+        """The provisioning record of the device, if any."""
         return self._devices.get(device_id)
 
     def devices(self) -> list[Provisioned]:
+        """Every provisioned device, by id."""
         return sorted(self._devices.values(), key=lambda d: d.device_id)
 
     def approved_for(self, device_id: str, client_id: str | None) -> Provisioned | None:
@@ -318,6 +324,7 @@ class ProvisioningStore:
     async def approve_request(
         self, request: PendingActivation, *, by: str, transport: Transport | None = None
     ) -> Provisioned:
+        """Approve a pending request: grant its device a credential for its Client-Id."""
         return await self.grant(
             request.device_id,
             request.client_id,
@@ -380,6 +387,7 @@ class ProvisioningStore:
         return device
 
     async def set_transport(self, device_id: str, transport: Transport | None) -> Provisioned:
+        """Set (or clear, None) the transport the device is told to use; raises NotProvisioned."""
         async with self._lock:
             device = self._devices.get(device_id)
             if device is None:
@@ -468,9 +476,11 @@ class ProvisioningStore:
         return True
 
     def enrollments(self) -> list[Enrollment]:
+        """Every enrollment code, oldest first."""
         return sorted(self._enrollments.values(), key=lambda e: (e.created_at, e.id))
 
     async def revoke_enrollment(self, enrollment_id: str) -> Enrollment:
+        """Revoke an enrollment code (idempotent); raises UnknownEnrollment."""
         async with self._lock:
             enrollment = self._enrollments.get(enrollment_id)
             if enrollment is None:
@@ -487,6 +497,8 @@ class ProvisioningStore:
     # ---- serial keys (HMAC-SHA256 of the activation challenge, §5.3) ----------------------------
 
     async def set_serial_key(self, serial_number: str, key: bytes) -> None:
+        """Register (or replace) a serial number's HMAC key; raises InvalidInput on a bad serial or
+        key size."""
         serial_number = serial_number.strip()
         if not serial_number or len(serial_number) > 64 or not serial_number.isprintable():
             raise InvalidInput("a serial number is 1 to 64 printable characters")
@@ -502,12 +514,14 @@ class ProvisioningStore:
         log.info("serial key registered", serial=serial_number)
 
     async def remove_serial_key(self, serial_number: str) -> None:
+        """Forget a serial number's key; raises UnknownSerialKey."""
         if serial_number not in self._serial_keys:
             raise UnknownSerialKey(serial_number)
         await self._db.execute("DELETE FROM serial_keys WHERE serial_number = ?", (serial_number,))
         self._serial_keys.pop(serial_number, None)
 
     def serial_numbers(self) -> list[str]:
+        """The serial numbers with a key, sorted (never the keys)."""
         return sorted(self._serial_keys)
 
     # ---- broker logins ---------------------------------------------------------------------------

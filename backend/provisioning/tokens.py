@@ -17,6 +17,7 @@ SECRET_FILE = "device-credentials.secret"
 
 
 def derive_token(secret: bytes, device_id: str, generation: int) -> str:
+    """The token of this generation of the device (approving again bumps the generation)."""
     message = f"device-token\0{device_id}\0{generation}".encode()
     digest = hmac.new(secret, message, hashlib.sha256).digest()
     return TOKEN_PREFIX + base64.urlsafe_b64encode(digest).decode().rstrip("=")

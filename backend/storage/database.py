@@ -59,6 +59,7 @@ class Database:
 
     @property
     def is_open(self) -> bool:
+        """Whether the database is open (between `open` and `close`)."""
         return self._executor is not None
 
     async def open(self) -> None:
@@ -73,6 +74,7 @@ class Database:
             raise
 
     async def close(self) -> None:
+        """Close the connection on its thread and stop the thread; closing twice is fine."""
         executor, self._executor = self._executor, None
         if executor is None:
             return
@@ -99,9 +101,11 @@ class Database:
         return await self.run(lambda connection: connection.execute(sql, parameters).rowcount)
 
     async def fetchall(self, sql: str, parameters: Sequence[Any] = ()) -> list[sqlite3.Row]:
+        """Run one query and return all its rows."""
         return await self.run(lambda connection: connection.execute(sql, parameters).fetchall())
 
     async def fetchone(self, sql: str, parameters: Sequence[Any] = ()) -> sqlite3.Row | None:
+        """Run one query and return its first row, if any."""
         rows = await self.run(lambda connection: connection.execute(sql, parameters).fetchmany(1))
         return rows[0] if rows else None
 

@@ -54,17 +54,21 @@ class WriteBehind:
 
     @property
     def name(self) -> str:
+        """The writer's name (its task's name and metric label)."""
         return self._name
 
     def depth(self) -> int:
+        """How many changes the owner holds unwritten (0 if it does not say)."""
         return self._depth() if self._depth is not None else 0
 
     def start(self) -> None:
+        """Start the writer task and report its queue depth to metrics."""
         self._task = asyncio.create_task(self._run(), name=self._name)
         if self._depth is not None:
             watch_write_queue(self)
 
     def wake(self) -> None:
+        """Say something changed: a flush follows after `interval_s`."""
         self._wake.set()
 
     async def stop(self) -> None:
