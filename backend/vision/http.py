@@ -22,6 +22,8 @@ _JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
 
 async def explain(service: VisionService, request: Request) -> Response:
+    """Handle `POST /vision/explain`: admit, read the bounded upload, ask the model, audit the
+    upload."""
     started = time.monotonic()
     headers = request.headers
     client = request.client

@@ -21,6 +21,8 @@ class VisionFailed(Exception):
 
 
 class VisionModel:
+    """A client of an OpenAI-compatible chat endpoint that takes an image (the vision model)."""
+
     def __init__(
         self,
         base_url: str,
@@ -42,9 +44,11 @@ class VisionModel:
         )
 
     async def aclose(self) -> None:
+        """Close the HTTP client."""
         await self._client.aclose()
 
     async def describe(self, question: str, image: bytes, media_type: str) -> str:
+        """Ask the model the question about the image; its answer as text (raises on failure)."""
         data_url = f"data:{media_type};base64,{base64.b64encode(image).decode('ascii')}"
         body = {
             "model": self.model,

@@ -47,12 +47,16 @@ MODEL_FAILED = "I took the photo, but the vision model did not answer, so I cann
 class DeviceDirectory(Protocol):
     """What the provisioning store tells about a device (its credentials' generation)."""
 
-    def device(self, device_id: str) -> Any: ...
+    def device(self, device_id: str) -> Any:
+        """The device's provisioning record (with its `generation`), or None."""
 
-    def approved_for(self, device_id: str, client_id: str | None) -> Any: ...
+    def approved_for(self, device_id: str, client_id: str | None) -> Any:
+        """The device's record if approved for this Client-Id, else None."""
 
 
 class UploadAudit(Protocol):
+    """Where each upload gets its audit row (the device audit log)."""
+
     def record_upload(
         self,
         device_id: str,
@@ -63,11 +67,14 @@ class UploadAudit(Protocol):
         outcome: str,
         error: str | None,
         duration_ms: float,
-    ) -> None: ...
+    ) -> None:
+        """Record one upload: who, the question, its size in bytes, the outcome; never the image."""
 
 
 @dataclass(frozen=True, slots=True)
 class VisionAnswer:
+    """The HTTP answer to an upload: status, JSON body, headers."""
+
     status: int
     body: dict[str, Any]
     headers: dict[str, str] = field(default_factory=dict)
@@ -75,6 +82,7 @@ class VisionAnswer:
 
 
 def refused(status: int, message: str, **headers: str) -> VisionAnswer:
+    """An error answer in the shape the firmware expects (`success: false`)."""
     return VisionAnswer(status, {"success": False, "error": message}, headers)
 
 
@@ -87,6 +95,8 @@ class Uploader:
 
 
 class VisionService:
+    """Admits photo uploads (token, size, rate) and answers them with the vision model."""
+
     def __init__(
         self,
         settings: Settings,
@@ -118,12 +128,14 @@ class VisionService:
             )
 
     async def aclose(self) -> None:
+        """Close the vision model's client, if one is configured."""
         if self.model is not None:
             await self.model.aclose()
 
     # ---- tokens --------------------------------------------------------------------------------
 
     def token_for(self, device_id: str) -> str:
+        """The device's vision token (derived, never stored; changes when it is approved again)."""
         device = self._devices.device(device_id)
         generation = device.generation if device is not None else 0
         message = f"vision-token\0{device_id}\0{generation}".encode()

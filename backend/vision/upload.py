@@ -35,6 +35,8 @@ class UploadError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Upload:
+    """A photo upload as read: the question, the image and its checked media type."""
+
     question: str
     image: bytes
     media_type: str  # from the magic bytes, not from what the device declared
@@ -52,6 +54,7 @@ def image_type(data: bytes) -> str | None:
 
 
 def boundary_of(content_type: str | None) -> bytes:
+    """The multipart boundary of a Content-Type; raises UploadError (400) if it is not multipart."""
     kind, options = parse_options_header(content_type or "")
     boundary = options.get(b"boundary", b"")
     if kind != b"multipart/form-data" or not boundary or len(boundary) > 200:
@@ -89,6 +92,8 @@ class UploadReader:
         )
 
     def feed(self, chunk: bytes) -> None:
+        """Parse one chunk of the body; raises UploadError (413 past the size limit, 400 when
+        malformed)."""
         self.size += len(chunk)
         if self.size > self._max_bytes:
             raise UploadError(413, f"the upload is larger than {self._max_bytes} bytes")
@@ -98,6 +103,7 @@ class UploadReader:
             raise UploadError(400, f"malformed multipart body: {exc}") from None
 
     def finish(self) -> Upload:
+        """The upload once the body ended; raises UploadError when it is malformed or incomplete."""
         try:
             self._parser.finalize()
         except MultipartParseError as exc:

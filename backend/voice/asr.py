@@ -43,6 +43,8 @@ class RecognitionHints:
 
 @dataclass(frozen=True, slots=True)
 class Transcript:
+    """What a recognizer heard in one utterance, and which engine heard it."""
+
     text: str
     engine: str  # which engine produced the text, e.g. "pocketsphinx-grammar", "openai"
     language: str | None = None
@@ -50,6 +52,8 @@ class Transcript:
 
 
 class RecognitionStream(Protocol):
+    """One utterance being recognized as its audio arrives."""
+
     def feed(self, pcm: bytes) -> None:
         """One frame of 16 kHz mono PCM16; never blocks the event loop."""
 
@@ -61,11 +65,15 @@ class RecognitionStream(Protocol):
 
 
 class Recognizer(Protocol):
+    """A speech recognizer: opens one stream per utterance."""
+
     name: str
 
-    def open(self, hints: RecognitionHints) -> RecognitionStream: ...
+    def open(self, hints: RecognitionHints) -> RecognitionStream:
+        """Start recognizing one utterance, with its phrase hints and language."""
 
-    async def aclose(self) -> None: ...
+    async def aclose(self) -> None:
+        """Release the recognizer's resources (worker process, HTTP client)."""
 
 
 # ---- shared --------------------------------------------------------------------------------------
@@ -285,6 +293,7 @@ class PocketsphinxRecognizer:
         return self._worker
 
     def open(self, hints: RecognitionHints) -> RecognitionStream:
+        """Start an utterance in the worker process, with a grammar of the hinted phrases if any."""
         worker = self._running_worker()
         phrases = tuple(hints.phrases)
         key = worker.grammar_key(phrases) if phrases else None
@@ -301,6 +310,7 @@ class PocketsphinxRecognizer:
         return await self._running_worker().ping()
 
     async def aclose(self) -> None:
+        """Stop the worker process, if it was started."""
         if self._worker is not None:
             worker, self._worker = self._worker, None
             await asyncio.to_thread(worker.close)
@@ -401,6 +411,7 @@ class OpenAITranscriber:
 
     @classmethod
     def from_settings(cls, settings: "Settings") -> "OpenAITranscriber":
+        """A transcriber for the `asr_*` settings."""
         key = settings.asr_api_key.get_secret_value() if settings.asr_api_key else None
         return cls(
             settings.asr_base_url,
@@ -412,9 +423,12 @@ class OpenAITranscriber:
         )
 
     def open(self, hints: RecognitionHints) -> "_OpenAIStream":
+        """Start an utterance; its audio is sent as one WAV when it ends."""
         return _OpenAIStream(self, hints)
 
     async def transcribe(self, pcm: bytes, language: str | None) -> Transcript:
+        """Send one utterance (16 kHz PCM16) to the transcription API; raises on an HTTP or shape
+        error."""
         data = {"model": self.model, "response_format": "json"}
         if language:
             data["language"] = language
@@ -437,6 +451,7 @@ class OpenAITranscriber:
         return Transcript(text.strip(), "openai", language)
 
     async def aclose(self) -> None:
+        """Close the HTTP client."""
         await self._client.aclose()
 
 
@@ -506,9 +521,12 @@ class FallbackRecognizer:
         self._outage: str | None = None
 
     def open(self, hints: RecognitionHints) -> RecognitionStream:
+        """Start an utterance on the provider, falling back to the embedded recognizer if it
+        fails."""
         return _FallbackStream(self, hints)
 
     def outage(self, reason: str) -> None:
+        """The provider failed: log the outage once, until it recovers."""
         if self._outage is None:
             log.warning(
                 "asr_provider_down",
@@ -519,11 +537,13 @@ class FallbackRecognizer:
         self._outage = reason
 
     def recovered(self) -> None:
+        """The provider answered again: log that once."""
         if self._outage is not None:
             log.info("asr_provider_back", provider=self.primary.name)
         self._outage = None
 
     async def aclose(self) -> None:
+        """Close both recognizers."""
         await self.primary.aclose()
         await self.embedded.aclose()
 

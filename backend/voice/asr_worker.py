@@ -73,12 +73,15 @@ UNSURE_UNITS_FRAMES = 30  # 10 ms feature frames
 
 @dataclass(frozen=True, slots=True)
 class Hyp:
+    """A hypothesis of a decoder: its text and score."""
+
     text: str
     score: float
     complete: bool = True  # a whole phrase of the grammar (always true for the LM)
 
 
 def words_of(text: str) -> list[str]:
+    """Lowercase words of a text, without punctuation (the dictionary's spelling)."""
     return re.sub(r"[^a-z' ]+", " ", text.lower()).split()
 
 
@@ -193,6 +196,8 @@ class _Stream:
 
 
 class Worker:
+    """The worker's state: compiled grammars, open streams and the LM decoders they share."""
+
     def __init__(self, conn: Connection, lm_decoders: int) -> None:
         import pocketsphinx
 
@@ -263,6 +268,7 @@ class Worker:
     # ---- commands ----------------------------------------------------------------------------
 
     def add_grammar(self, key: str, phrases: list[str]) -> None:
+        """Compile a grammar of the phrases whose words the dictionary knows, under `key`."""
         lexicon = self._lexicon or self._take_lm_for_lexicon()
         known = []
         for phrase in phrases:
@@ -275,12 +281,15 @@ class Worker:
         self.complete[key] = phrase_pattern(known)
 
     def open(self, sid: int, key: str | None) -> None:
+        """Start stream `sid` with grammar `key` (an unknown key means LM only)."""
         stream = _Stream(key if key in self.grammars else None)
         self.streams[sid] = stream
         self.waiting.append(sid)
         self._assign_lm()
 
     def feed(self, sid: int, pcm: bytes) -> None:
+        """Add one frame to stream `sid` and decode what a decoder can take; unknown ids are
+        ignored."""
         stream = self.streams.get(sid)
         if stream is None:
             return
@@ -288,6 +297,7 @@ class Worker:
         self._catch_up(stream)
 
     def finish(self, sid: int) -> None:
+        """End stream `sid` and send its result (an error detail for an unknown id)."""
         stream = self.streams.get(sid)
         if stream is None:
             self.conn.send(("result", sid, "", "pocketsphinx-lm", {"error": "unknown stream"}))
@@ -323,6 +333,7 @@ class Worker:
         return Hyp(text, hyp.score, self.complete[key].fullmatch(text) is not None)
 
     def cancel(self, sid: int) -> None:
+        """Drop stream `sid` without a result."""
         self._drop(sid)
 
     # ---- bookkeeping -------------------------------------------------------------------------
@@ -380,6 +391,7 @@ class Worker:
         self.conn.send(("result", sid, text, engine, detail))
 
     def serve(self) -> None:
+        """Answer the parent's commands until the pipe closes."""
         handlers: dict[str, Callable[..., None]] = {
             "grammar": self.add_grammar,
             "open": self.open,

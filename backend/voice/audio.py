@@ -15,14 +15,17 @@ SAMPLE_BYTES = 2
 
 
 def frame_samples(sample_rate: int, frame_ms: int = FRAME_MS) -> int:
+    """Samples in one frame of `frame_ms` at this rate."""
     return sample_rate * frame_ms // 1000
 
 
 def frame_bytes(sample_rate: int, frame_ms: int = FRAME_MS) -> int:
+    """Bytes of PCM16 mono in one frame of `frame_ms` at this rate."""
     return frame_samples(sample_rate, frame_ms) * SAMPLE_BYTES
 
 
 def duration_ms(pcm: bytes, sample_rate: int) -> float:
+    """How long PCM16 mono audio at this rate plays, in ms."""
     return len(pcm) / SAMPLE_BYTES / sample_rate * 1000
 
 
@@ -35,6 +38,7 @@ class Clip:
 
     @property
     def duration_ms(self) -> float:
+        """How long the clip plays, in ms."""
         return duration_ms(self.pcm, self.sample_rate)
 
 
@@ -50,6 +54,7 @@ def wav_bytes(clip: Clip) -> bytes:
 
 
 def write_wav(path: Path, clip: Clip) -> None:
+    """Write the clip as a WAV file."""
     path.write_bytes(wav_bytes(clip))
 
 

@@ -19,11 +19,15 @@ DOWNLINK_COMPLEXITY = 5  # voice.md §2: 0.12 ms per 24 kHz frame; complexity 10
 
 
 class UplinkDecoder(Protocol):
+    """Turns the device's uplink packets into 16 kHz PCM16."""
+
     def decode(self, payload: bytes) -> bytes:
         """One uplink packet as 16 kHz PCM16; raises AudioDecodeError."""
 
 
 class DownlinkEncoder(Protocol):
+    """Turns frames of PCM16 into downlink packets in the format the hello announced."""
+
     sample_rate: int
 
     def encode(self, pcm: bytes) -> bytes:
@@ -46,6 +50,8 @@ class OpusUplink:
         self._max_samples = frame_samples(UPLINK_RATE, MAX_PACKET_MS)
 
     def decode(self, payload: bytes) -> bytes:
+        """One Opus packet as 16 kHz PCM16; raises AudioDecodeError on an empty or corrupt
+        packet."""
         if not payload:
             raise AudioDecodeError("empty Opus packet")
         try:
@@ -68,6 +74,7 @@ class PcmUplink:
             self._resampler = soxr.ResampleStream(sample_rate, UPLINK_RATE, 1, dtype="int16")
 
     def decode(self, payload: bytes) -> bytes:
+        """One raw PCM16 frame (at most 120 ms), resampled to 16 kHz; raises AudioDecodeError."""
         if len(payload) % 2 or not payload:
             raise AudioDecodeError(f"PCM16 frame of {len(payload)} bytes (not whole samples)")
         if len(payload) > self._max_bytes:
@@ -90,6 +97,8 @@ def uplink_decoder(params: AudioParams) -> UplinkDecoder:
 
 
 class OpusDownlink:
+    """Encodes downlink frames as Opus at the announced rate."""
+
     def __init__(self, sample_rate: int) -> None:
         opus = _opus()
         self.sample_rate = sample_rate
@@ -99,14 +108,18 @@ class OpusDownlink:
         self._encoder.complexity = DOWNLINK_COMPLEXITY
 
     def encode(self, pcm: bytes) -> bytes:
+        """One frame of PCM16 as one Opus packet."""
         return bytes(self._encoder.encode(pcm, self._samples))
 
 
 class PcmDownlink:
+    """Sends the PCM16 frames as they are (a hello that announced `pcm16`)."""
+
     def __init__(self, sample_rate: int) -> None:
         self.sample_rate = sample_rate
 
     def encode(self, pcm: bytes) -> bytes:
+        """The frame unchanged."""
         return pcm
 
 

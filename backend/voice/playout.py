@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 @dataclass(slots=True)
 class PlayoutClock:
+    """When each downlink frame may leave (see the module docstring); times in seconds."""
+
     frame_s: float
     lead: int
     _t0: float | None = None

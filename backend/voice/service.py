@@ -43,6 +43,8 @@ PHRASE_SETS_KEPT = 32  # grammar phrases of this many device models
 
 
 class VoiceService:
+    """The voice loop: a `VoiceSession` per talking device, spoken answers for the device chat."""
+
     def __init__(
         self,
         settings: Settings,
@@ -74,6 +76,7 @@ class VoiceService:
         device_chat.voice = self
 
     def start(self) -> None:
+        """Subscribe to the devices' listen, audio, abort and end, and start the idle watch."""
         self._unsubscribe = [
             self.hub.on_listen(self._on_listen),
             self.hub.on_audio(self._on_audio),
@@ -86,6 +89,8 @@ class VoiceService:
         )
 
     async def stop(self) -> None:
+        """Unsubscribe, stop the idle watch, close every session, the recognizer and the
+        synthesizer."""
         for unsubscribe in self._unsubscribe:
             unsubscribe()
         self._unsubscribe = []
@@ -103,6 +108,7 @@ class VoiceService:
     # ---- the device chat's side -------------------------------------------------------------
 
     def answer_for(self, conversation: Conversation, timings: TurnTimings) -> Answer | None:
+        """The spoken `Answer` of a chat turn on this conversation (the chat calls it per turn)."""
         answer = SpokenAnswer(conversation, self.synthesizer, self.pacing, timings)
         self.answers.append(answer)
         return answer
@@ -247,6 +253,7 @@ class VoiceUnavailableNotice:
         self._logged = False
 
     def start(self) -> None:
+        """Subscribe to the devices' listen messages."""
         self._unsubscribe = [
             self.hub.on_listen(self._on_listen),
             self.hub.on_ended(
@@ -255,6 +262,7 @@ class VoiceUnavailableNotice:
         ]
 
     async def stop(self) -> None:
+        """Unsubscribe."""
         for unsubscribe in self._unsubscribe:
             unsubscribe()
 

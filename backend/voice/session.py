@@ -40,11 +40,15 @@ UtteranceHandler = Callable[[Conversation, Transcript, TurnTimings], None]
 
 @dataclass(slots=True)
 class SessionLimits:
+    """When an utterance ends: after `silence_ms` of silence, or at `max_utterance_ms`."""
+
     silence_ms: int
     max_utterance_ms: float
 
 
 class VoiceSession:
+    """One device's uplink while it talks (see the module docstring)."""
+
     def __init__(
         self,
         conversation: Conversation,
@@ -80,6 +84,8 @@ class VoiceSession:
     # ---- listen messages --------------------------------------------------------------------
 
     def start(self, mode: Mode) -> None:
+        """`listen start`: drop any utterance, then listen in `mode` (manual opens the stream at
+        once)."""
         self._drop_utterance()
         self.mode, self.listening = mode, True
         self.last_heard = time.monotonic()
@@ -103,9 +109,11 @@ class VoiceSession:
         self._drop_utterance()
 
     def abort(self) -> None:
+        """The device aborted: drop the utterance being heard."""
         self._drop_utterance()
 
     def close(self) -> None:
+        """Stop listening, give the detector back and cancel the pending recognitions."""
         self.listening = False
         self._drop_utterance()
         if self._detector is not None:

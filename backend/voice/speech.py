@@ -33,6 +33,8 @@ MAX_FRAMES_AHEAD = 40
 
 @dataclass(slots=True)
 class Pacing:
+    """Playout pacing: frames sent ahead of due time, margin before `tts stop` in seconds."""
+
     lead_frames: int = 2
     stop_margin_s: float = 0.18
 
@@ -56,6 +58,8 @@ _END = None
 
 
 class SpokenAnswer:
+    """One answer spoken to a device (see the module docstring)."""
+
     def __init__(
         self,
         conversation: Conversation,
@@ -95,6 +99,8 @@ class SpokenAnswer:
         ]
 
     async def say(self, sentence: str) -> None:
+        """Queue a sentence to speak (as `speakable` reads it); one with nothing to read is
+        skipped."""
         text = speakable(sentence)
         if text:
             self._sentences.put_nowait(text)
@@ -118,6 +124,7 @@ class SpokenAnswer:
             task.cancel()
 
     async def stop(self) -> None:
+        """Halt at once and send `tts stop` if speech had begun; link errors are ignored."""
         self.halt()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.begun:

@@ -22,6 +22,7 @@ class TurnTimings:
     silence_wait_ms: float | None = None  # the detector's hangover, reported apart
 
     def mark(self, stage: str, at: float | None = None) -> None:
+        """Stamp `stage` now (or `at`, perf_counter seconds); the first stamp of a stage wins."""
         self.stamps.setdefault(stage, time.perf_counter() if at is None else at)
 
     def report(self) -> dict[str, float]:

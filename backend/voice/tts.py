@@ -30,12 +30,15 @@ log = structlog.get_logger("voice.tts")
 
 
 class Synthesizer(Protocol):
+    """A text-to-speech engine."""
+
     name: str
 
     def synthesize(self, text: str, language: str, sample_rate: int) -> AsyncIterator[bytes]:
         """PCM16 chunks (any size) of `text` spoken in `language` ("vi", "en")."""
 
-    async def aclose(self) -> None: ...
+    async def aclose(self) -> None:
+        """Release the engine's resources."""
 
 
 # ---- eSpeak NG ----------------------------------------------------------------------------------
@@ -218,6 +221,7 @@ class EspeakSynthesizer:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="espeak")
 
     async def synthesize(self, text: str, language: str, sample_rate: int) -> AsyncIterator[bytes]:
+        """Speak `text` with eSpeak NG on a worker thread, resampled to `sample_rate`."""
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
         stop = threading.Event()
@@ -261,6 +265,7 @@ class EspeakSynthesizer:
             stop.set()  # a consumer that stops early (barge-in) aborts the C synthesis
 
     async def aclose(self) -> None:
+        """Stop the worker thread (a sentence being rendered is dropped)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
@@ -368,10 +373,13 @@ class OpenAISpeech:
 
     @property
     def url(self) -> str:
+        """The `/v1/audio/speech` URL under the base URL (with or without its `/v1`)."""
         base = self.base_url
         return f"{base}/audio/speech" if base.endswith("/v1") else f"{base}/v1/audio/speech"
 
     def body(self, text: str) -> dict[str, Any]:
+        """The request body for one sentence: raw PCM (`response_format: pcm`) in the configured
+        voice and speed."""
         return {
             "model": self.model,
             "input": text,
@@ -381,6 +389,7 @@ class OpenAISpeech:
         }
 
     async def synthesize(self, text: str, language: str, sample_rate: int) -> AsyncIterator[bytes]:
+        """Stream the sentence from the speech API; raises SpeechFailed on an HTTP or link error."""
         # The API has no language field: the voice (or the server's model) reads the text as is.
         try:
             async with self._client.stream("POST", self.url, json=self.body(text)) as response:
@@ -403,6 +412,7 @@ class OpenAISpeech:
             ) from None
 
     async def aclose(self) -> None:
+        """Close the HTTP client."""
         await self._client.aclose()
 
 
@@ -442,9 +452,12 @@ class FallbackSynthesizer:
 
     @property
     def primary_down(self) -> bool:
+        """Whether the primary engine is considered down (its sentences go to the fallback)."""
         return self._down_since is not None
 
     async def synthesize(self, text: str, language: str, sample_rate: int) -> AsyncIterator[bytes]:
+        """Speak with the primary, or the fallback while it is down or when it fails before any
+        audio."""
         if self._skip_primary():
             self._failed_sentences += 1
         else:
@@ -498,6 +511,7 @@ class FallbackSynthesizer:
         self._failed_sentences = 0
 
     async def aclose(self) -> None:
+        """Close both engines."""
         await self.primary.aclose()
         await self.fallback.aclose()
 

@@ -47,6 +47,8 @@ MODEL_WAIT_FRAMES = 4  # frames a triggered detector waits for a model before th
 
 
 class VadEvent(Enum):
+    """A change the speech detector reports."""
+
     SPEECH_START = "speech_start"
     SPEECH_END = "speech_end"
 
@@ -78,6 +80,7 @@ class SileroStream:
         self.reset()
 
     def reset(self) -> None:
+        """Forget the model's state: the next frame starts a new stream."""
         self._state = self._np.zeros((2, 1, 128), dtype=self._np.float32)
         self._context = self._np.zeros((1, CONTEXT_SAMPLES), dtype=self._np.float32)
 
@@ -114,6 +117,7 @@ class SileroPool:
 
     @property
     def ready(self) -> bool:
+        """Whether the model is loaded (streams can be lent)."""
         return self._session is not None
 
     def warm(self) -> None:
@@ -123,6 +127,7 @@ class SileroPool:
             self._loading.add_done_callback(self._loaded)
 
     def acquire(self) -> SileroStream | None:
+        """Lend a stream, or None while the model loads (it starts loading) or all are lent."""
         if self._session is None:
             self.warm()
             return None
@@ -132,9 +137,11 @@ class SileroPool:
         return SileroStream(self._session)
 
     def release(self, stream: SileroStream) -> None:
+        """Give a lent stream back."""
         self.lent -= 1
 
     def close(self) -> None:
+        """Stop loading the model if it still is."""
         self._builder.shutdown(wait=False, cancel_futures=True)
 
     def _loaded(self, future: "asyncio.Future[Any]") -> None:
@@ -180,6 +187,7 @@ class SpeechDetector:
         return self.speaking and self._silent_windows > 0
 
     def reset(self) -> None:
+        """Forget all audio and state; the stream goes back to the pool."""
         self._give_back()
         self._gate_pending = b""
         self._gate_votes.clear()
@@ -190,6 +198,7 @@ class SpeechDetector:
         self.speaking = False
 
     def close(self) -> None:
+        """Give the stream back to the pool."""
         self._give_back()
 
     def feed(self, pcm: bytes) -> VadEvent | None:
