@@ -23,6 +23,9 @@ DEVICE_TOKEN_FILE = "device.token"
 
 @dataclass(frozen=True)
 class Tokens:
+    """The bridge's own secrets: the admin token, the shared device token, and the files just
+    created for them."""
+
     admin: str
     device: str | None = None  # the shared device token (device_auth = "shared" only)
     created: list[Path] = field(default_factory=list)

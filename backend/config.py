@@ -63,11 +63,14 @@ DEFAULT_CONFIRM_TOOLS = ("*.reboot", "*upgrade*", "*reconfigure*", "*.set_downlo
 
 
 def default_data_dir() -> Path:
+    """`$XDG_DATA_HOME/esp32-bridge`, else `~/.local/share/esp32-bridge`."""
     base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
     return Path(base) / "esp32-bridge"
 
 
 class Settings(BaseSettings):
+    """Every setting of the bridge: init values, then `BRIDGE_*` variables, then the TOML file."""
+
     model_config = SettingsConfigDict(env_prefix="BRIDGE_", extra="forbid")
 
     data_dir: Path = Field(default_factory=default_data_dir)
@@ -272,6 +275,8 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Init values win over `BRIDGE_*` variables, which win over the TOML file; no .env or
+        secret files."""
         return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls))
 
     @classmethod
@@ -290,6 +295,7 @@ class Settings(BaseSettings):
         return cls(**{**loopback, **values})
 
     def timeout_for(self, tool_name: str) -> float:
+        """The tools/call timeout of a tool in seconds: its own, else `call_timeout_s`."""
         return self.tool_timeouts.get(tool_name, self.call_timeout_s)
 
     # ---- chat pipeline (backend/chat, docs/chat.md)

@@ -27,6 +27,8 @@ def _is_secret_key(key: str) -> bool:
 def redact_secrets(
     _logger: Any, _method: str, event: MutableMapping[str, Any]
 ) -> MutableMapping[str, Any]:
+    """A structlog processor: any field whose name says secret (token, password, key...) becomes
+    `***`."""
     for key in event:
         if _is_secret_key(key):
             event[key] = "***"
@@ -48,6 +50,7 @@ class QueryTokenFilter(logging.Filter):
     path with its query at INFO (`"WebSocket /v1/mcp-endpoint/?token=esk_..." [accepted]`)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        """Mask the tokens in the record's message and arguments; always keeps the record."""
         if isinstance(record.msg, str):
             record.msg = mask_query_token(record.msg)
         if isinstance(record.args, tuple):
@@ -152,12 +155,15 @@ class LogBudget:
         self._last_summary: dict[tuple[str, str | None], float] = {}
 
     def warning(self, event: str, *, key: str | None = None, **fields: Any) -> None:
+        """Log a warning within the event's budget (per `key`)."""
         self._emit("warning", event, key, fields)
 
     def info(self, event: str, *, key: str | None = None, **fields: Any) -> None:
+        """Log at info within the event's budget (per `key`)."""
         self._emit("info", event, key, fields)
 
     def count(self, event: str, key: str | None = None) -> int:
+        """How many lines of the event (and key) were asked for so far, written or not."""
         return self._counts.get((event, key), 0)
 
     def rebind(self, log: Any) -> None:
@@ -247,6 +253,7 @@ class LineRate:
         self._keys: OrderedDict[str, list[float]] = OrderedDict()  # key -> [tokens, at, left out]
 
     def allow(self, key: str) -> int | None:
+        """None to leave the line out, else how many were left out since the last one written."""
         now = self._clock()
         state = self._keys.pop(key, None)
         if state is None:
@@ -329,9 +336,11 @@ class EventBudget:
         self._budget.warning(self._event, key=key, reason=key, **fields)
 
     def count(self, key: str) -> int:
+        """How many lines of the event were asked for under `key`."""
         return self._budget.count(self._event, key)
 
     def flush(self) -> None:
+        """Write the pending summaries."""
         self._budget.close()
 
 
@@ -354,18 +363,23 @@ class DeviceLog:
         return self._logger.bind(device_id=self.device_id, session_id=self.session_id)
 
     def debug(self, event: str, **fields: Any) -> None:
+        """Log at debug with the device's ids."""
         self._bound().debug(event, **fields)
 
     def info(self, event: str, **fields: Any) -> None:
+        """Log at info with the device's ids."""
         self._bound().info(event, **fields)
 
     def warning(self, event: str, **fields: Any) -> None:
+        """Log a warning with the device's ids."""
         self._bound().warning(event, **fields)
 
     def error(self, event: str, **fields: Any) -> None:
+        """Log an error with the device's ids."""
         self._bound().error(event, **fields)
 
     def exception(self, event: str, **fields: Any) -> None:
+        """Log an error with the device's ids and the current traceback."""
         self._bound().exception(event, **fields)
 
 
@@ -386,6 +400,7 @@ class LibraryNoiseFilter(logging.Filter):
         self._seen: dict[tuple[str, str], list[float]] = {}  # key -> [count, suppressed, last]
 
     def filter(self, record: logging.LogRecord) -> bool:
+        """Keep the record within its kind's budget (shortened to one line); False drops it."""
         if not record.name.startswith(self.PREFIXES) or record.levelno < logging.WARNING:
             return True
         message = str(record.msg)

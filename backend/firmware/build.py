@@ -26,6 +26,8 @@ COMPILE_TIMEOUT_S = 60.0
 
 @dataclass(frozen=True)
 class BuiltFile:
+    """One file of a firmware build, at its path on the board."""
+
     path: str  # relative to the build folder, as it lands on the board
     size: int
 
@@ -41,6 +43,7 @@ class Rebuild:
 
 
 def check_march(march: str) -> None:
+    """Raise UsageError unless `march` is an architecture mpy-cross knows."""
     if march not in MARCHES:
         raise UsageError(f"unknown --march {march!r}: use one of {', '.join(MARCHES)}")
 

@@ -40,6 +40,7 @@ class DeployPlan:
     mip: tuple[str, ...] = ()  # micropython-lib packages the config needs (umqtt for MQTT)
 
     def command(self) -> list[str]:
+        """The mpremote command line that carries the plan out."""
         return deploy_command(
             self.mpremote,
             self.port,
@@ -80,11 +81,13 @@ def run_deploy(plan: DeployPlan) -> None:
 
 
 def check_dest(dest: str) -> None:
+    """Raise UsageError unless `dest` is a board path (`:` first)."""
     if not dest.startswith(":"):
         raise UsageError(f"--dest must be a board path starting with ':', got {dest!r}")
 
 
 def remote_path(dest: str, name: str) -> str:
+    """`name` under the board folder `dest`."""
     return f"{dest}{name}" if dest.endswith((":", "/")) else f"{dest}/{name}"
 
 

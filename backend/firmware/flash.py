@@ -20,6 +20,7 @@ FLASH_TIMEOUT_S = 600.0  # erase + write of a 2 MB image on a slow USB bridge
 
 
 def check_chip(chip: str) -> None:
+    """Raise UsageError unless the chip is one whose flash offset is known."""
     if chip not in FLASH_OFFSETS:
         raise UsageError(f"unknown --chip {chip!r}: use one of {', '.join(FLASH_OFFSETS)}")
 

@@ -25,6 +25,8 @@ DEFAULT_INDEX = "https://pypi.org/simple"
 
 @dataclass(frozen=True)
 class MpyPackage:
+    """One pinned micropython-lib package the firmware needs, by its PyPI release."""
+
     module: str  # what the firmware imports, e.g. umqtt.simple
     project: str  # the PyPI project
     version: str
@@ -32,6 +34,7 @@ class MpyPackage:
 
     @property
     def filename(self) -> str:
+        """The name of the release's sdist on the index."""
         return f"{self.project}-{self.version}.tar.gz"
 
     @property
@@ -66,6 +69,7 @@ def lib_dir() -> Path:
 
 
 def missing(packages: tuple[MpyPackage, ...] = FIRMWARE_PACKAGES) -> list[MpyPackage]:
+    """The packages not yet fetched into the library folder."""
     folder = lib_dir()
     return [package for package in packages if not (folder / package.path).is_file()]
 
@@ -79,6 +83,8 @@ def ensure(packages: tuple[MpyPackage, ...] = FIRMWARE_PACKAGES) -> Path:
 
 
 def fetch(package: MpyPackage, folder: Path, index: str | None = None) -> Path:
+    """Download the package's sdist, check its pinned SHA-256 and unpack its module; raises
+    FetchError."""
     import httpx
 
     base = (index or os.environ.get("PIP_INDEX_URL") or DEFAULT_INDEX).rstrip("/")
@@ -117,6 +123,7 @@ def _link(page: str, filename: str) -> str:
 
 
 def main() -> None:
+    """Fetch what is missing and print where each package is."""
     folder = ensure()
     for package in FIRMWARE_PACKAGES:
         print(f"{package.module} {package.version}: {folder / package.path}")

@@ -23,6 +23,7 @@ def firmware_candidates() -> tuple[Path, ...]:
 
 
 def is_firmware_dir(path: Path) -> bool:
+    """Whether the folder is the firmware's source (has `main.py` and `lib/mcp_server.py`)."""
     return (path / "lib" / "mcp_server.py").is_file() and (path / "main.py").is_file()
 
 

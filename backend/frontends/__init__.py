@@ -26,6 +26,9 @@ FRONTEND_MIGRATIONS: tuple[Migration, ...] = (*CHAT_MIGRATIONS, *KEYS_MIGRATIONS
 
 
 class FrontEnds:
+    """What users talk to the bridge through: the chat, API keys, the MCP endpoint, the device
+    chat."""
+
     def __init__(
         self,
         settings: Settings,
@@ -46,10 +49,12 @@ class FrontEnds:
         self._started = False
 
     def routers(self) -> list[APIRouter]:
+        """The API routers of the front ends (keys, chat)."""
         chat = chat_router(self.chat, self._registry, self._servers, self._allowed_models)
         return [keys_router(self.keys), chat]
 
     def routes(self) -> list[BaseRoute]:
+        """The raw routes of the front ends (the MCP endpoint's WebSocket)."""
         return [self.mcp.route]
 
     async def start(self) -> None:

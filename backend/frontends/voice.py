@@ -15,9 +15,14 @@ log = structlog.get_logger("voice")
 
 
 class VoiceLoop(Protocol):
-    def start(self) -> None: ...
+    """What the bridge starts and stops for voice: the voice service or the notice that
+    stands in."""
 
-    async def stop(self) -> None: ...
+    def start(self) -> None:
+        """Subscribe to the devices."""
+
+    async def stop(self) -> None:
+        """Unsubscribe and release what it holds."""
 
 
 def build_voice(

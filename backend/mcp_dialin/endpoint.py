@@ -86,6 +86,8 @@ class DialInLimits:
 
 @dataclass(frozen=True, slots=True)
 class Refusal:
+    """Why a dial-in is refused: the WebSocket close code and reason."""
+
     code: int
     reason: str
 
@@ -117,6 +119,7 @@ class DialInEndpoint:
 
     @property
     def routes(self) -> list[BaseRoute]:
+        """The dial-in WebSocket routes, with and without the trailing slash."""
         # With and without the slash: the stock tools use whatever URL the user pastes.
         return [
             WebSocketRoute(DIALIN_PATH, self.serve),
@@ -125,9 +128,11 @@ class DialInEndpoint:
 
     @property
     def open_count(self) -> int:
+        """How many dial-in connections are open."""
         return sum(self._open.values())
 
     def live_servers(self) -> list[SessionServer]:
+        """The servers of the live dial-ins."""
         return [server for server, _pipe in self._live.values()]
 
     async def stop(self) -> None:

@@ -14,12 +14,16 @@ Reader = Annotated[Principal, Depends(needs(Scope.DEVICES_READ))]
 
 
 class ServerToolView(BaseModel):
+    """One tool of an external MCP server, as the API lists it."""
+
     name: str
     description: str
     risky: bool
 
 
 class ServerView(BaseModel):
+    """One external MCP server as the API lists it: kind, state, tools."""
+
     # Configured servers add connects, relists, next_attempt_in_s and target (command or url).
     model_config = ConfigDict(extra="allow")
 
@@ -35,10 +39,13 @@ class ServerView(BaseModel):
 
 
 class ServerList(BaseModel):
+    """The answer of `GET /api/mcp/servers`."""
+
     servers: list[ServerView]
 
 
 def mcp_servers_router(hub: McpServerHub) -> APIRouter:
+    """The read-only API of the external MCP servers (`/api/mcp`)."""
     router = APIRouter(prefix="/api/mcp", tags=["mcp servers"])
 
     @router.get("/servers")

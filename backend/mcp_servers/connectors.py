@@ -77,12 +77,14 @@ class ConfiguredServer(SessionServer):
         self._sleep = asyncio.sleep  # the wait between attempts (a test records it)
 
     async def start(self) -> None:
+        """Start the supervisor task that connects and reconnects (idempotent)."""
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(
                 self._supervise(), name=f"mcp-server-{self.name}"
             )
 
     async def stop(self) -> None:
+        """Stop the supervisor and close the connection; errors on the way out are swallowed."""
         self._stopping = True
         task, self._task = self._task, None
         if task is not None:
@@ -92,6 +94,8 @@ class ConfiguredServer(SessionServer):
         self.detach("stopped", state=ServerState.STOPPED)
 
     def summary(self) -> dict[str, Any]:
+        """The listing plus connects, relists, the next attempt and the target (never args, env,
+        headers)."""
         data = super().summary()
         data["connects"] = self.connects
         data["relists"] = self.relists
@@ -102,6 +106,7 @@ class ConfiguredServer(SessionServer):
     async def call(
         self, tool: str, arguments: dict[str, Any], *, timeout_s: float | None = None
     ) -> CallResult:
+        """Call a tool; an error from a closed connection also wakes the supervisor to reconnect."""
         try:
             return await super().call(tool, arguments, timeout_s=timeout_s)
         except CallTimedOut:
@@ -187,6 +192,7 @@ class ConfiguredServer(SessionServer):
         return _http_transport(settings.url, settings.http_headers(), settings.connect_timeout_s)
 
     async def message_handler(self, message: Any) -> None:
+        """Note a closed connection (to reconnect), then handle the message as usual."""
         if isinstance(message, Exception) and _closed(message):
             self._lost.set()
         await super().message_handler(message)

@@ -141,9 +141,11 @@ class McpServerHub:
         return current
 
     def get(self, name: str) -> ExternalServer | None:
+        """The server of this name, if registered."""
         return self._servers.get(name)
 
     def servers(self) -> list[ExternalServer]:
+        """Every registered server, by name."""
         return [self._servers[name] for name in sorted(self._servers)]
 
     def __iter__(self) -> Iterator[ExternalServer]:
@@ -185,14 +187,17 @@ class McpServerHub:
         )
 
     async def start(self) -> None:
+        """Start every configured server (each connects on its own task)."""
         for server in self.servers():
             await server.start()
 
     async def stop(self) -> None:
+        """Stop every server at once; one failing to stop does not hold up the others."""
         servers = list(self._servers.values())
         await asyncio.gather(*(server.stop() for server in servers), return_exceptions=True)
 
     def listing(self) -> list[dict[str, Any]]:
+        """Every server's summary, for the API."""
         return [server.summary() for server in self.servers()]
 
     @classmethod

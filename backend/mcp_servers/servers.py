@@ -31,6 +31,8 @@ MAX_TOOL_LIST_PAGES = 50
 
 
 class ServerState(StrEnum):
+    """An external server's state; values are the API's `state` strings."""
+
     CONNECTING = "connecting"
     READY = "ready"
     BACKING_OFF = "backing-off"
@@ -43,6 +45,8 @@ class McpServerError(BridgeError):
 
 
 class ServerNotReady(McpServerError):
+    """The server is not connected (or not done listing its tools)."""
+
     def __init__(self, name: str, state: ServerState) -> None:
         super().__init__(f"MCP server {name!r} is {state.value}")
         self.name = name
@@ -50,16 +54,22 @@ class ServerNotReady(McpServerError):
 
 
 class ServerBusy(McpServerError):
+    """The server already has its limit of calls in flight; retry later."""
+
     def __init__(self, name: str, limit: int) -> None:
         super().__init__(f"MCP server {name!r} has {limit} calls in flight already; try later")
 
 
 class UnknownServerTool(McpServerError):
+    """The server's tool list has no such tool."""
+
     def __init__(self, name: str, tool: str) -> None:
         super().__init__(f"MCP server {name!r} has no tool {tool[:80]!r}")
 
 
 class CallTimedOut(McpServerError):
+    """The tool gave no answer in time (the server itself may still be fine)."""
+
     def __init__(self, name: str, tool: str, timeout_s: float) -> None:
         super().__init__(f"MCP server {name!r}: {tool[:80]!r} gave no answer in {timeout_s:g} s")
 
@@ -73,6 +83,8 @@ class ServerConfirmationRequired(McpServerError):
 
 
 class DuplicateServer(BridgeError):
+    """A server of that name is already registered with the hub."""
+
     def __init__(self, name: str) -> None:
         super().__init__(f"an MCP server named {name!r} is already registered")
         self.name = name
@@ -89,6 +101,8 @@ class RiskyRule:
 
     @classmethod
     def from_setting(cls, value: bool | Iterable[str] | None) -> "RiskyRule":
+        """The rule of a server's `risky` setting: None (the destructive hint), true/false, or
+        patterns."""
         if value is None:
             return cls()
         if isinstance(value, bool):
@@ -96,6 +110,7 @@ class RiskyRule:
         return cls(patterns=tuple(value), destructive_hint=False)
 
     def reason(self, tool: Tool) -> str | None:
+        """Why calling this tool needs a confirmation, or None."""
         if self.every:
             return "every tool of this server is marked risky"
         for pattern in self.patterns:
@@ -109,14 +124,16 @@ class RiskyRule:
 class CallSession(Protocol):
     """What a server needs of an initialized `mcp.ClientSession` (so tests may pass a fake)."""
 
-    async def list_tools(self, *, params: Any = None) -> Any: ...
+    async def list_tools(self, *, params: Any = None) -> Any:
+        """MCP `tools/list` (the SDK's ClientSession method)."""
 
     async def call_tool(
         self,
         name: str,
         arguments: dict[str, Any] | None = None,
         read_timeout_seconds: float | None = None,
-    ) -> Any: ...
+    ) -> Any:
+        """MCP `tools/call` (the SDK's ClientSession method)."""
 
 
 class ExternalServer:
@@ -151,17 +168,20 @@ class ExternalServer:
     # ---- what the hub and the toolboxes use -----------------------------------------------------
 
     def serves_device(self, device_id: str | None) -> bool:
+        """Whether this server's tools are offered in chats of this device (None: no device)."""
         if self.bound_device_ids is None:
             return True
         return device_id is not None and device_id in self.bound_device_ids
 
     def tool(self, name: str) -> Tool | None:
+        """The tool of this name, if the server lists it."""
         for tool in self.tools:
             if tool.name == name:
                 return tool
         return None
 
     def confirmation_reason(self, tool: Tool) -> str | None:
+        """Why calling this tool needs a confirmation (the server's risky rule), or None."""
         return self.risky.reason(tool)
 
     async def call(
@@ -253,6 +273,7 @@ class SessionServer(ExternalServer):
         self._set_state(ServerState.READY)  # `last_error` stays: what went wrong last time
 
     def detach(self, reason: str, *, state: ServerState = ServerState.FAILED) -> None:
+        """The session is gone: stop re-listing and go to `state` with the reason."""
         self._session = None
         if self._relist is not None:
             self._relist.cancel()
@@ -301,6 +322,8 @@ class SessionServer(ExternalServer):
     async def call(
         self, tool: str, arguments: dict[str, Any], *, timeout_s: float | None = None
     ) -> CallResult:
+        """Call a tool on the server; raises ServerNotReady, UnknownServerTool, ServerBusy,
+        CallTimedOut, or McpServerError when the call failed on the way."""
         session = self._session
         if session is None or self.state is not ServerState.READY:
             raise ServerNotReady(self.name, self.state)
@@ -374,5 +397,6 @@ def bounded_result(result: Any, max_bytes: int) -> CallResult:
 
 
 def describe_error(exc: BaseException) -> str:
+    """An exception as one short line (`Type: message`, at most 300 characters)."""
     text = str(exc).strip() or type(exc).__name__
     return f"{type(exc).__name__}: {text}"[:300] if text != type(exc).__name__ else text

@@ -33,6 +33,8 @@ def check_server_name(name: str) -> str:
 
 
 class McpServerSettings(BaseModel):
+    """One entry of `mcp_servers`: a stdio command or an HTTP URL, and how the bridge treats it."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str
@@ -73,6 +75,7 @@ class McpServerSettings(BaseModel):
 
     @property
     def kind(self) -> Literal["stdio", "http"]:
+        """`stdio` when a command is set, else `http`."""
         return "stdio" if self.command is not None else "http"
 
     def http_headers(self) -> dict[str, str]:

@@ -58,6 +58,7 @@ class CombinedToolBox:
 
     @property
     def unavailable_reason(self) -> str | None:
+        """Why no tool can be offered, or None (external tools make up for a device's reason)."""
         # The device's reason (a key without devices:call) concerns the device tools only: it
         # stands for the whole box only when no external tool is there to offer instead.
         if self.device_box is None or self.device_box.unavailable_reason is None:
@@ -65,6 +66,8 @@ class CombinedToolBox:
         return None if self._external_functions() else self.device_box.unavailable_reason
 
     def functions(self) -> list[FunctionSpec]:
+        """The functions offered to the model: the device's and the external servers' for this
+        device."""
         external = self._external_functions()
         if self.device_box is None:
             return external
@@ -117,6 +120,8 @@ class CombinedToolBox:
         self._functions = functions
 
     def device_tool_name(self, llm_name: str) -> str:
+        """The name a function stands for, as logged and audited (`server:tool` for external
+        ones)."""
         found = self._external.get(llm_name)
         if found is not None:
             return f"{found[0].name}:{found[1]}"
@@ -127,6 +132,7 @@ class CombinedToolBox:
     async def call(
         self, llm_name: str, arguments: dict[str, Any], *, confirmed: bool = False
     ) -> ToolOutcome:
+        """Call the function's tool on the device or the external server it belongs to."""
         self._external_functions()  # the names as they are now
         found = self._external.get(llm_name)
         if found is None:
