@@ -145,9 +145,9 @@ async def overhead(turns: int, warmup: int) -> dict[str, Stats]:
             samples = []
             for turn in range(warmup + turns):
                 toolbox = DeviceToolBox(source) if source is not None else None
-                request = TurnRequest(text=text, conversation_id=f"c{turn % 50}", toolbox=toolbox)
+                request = TurnRequest(text=text, conversation_id=f"c{turn % 50}")
                 began = time.perf_counter_ns()
-                events = await collect(service.run_turn(request))
+                events = await collect(service.run_turn(request, toolbox))
                 elapsed = time.perf_counter_ns() - began
                 assert isinstance(events[-1], Done) and events[-1].metadata.stored, events[-1]
                 if turn >= warmup:

@@ -147,9 +147,9 @@ async def measure(turns: int, warmup: int) -> dict[str, Any]:
                     actor="bench",
                 )
                 text = "Set the volume to 40 and echo hello"
-                request = TurnRequest(text=text, conversation_id=f"c{turn % 50}", toolbox=toolbox)
+                request = TurnRequest(text=text, conversation_id=f"c{turn % 50}")
                 began = time.perf_counter_ns()
-                events = await collect(both.run_turn(request))
+                events = await collect(both.run_turn(request, toolbox))
                 elapsed = time.perf_counter_ns() - began
                 assert isinstance(events[-1], Done) and events[-1].metadata.tool_rounds == 1
                 inside = timed_device.spent_ns + timed_server.spent_ns
@@ -160,13 +160,9 @@ async def measure(turns: int, warmup: int) -> dict[str, Any]:
                 await session.call_tool("echo", ECHO[1])
                 bare = time.perf_counter_ns() - began
 
-                alone = TurnRequest(
-                    text="Set the volume to 40",
-                    conversation_id=f"d{turn % 50}",
-                    toolbox=DeviceToolBox(device),
-                )
+                alone = TurnRequest(text="Set the volume to 40", conversation_id=f"d{turn % 50}")
                 began = time.perf_counter_ns()
-                await collect(device_only.run_turn(alone))
+                await collect(device_only.run_turn(alone, DeviceToolBox(device)))
                 device_turn = time.perf_counter_ns() - began
                 if keep:
                     samples["turn"].append(elapsed)

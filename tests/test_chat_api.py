@@ -228,6 +228,33 @@ async def test_a_device_limited_key_cannot_use_another_devices_tools(llm_bridge,
     assert events[0]["error"] == f"scope devices:call does not cover device {sim.device_id}"
 
 
+@pytest.mark.parametrize("model", ["answers", "fails"])
+async def test_a_key_not_covering_the_device_gets_one_error_event(
+    llm_bridge, fake_llm, simulated_devices, model
+):
+    """The refusal is said once, whether the model answers or offline mode takes over after
+    it failed (both stages used to report it: two `mcp_tool` errors for one request)."""
+    sim = await simulated_devices(llm_bridge)
+    before = sim.hal.get_volume()
+    key = await create_key(llm_bridge, "chat:use", "devices:call", devices=["02:00:00:00:00:99"])
+    if model == "fails":
+        fake_llm.script("chat", Reply(status=503))
+    headers = {"Authorization": f"Bearer {key}"}
+    async with httpx.AsyncClient(base_url=llm_bridge.api_url, headers=headers, timeout=30) as c:
+        events = await stream(c, {"message": "Set the volume to 30", "device_id": sim.device_id})
+    tool_events = [event for event in events if event["type"] == "mcp_tool"]
+    reason = f"scope devices:call does not cover device {sim.device_id}"
+    assert [(e["status"], e["tool"], e["error"]) for e in tool_events] == [
+        ("error", "self.audio_speaker.set_volume", reason)
+    ]
+    assert kinds(events) == ["mcp_tool:error", "token", "done"]
+    metadata = events[-1]["metadata"]
+    assert metadata["offline"] is (model == "fails")
+    if model == "fails":  # offline mode says why in words, once
+        assert metadata["answer"].count(reason) == 1
+    assert sim.hal.get_volume() == before
+
+
 async def test_unknown_and_offline_devices(llm_bridge, http, fake_llm):
     unknown = await http.post(
         "/api/chat/stream", json={"message": QUESTION, "device_id": "ff:ff:ff:ff:ff:ff"}

@@ -130,8 +130,8 @@ async def test_tool_calls_go_back_with_empty_content_not_null(fake: FakeLlm, db:
     )
     provider = OpenAiProvider(fake.url, MODELS, timeout_s=5)
     device = FirmwareDevice()
-    request = TurnRequest(text="Set the volume to 30", toolbox=DeviceToolBox(device))
-    events = await collect(service(db, provider).run_turn(request))
+    request = TurnRequest(text="Set the volume to 30")
+    events = await collect(service(db, provider).run_turn(request, DeviceToolBox(device)))
     await provider.aclose()
     assert spoken(events) == "Volume is 30 now." and not done(events).metadata.offline
     second = fake.of_kind("chat")[1].messages
@@ -143,8 +143,8 @@ async def test_tool_results_reach_the_user_when_the_model_then_fails(
 ) -> None:
     fake.script("chat", Reply(calls=[FakeCall(VOLUME_LLM, {"volume": 30})]), Reply(status=503))
     device = FirmwareDevice()
-    request = TurnRequest(text="Set the volume to 30", toolbox=DeviceToolBox(device))
-    events = await collect(service(db, llm).run_turn(request))
+    request = TurnRequest(text="Set the volume to 30")
+    events = await collect(service(db, llm).run_turn(request, DeviceToolBox(device)))
     assert device.hal.get_volume() == 30
     assert [e.tool for e in events if isinstance(e, ToolCompleted)] == [
         "self.audio_speaker.set_volume"
@@ -173,11 +173,11 @@ async def test_device_tools_are_offered_only_when_the_turn_is_about_the_device(
 ) -> None:
     device = FirmwareDevice()
     chat = service(db, llm)
-    await collect(chat.run_turn(TurnRequest(text=QUESTION, toolbox=DeviceToolBox(device))))
+    await collect(chat.run_turn(TurnRequest(text=QUESTION), DeviceToolBox(device)))
     assert fake.of_kind("chat")[-1].tools == []  # a toothache question raised the brightness
     fake.script("chat", Reply("Done."))
     text = "Set the volume to 30 and tell me how often to brush"
-    await collect(chat.run_turn(TurnRequest(text=text, toolbox=DeviceToolBox(device))))
+    await collect(chat.run_turn(TurnRequest(text=text), DeviceToolBox(device)))
     assert VOLUME_LLM in str(fake.of_kind("chat")[-1].tools)
 
 

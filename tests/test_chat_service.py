@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import structlog
 
+from backend import metrics
 from backend.chat import (
     CHAT_MIGRATIONS,
     ChatEvent,
@@ -204,8 +205,8 @@ async def test_device_request_passes_only_with_a_toolbox(
     assert done(without).metadata.guardrail.verdict == "refused"
     device = FirmwareDevice()
     fake.script("chat", Reply("Done."))
-    request = TurnRequest(text="Set the volume to 30", toolbox=DeviceToolBox(device))
-    with_box = await collect(service.run_turn(request))
+    request = TurnRequest(text="Set the volume to 30")
+    with_box = await collect(service.run_turn(request, DeviceToolBox(device)))
     meta = done(with_box).metadata
     assert meta.guardrail.verdict == "passed" and meta.guardrail.reason == "device request"
     assert meta.search == "skipped" and meta.sources == []
@@ -230,8 +231,8 @@ async def test_full_turn_sets_volume_on_a_real_simulated_device(
     )
     service = ChatService(memory, llm, FakeWebSearch(WEB))
     text = "Set the volume to 30 and tell me how often I should brush"
-    request = TurnRequest(text=text, device_id=device.device_id, toolbox=DeviceToolBox(device))
-    events = await collect(service.run_turn(request))
+    request = TurnRequest(text=text, device_id=device.device_id)
+    events = await collect(service.run_turn(request, DeviceToolBox(device)))
 
     assert sim.hal.get_volume() == 30
     started = [e for e in events if isinstance(e, ToolStarted)]
@@ -274,10 +275,8 @@ async def test_full_turn_sets_volume_on_a_real_simulated_device(
 
     # The next turn from the same device continues the same conversation; the summary grows.
     fake.script("chat", Reply("Floss once a day."))
-    follow = TurnRequest(
-        text="And flossing?", device_id=device.device_id, toolbox=DeviceToolBox(device)
-    )
-    again = done(await collect(service.run_turn(follow))).metadata
+    follow = TurnRequest(text="And flossing?", device_id=device.device_id)
+    again = done(await collect(service.run_turn(follow, DeviceToolBox(device)))).metadata
     assert again.conversation_id == meta.conversation_id
     third = fake.of_kind("chat")[-1]
     assert "Summary 1." in third.messages[-1]["content"]
@@ -299,8 +298,8 @@ async def test_device_failure_goes_to_the_model_not_to_the_user(
         Reply("The volume goes from 0 to 100; which level would you like?"),
     )
     service = ChatService(memory, openai, FakeWebSearch(WEB))
-    request = TurnRequest(text="Set the volume to 150", toolbox=DeviceToolBox(device))
-    events = await collect(service.run_turn(request))
+    request = TurnRequest(text="Set the volume to 150")
+    events = await collect(service.run_turn(request, DeviceToolBox(device)))
     failed = [e for e in events if isinstance(e, ToolFailed)]
     assert len(failed) == 1 and failed[0].tool == VOLUME and "150" in failed[0].error
     assert sim.hal.get_volume() == before
@@ -316,7 +315,7 @@ async def test_missing_scope_keeps_tools_away_and_says_why(
     box = DeviceToolBox(device, unavailable_reason="missing scope devices:call")
     fake.script("chat", Reply("I'm not allowed to change the volume."))
     service = ChatService(memory, openai, FakeWebSearch(WEB))
-    events = await collect(service.run_turn(TurnRequest(text="Set the volume to 30", toolbox=box)))
+    events = await collect(service.run_turn(TurnRequest(text="Set the volume to 30"), box))
     failed = [e for e in events if isinstance(e, ToolFailed)]
     assert [(e.tool, e.error) for e in failed] == [(VOLUME, "missing scope devices:call")]
     request = fake.of_kind("chat")[0]
@@ -338,8 +337,8 @@ async def test_invalid_tool_call_json_is_sent_back_once(
         Reply("Volume set to 35."),
     )
     service = ChatService(memory, llm, FakeWebSearch(WEB))
-    request = TurnRequest(text="Set the volume to 35", toolbox=DeviceToolBox(device))
-    events = await collect(service.run_turn(request))
+    request = TurnRequest(text="Set the volume to 35")
+    events = await collect(service.run_turn(request, DeviceToolBox(device)))
     assert [type(e).__name__ for e in events if not isinstance(e, Token)] == [
         "ToolFailed",
         "ToolStarted",
@@ -358,8 +357,8 @@ async def test_repeated_invalid_tool_call_json_ends_the_turn_clearly(
     bad = Reply(calls=[FakeCall(VOLUME_LLM, "{volume: 3")])
     fake.script("chat", bad, bad, Reply("never requested"))
     service = ChatService(memory, openai, FakeWebSearch(WEB))
-    request = TurnRequest(text="Đặt âm lượng 3", toolbox=DeviceToolBox(FirmwareDevice()))
-    events = await collect(service.run_turn(request))
+    request = TurnRequest(text="Đặt âm lượng 3")
+    events = await collect(service.run_turn(request, DeviceToolBox(FirmwareDevice())))
     assert spoken(events) == INVALID_TOOL_CALL_ANSWER["vi"]
     assert len(fake.of_kind("chat")) == 2 and done(events).metadata.stored
 
@@ -371,8 +370,8 @@ async def test_tool_rounds_are_capped_at_five(
     loop = Reply(calls=[FakeCall("self_get_device_status", {})])
     fake.script("chat", *[loop] * 5, Reply("Here is the status."))
     service = ChatService(memory, openai, FakeWebSearch(WEB))
-    request = TurnRequest(text="Check the device status", toolbox=DeviceToolBox(device))
-    events = await collect(service.run_turn(request))
+    request = TurnRequest(text="Check the device status")
+    events = await collect(service.run_turn(request, DeviceToolBox(device)))
     chat = fake.of_kind("chat")
     assert len(chat) == 6 and all(r.tools for r in chat[:5]) and chat[5].tools == []
     assert done(events).metadata.tool_rounds == 5 and spoken(events) == "Here is the status."
@@ -411,8 +410,8 @@ async def test_llm_down_still_controls_the_real_device(
     provider = down_provider()
     service = ChatService(memory, provider, None)
     text = "Đặt âm lượng 45 và cho tôi biết nên dùng chỉ nha khoa thế nào"
-    request = TurnRequest(text=text, device_id=device.device_id, toolbox=DeviceToolBox(device))
-    events = await collect(service.run_turn(request))
+    request = TurnRequest(text=text, device_id=device.device_id)
+    events = await collect(service.run_turn(request, DeviceToolBox(device)))
     await provider.aclose()
     assert sim.hal.get_volume() == 45
     assert [(e.tool, e.arguments) for e in events if isinstance(e, ToolStarted)] == [
@@ -427,7 +426,7 @@ async def test_offline_never_calls_a_tool_below_the_threshold(memory: SqliteMemo
     device = FirmwareDevice()
     service = ChatService(memory, None, None)
     events = await collect(
-        service.run_turn(TurnRequest(text="turn the volume up", toolbox=DeviceToolBox(device)))
+        service.run_turn(TurnRequest(text="set the volume"), DeviceToolBox(device))
     )
     assert device.calls == [] and not any(isinstance(e, ToolStarted) for e in events)
     assert "set the volume to 50" in spoken(events)
@@ -449,11 +448,10 @@ async def test_events_round_trip_through_json_and_logs_stay_clean(
                 {"role": "user", "content": [{"type": "text", "text": "Set the volume to 12"}]},
             ],
             "device_id": device.device_id,
-            "toolbox": DeviceToolBox(device),
         }
     )
     with structlog.testing.capture_logs() as logs:
-        events = await collect(service.run_turn(request))
+        events = await collect(service.run_turn(request, DeviceToolBox(device)))
     for event in events:
         assert parse_event(event.model_dump(mode="json")) == event
         assert parse_event(event.model_dump_json()) == event
@@ -487,3 +485,50 @@ def test_a_turn_needs_a_query() -> None:
         ).query
         == "b"
     )
+
+
+# ---- metrics ------------------------------------------------------------------------------------
+
+
+def chat_metrics() -> dict[str, float]:
+    """The chat turn counter by path and the stage histograms' counts, as the registry has them."""
+    sample = metrics.REGISTRY.get_sample_value
+    values = {
+        path: sample("bridge_chat_turns_total", {"path": path}) or 0.0
+        for path in ("llm", "offline", "refused", "other")
+    }
+    for stage in ("guardrail", "memory", "search", "llm_first_token", "tools", "store"):
+        values[stage] = sample("bridge_chat_stage_seconds_count", {"stage": stage}) or 0.0
+    return values
+
+
+async def test_a_turn_moves_the_turn_counter_and_the_stage_histograms(
+    fake: FakeLlm, openai: LlmProvider, memory: SqliteMemoryStore
+) -> None:
+    device = FirmwareDevice()
+    fake.script("chat", Reply(calls=[FakeCall(VOLUME_LLM, {"volume": 20})]), Reply("Done."))
+    service = ChatService(memory, openai, FakeWebSearch(WEB))
+    before = chat_metrics()
+    await collect(service.run_turn(TurnRequest(text="Set the volume to 20"), DeviceToolBox(device)))
+    after = chat_metrics()
+    moved = {name: after[name] - before[name] for name in after}
+    assert moved == {
+        "llm": 1,
+        "offline": 0,
+        "refused": 0,
+        "other": 0,
+        "guardrail": 1,
+        "memory": 1,
+        "search": 1,
+        "llm_first_token": 1,  # the first round only
+        "tools": 1,  # one observation a turn, however many calls
+        "store": 1,
+    }
+
+    before = chat_metrics()
+    await collect(ChatService(memory, None).run_turn(TurnRequest(text="How often should I floss?")))
+    await collect(ChatService(memory, None).run_turn(TurnRequest(text="Who won the World Cup?")))
+    after = chat_metrics()
+    moved = {name: after[name] - before[name] for name in after}
+    assert (moved["offline"], moved["refused"], moved["llm"]) == (1, 1, 0)
+    assert (moved["guardrail"], moved["memory"], moved["llm_first_token"]) == (2, 1, 0)

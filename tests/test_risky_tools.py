@@ -142,9 +142,12 @@ async def chat(fake_llm: FakeLlm, bridge: Bridge) -> AsyncIterator[ChatService]:
     await provider.aclose()
 
 
+def box(bridge: Bridge) -> DeviceToolBox:
+    return DeviceToolBox(bridge.registry.require(MAC), actor="chat:test")
+
+
 def turn(bridge: Bridge, text: str, conversation: str = "conv-risky") -> TurnRequest:
-    box = DeviceToolBox(bridge.registry.require(MAC), actor="chat:test")
-    return TurnRequest(text=text, device_id=MAC, conversation_id=conversation, toolbox=box)
+    return TurnRequest(text=text, device_id=MAC, conversation_id=conversation)
 
 
 def spoken(events: list[Any]) -> str:
@@ -156,7 +159,9 @@ async def test_a_chat_turn_asks_before_a_risky_tool_and_runs_it_after_yes(
 ) -> None:
     upgrade = FakeCall("self_firmware_upgrade", {"url": "http://x/f.bin"})
     fake_llm.script("chat", Reply("Let me upgrade it.", calls=[upgrade]))
-    first = await collect(chat.run_turn(turn(bridge, "Upgrade your firmware from http://x/f.bin")))
+    first = await collect(
+        chat.run_turn(turn(bridge, "Upgrade your firmware from http://x/f.bin"), box(bridge))
+    )
     assert called(device) == []
     [failed] = [e for e in first if isinstance(e, ToolFailed)]
     assert failed.tool == UPGRADE and "confirm" in failed.error
@@ -165,7 +170,7 @@ async def test_a_chat_turn_asks_before_a_risky_tool_and_runs_it_after_yes(
     assert len(fake_llm.of_kind("chat")) == 1  # no second model round after the refusal
     assert isinstance(first[-1], Done) and first[-1].metadata.stored
 
-    second = await collect(chat.run_turn(turn(bridge, "Yes, go ahead")))
+    second = await collect(chat.run_turn(turn(bridge, "Yes, go ahead"), box(bridge)))
     assert called(device) == [UPGRADE]
     assert device.stock.calls[0][1] == {"url": "http://x/f.bin"}
     assert [type(e) for e in second if isinstance(e, ToolStarted | ToolCompleted)] == [
@@ -175,7 +180,7 @@ async def test_a_chat_turn_asks_before_a_risky_tool_and_runs_it_after_yes(
     assert spoken(second).startswith(f"Done: {UPGRADE}")
     assert len(fake_llm.of_kind("chat")) == 1  # the confirmation needed no model
     # Asked once, answered once: another "yes" does nothing.
-    third = await collect(chat.run_turn(turn(bridge, "yes")))
+    third = await collect(chat.run_turn(turn(bridge, "yes"), box(bridge)))
     assert called(device) == [UPGRADE] and not any(isinstance(e, ToolStarted) for e in third)
 
 
@@ -184,22 +189,49 @@ async def test_no_or_another_conversation_never_runs_the_risky_tool(
 ) -> None:
     erase = FakeCall("self_storage_erase", {})
     fake_llm.script("chat", Reply(calls=[erase]), Reply(calls=[erase]))
-    await collect(chat.run_turn(turn(bridge, "Erase your storage")))
-    declined = await collect(chat.run_turn(turn(bridge, "No, cancel that")))
+    await collect(chat.run_turn(turn(bridge, "Erase your storage"), box(bridge)))
+    declined = await collect(chat.run_turn(turn(bridge, "No, cancel that"), box(bridge)))
     assert "did not run self.storage.erase" in spoken(declined)
 
-    await collect(chat.run_turn(turn(bridge, "Erase your storage", conversation="a")))
-    elsewhere = await collect(chat.run_turn(turn(bridge, "yes", conversation="b")))
+    await collect(chat.run_turn(turn(bridge, "Erase your storage", conversation="a"), box(bridge)))
+    elsewhere = await collect(chat.run_turn(turn(bridge, "yes", conversation="b"), box(bridge)))
     assert not any(isinstance(e, ToolStarted) for e in elsewhere)
     # The question in "a" is still open; an unrelated answer there drops it.
     fake_llm.script("chat", Reply("Brush twice a day."))
-    await collect(chat.run_turn(turn(bridge, "How often should I brush?", conversation="a")))
-    await collect(chat.run_turn(turn(bridge, "yes", conversation="a")))
+    await collect(
+        chat.run_turn(turn(bridge, "How often should I brush?", conversation="a"), box(bridge))
+    )
+    await collect(chat.run_turn(turn(bridge, "yes", conversation="a"), box(bridge)))
     # A question that only starts like a yes ("có" = yes; "có nên" = should I) is not one.
     fake_llm.script("chat", Reply(calls=[erase]), Reply("Có, sau khi đánh răng."))
-    await collect(chat.run_turn(turn(bridge, "Xóa bộ nhớ đi", conversation="c")))
+    await collect(chat.run_turn(turn(bridge, "Xóa bộ nhớ đi", conversation="c"), box(bridge)))
     question = "Có nên dùng nước súc miệng không?"
-    answered = await collect(chat.run_turn(turn(bridge, question, conversation="c")))
+    answered = await collect(chat.run_turn(turn(bridge, question, conversation="c"), box(bridge)))
     assert not any(isinstance(e, ToolStarted) for e in answered)
     assert spoken(answered).startswith("Có, sau khi đánh răng.")
     assert called(device) == []
+
+
+async def test_an_offline_reboot_request_reaches_the_device_and_waits_for_yes(
+    bridge: Bridge, wire_devices: Any
+) -> None:
+    """A device whose reboot tool the chat may use: the offline rules route "reboot the
+    device" to it, and the confirmation rules hold it until a "yes"."""
+    tools = [STATUS_TOOL, VOLUME_TOOL, {**risky_tools()[-1], "annotations": {}}]
+    device = wire_devices("a4:cf:12:34:56:79", tools=tools)
+    await device.connect()
+    await wait_state(bridge, device.device_id)
+    offline = ChatService(bridge.frontends.memory, None)
+    box = DeviceToolBox(bridge.registry.require(device.device_id), actor="chat:test")
+
+    def request(text: str) -> TurnRequest:
+        return TurnRequest(text=text, device_id=device.device_id, conversation_id="conv-reboot")
+
+    first = await collect(offline.run_turn(request("reboot the device"), box))
+    assert called(device) == []
+    [failed] = [e for e in first if isinstance(e, ToolFailed)]
+    assert failed.tool == REBOOT and "confirm" in failed.error
+    assert 'Reply "yes" to go ahead' in spoken(first)
+    second = await collect(offline.run_turn(request("yes"), box))
+    assert called(device) == [REBOOT]
+    assert spoken(second).startswith(f"Done: {REBOOT}")

@@ -27,6 +27,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
 import structlog
@@ -55,6 +56,7 @@ from backend.chat import (
     InputMessage,
     Sources,
     Token,
+    ToolBox,
     ToolCompleted,
     ToolFailed,
     ToolStarted,
@@ -246,6 +248,14 @@ def sse(data: dict[str, Any] | str) -> bytes:
 # ---- turns ------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class PreparedTurn:
+    """A checked request (pure data) and the tools its turn may use."""
+
+    request: TurnRequest
+    toolbox: ToolBox | None
+
+
 class ChatFront:
     """What both HTTP front ends share: the device toolbox, the conversation id, the log line."""
 
@@ -268,7 +278,7 @@ class ChatFront:
         store: bool = True,
         sampling: Sampling = ANY_SAMPLING,
         models: tuple[str | None, str | None] = (None, None),
-    ) -> TurnRequest:
+    ) -> PreparedTurn:
         """A checked turn request with its conversation id settled before the turn starts
         (so a streamed answer can carry it in its headers). `client_context`: the messages are
         the context (OpenAI clients without `chat_id`), stored only with `store`. `models`:
@@ -290,14 +300,15 @@ class ChatFront:
             too_long = len(TurnRequest.model_construct(messages=messages or [], text=text).query)
             code = "context_length_exceeded" if too_long > MAX_QUERY_CHARS else "invalid_request"
             raise ApiError(400, code, message, param="messages" if messages else "text") from None
+        toolbox: ToolBox | None = None
         if device_id is not None:
             device = self.registry.require(device_id)  # 404 unknown, 503 offline
             reason = principal.call_denied_reason(device_id)
-            request.toolbox = DeviceToolBox(
+            toolbox = DeviceToolBox(
                 device, unavailable_reason=reason, actor=f"chat:{actor_of(principal)}"
             )
         if self.servers is not None:  # external MCP servers this key may use (mcp:<name>)
-            request.toolbox = self.servers.toolbox_for(principal, device_id, request.toolbox)
+            toolbox = self.servers.toolbox_for(principal, device_id, toolbox)
         if client_context:
             request.conversation_id = uuid.uuid4().hex if store else None
         elif conversation_id is not None:
@@ -306,16 +317,17 @@ class ChatFront:
             request.conversation_id = await self.chat.memory.device_conversation_id(device_id)
         else:
             request.conversation_id = uuid.uuid4().hex
-        return request
+        return PreparedTurn(request, toolbox)
 
     async def events(
-        self, request: TurnRequest, principal: Principal, front: str
+        self, prepared: PreparedTurn, principal: Principal, front: str
     ) -> AsyncIterator[ChatEvent]:
         """The turn's events, with one log line for the request when it ends (or is dropped)."""
+        request = prepared.request
         began = time.perf_counter()
         outcome = "abandoned"
         try:
-            async for event in self.chat.run_turn(request):
+            async for event in self.chat.run_turn(request, prepared.toolbox):
                 if isinstance(event, Done):
                     outcome = event.metadata.guardrail.verdict
                 yield event
@@ -374,7 +386,7 @@ def chat_router(
         check_supported(body)
         check_models_allowed((body.chat_model, body.guardrail_model), allowed)
         client_context = body.chat_id is None
-        request = await front.prepare(
+        prepared = await front.prepare(
             principal,
             messages=body.messages,
             conversation_id=body.chat_id,
@@ -384,10 +396,10 @@ def chat_router(
             sampling=body.sampling(),
             models=(body.chat_model, body.guardrail_model),
         )
-        conversation_id = request.conversation_id
+        conversation_id = prepared.request.conversation_id
         headers = {CONVERSATION_HEADER: conversation_id} if conversation_id else {}
         shape = CompletionShape(conversation_id)
-        events = front.events(request, principal, "openai")
+        events = front.events(prepared, principal, "openai")
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(
@@ -451,18 +463,19 @@ def chat_router(
     async def stream(body: StreamRequest, principal: Chatter) -> StreamingResponse:
         check_text(body.model_dump())
         check_models_allowed((body.chat_model, body.guardrail_model), allowed)
-        request = await front.prepare(
+        prepared = await front.prepare(
             principal,
             text=body.message,
             conversation_id=body.conversation_id,
             device_id=body.device_id,
             models=(body.chat_model, body.guardrail_model),
         )
-        events = front.events(request, principal, "sse")
+        events = front.events(prepared, principal, "sse")
+        conversation_id = prepared.request.conversation_id
         return StreamingResponse(
             _seed_stream(events),
             media_type="text/event-stream",
-            headers={CONVERSATION_HEADER: request.conversation_id or "", **_SSE_HEADERS},
+            headers={CONVERSATION_HEADER: conversation_id or "", **_SSE_HEADERS},
         )
 
     return router

@@ -73,10 +73,8 @@ async def evaluate_offline(
         service = ChatService(SqliteMemoryStore(db), None, None)
         for index, item in enumerate(items):
             device = new_device()
-            request = TurnRequest(
-                text=item["text"], conversation_id=f"o{index}", toolbox=DeviceToolBox(device)
-            )
-            events = await collect(service.run_turn(request))
+            request = TurnRequest(text=item["text"], conversation_id=f"o{index}")
+            events = await collect(service.run_turn(request, DeviceToolBox(device)))
             done = events[-1]
             assert isinstance(done, Done)
             meta = done.metadata

@@ -132,6 +132,9 @@ CONCEPTS: Mapping[str, tuple[str, ...]] = {
         "unmute",
         "tắt tiếng",
         "am luong",
+        # "it" is the sound more often than anything else a voice device has.
+        "turn it up",
+        "turn it down",
     ),
     "brightness": (
         "độ sáng",
@@ -169,8 +172,9 @@ CONCEPTS: Mapping[str, tuple[str, ...]] = {
         "trang thai",
     ),
     "screen": ("màn hình", "screen", "display", "man hinh"),
+    "reboot": ("reboot", "restart", "khởi động lại", "khoi dong lai", "power cycle"),
 }
-PRIMARY_CONCEPTS = frozenset({"volume", "brightness", "theme", "led", "status"})
+PRIMARY_CONCEPTS = frozenset({"volume", "brightness", "theme", "led", "status", "reboot"})
 
 ON_WORDS = (
     "bật",
@@ -225,6 +229,41 @@ ACTION_WORDS = (
     "check",
     "kiểm tra",
     "cho biết",
+    "reboot",
+    "restart",
+    "khởi động lại",
+    "khoi dong lai",
+)
+# A level raised or lowered by a step, when no value is said ("turn it up", "tăng âm lượng
+# lên"): offline mode moves it by `offline.LEVEL_STEP` from where the device says it is.
+UP_WORDS = (
+    "up",
+    "lên",
+    "tăng",
+    "tang",
+    "louder",
+    "to hơn",
+    "vặn to",
+    "increase",
+    "raise",
+    "higher",
+    "brighter",
+    "sáng hơn",
+)
+DOWN_WORDS = (
+    "down",
+    "xuống",
+    "giảm",
+    "giam",
+    "quieter",
+    "nhỏ hơn",
+    "vặn nhỏ",
+    "decrease",
+    "lower",
+    "dimmer",
+    "dim",
+    "darker",
+    "tối hơn",
 )
 MAX_WORDS = ("tối đa", "max", "maximum", "full", "hết cỡ", "to nhất", "cao nhất", "toi da")
 MIN_WORDS = ("tối thiểu", "min", "minimum", "thấp nhất", "nhỏ nhất", "toi thieu")
@@ -235,6 +274,8 @@ VALUE_SYNONYMS: Mapping[str, tuple[str, ...]] = {
     "dark": ("dark", "tối", "đen", "night", "ban đêm"),
     "light": ("light", "sáng", "trắng", "day", "ban ngày"),
 }
+# How a canonical value is said back in Vietnamese ("Đã đổi sang giao diện tối").
+VALUE_NAMES_VI: Mapping[str, str] = {"dark": "tối", "light": "sáng"}
 CLAUSE_SPLIT = re.compile(
     r"\s*(?:[;?!]|,\s*(?:and|then|và|rồi|sau đó)\s+|,\s+|\s+(?:and then|and|then|also|"
     r"và|rồi|sau đó|đồng thời|with|plus)\s+)\s*",

@@ -11,8 +11,14 @@
 
 A combined request ("set the volume to 30 and tell me how long I should brush") is split into
 clauses; device clauses become tool calls and the rest is answered as a question.
+
+A level asked up or down without a value ("turn it up", "giảm âm lượng") moves by
+`LEVEL_STEP` from the level the device's status tool reports (`DEFAULT_LEVEL` when it reports
+none), within the tool's range. A device request no tool of the device serves ("reboot the
+device" where reboot is kept for the user) is answered as such, never refused as off-topic.
 """
 
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,12 +30,15 @@ from backend.chat.lexicon import (
     CLAUSE_SPLIT,
     CONCEPTS,
     DENTAL_PHRASES,
+    DOWN_WORDS,
     MAX_WORDS,
     MIN_WORDS,
     MUTE_WORDS,
     OFF_WORDS,
     ON_WORDS,
     PRIMARY_CONCEPTS,
+    UP_WORDS,
+    VALUE_NAMES_VI,
     VALUE_SYNONYMS,
     PhraseMatcher,
 )
@@ -39,6 +48,8 @@ from backend.chat.text import Language, sentences
 from backend.common import clip
 
 DEFAULT_THRESHOLD = 0.7
+LEVEL_STEP = 10  # "turn it up": +10, "turn it down": -10
+DEFAULT_LEVEL = 50  # the level a step starts from when the device does not report one
 _NUMBER = re.compile(r"(?<![\w.])(-?\d{1,4})(?:\s*(?:%|phần trăm|percent|phan tram))?(?![\w])")
 _QUOTED = re.compile(r"[\"'“”‘’`]([A-Za-z][\w-]{0,30})[\"'“”‘’`]")
 _NAME_SPLIT = re.compile(r"[^a-z0-9]+")
@@ -51,6 +62,8 @@ _off = PhraseMatcher(OFF_WORDS)
 _max = PhraseMatcher(MAX_WORDS)
 _min = PhraseMatcher(MIN_WORDS)
 _mute = PhraseMatcher(MUTE_WORDS)
+_up = PhraseMatcher(UP_WORDS)
+_down = PhraseMatcher(DOWN_WORDS)
 _values = {value: PhraseMatcher(words) for value, words in VALUE_SYNONYMS.items()}
 
 
@@ -89,6 +102,16 @@ def split_clauses(text: str) -> list[str]:
 
 
 @dataclass(frozen=True, slots=True)
+class Step:
+    """A level to move by `delta` from where it is, within `minimum`..`maximum`."""
+
+    argument: str
+    delta: int
+    minimum: int | None = None
+    maximum: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Intent:
     """A device request found in the text: the function, its arguments, how sure we are."""
 
@@ -99,6 +122,7 @@ class Intent:
     concept: str
     missing: tuple[str, ...] = ()  # required arguments the text did not give
     problem: str | None = None  # e.g. a value outside the tool's range
+    step: Step | None = None  # "turn it up": `arguments` holds the step from DEFAULT_LEVEL
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +132,7 @@ class Plan:
     intents: list[Intent] = field(default_factory=list)
     rejected: list[Intent] = field(default_factory=list)  # device-like but below the threshold
     question: str = ""
+    unserved: list[str] = field(default_factory=list)  # device requests no function serves
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +190,11 @@ class IntentDetector:
         score, _position, profile, concept = scored[0]
         ambiguous = len(scored) > 1 and scored[1][0] == score
         arguments, missing, problem, given = fill_arguments(text, profile.spec.parameters)
+        step = _step_for(text, profile.spec.parameters, missing) if problem is None else None
+        if step is not None:
+            arguments = {**arguments, step.argument: _moved(step, None)}
+            missing = [name for name in missing if name != step.argument]
+            given = True
         confidence = 0.5 if profile.weights.get(concept, 0) >= 1.0 else 0.35
         if _actions.find(text) or given:
             confidence += 0.25
@@ -182,22 +212,43 @@ class IntentDetector:
             concept,
             tuple(missing),
             problem,
+            step,
         )
+
+    def unserved(self, text: str, functions: Sequence[FunctionSpec]) -> bool:
+        """Whether the text asks the device for something (an action on a device concept) that
+        no function here does ("reboot" when the reboot tool is kept for the user)."""
+        wanted = concepts_in(text) & PRIMARY_CONCEPTS
+        if not wanted or not _actions.find(text):
+            return False
+        served = set().union(*(self.profile(spec).weights for spec in functions))
+        return bool(wanted - served)
+
+    def status_function(self, functions: Sequence[FunctionSpec]) -> FunctionSpec | None:
+        """The function that reads the device's state without arguments, if there is one."""
+        for spec in functions:
+            required = spec.parameters.get("required")
+            if self.profile(spec).weights.get("status", 0.0) >= 1.0 and not required:
+                return spec
+        return None
 
     def plan(self, text: str, functions: Sequence[FunctionSpec]) -> Plan:
         """Split a request into device calls (at or above the threshold) and a question."""
         intents: list[Intent] = []
         rejected: list[Intent] = []
         rest: list[str] = []
+        unserved: list[str] = []
         for clause in split_clauses(text) or [text]:
             intent = self.detect(clause, functions)
             if intent is not None and intent.confidence >= self.threshold:
                 intents.append(intent)
+            elif not is_dental(clause) and self.unserved(clause, functions):
+                unserved.append(clause)  # "restart the speaker": no tool restarts anything
             elif intent is not None and not is_dental(clause):
                 rejected.append(intent)
             else:
                 rest.append(clause)
-        return Plan(intents, rejected, ", ".join(rest))
+        return Plan(intents, rejected, ", ".join(rest), unserved)
 
     def is_device_request(self, text: str, functions: Sequence[FunctionSpec]) -> bool:
         """Whether some clause asks for something these functions do (for the guardrail)."""
@@ -206,6 +257,8 @@ class IntentDetector:
             if intent is not None and (
                 intent.confidence >= self.threshold or _actions.find(clause)
             ):
+                return True
+            if functions and self.unserved(clause, functions):
                 return True
         return False
 
@@ -261,6 +314,72 @@ def fill_arguments(
         and not (isinstance(properties.get(name), dict) and "default" in properties[name])
     ]
     return arguments, missing, problem, given
+
+
+def _step_for(text: str, schema: dict[str, Any], missing: Sequence[str]) -> Step | None:
+    """A step for the first missing numeric argument when the text says up or down only."""
+    up, down = bool(_up.find(text)), bool(_down.find(text))
+    if up == down:
+        return None
+    properties = schema.get("properties")
+    properties = properties if isinstance(properties, dict) else {}
+    for name in missing:
+        prop = properties.get(name)
+        if isinstance(prop, dict) and prop.get("type") in ("integer", "number"):
+            low, high = prop.get("minimum"), prop.get("maximum")
+            return Step(
+                name,
+                LEVEL_STEP if up else -LEVEL_STEP,
+                low if isinstance(low, int) and not isinstance(low, bool) else None,
+                high if isinstance(high, int) and not isinstance(high, bool) else None,
+            )
+    return None
+
+
+def _moved(step: Step, current: int | None) -> int:
+    level = (DEFAULT_LEVEL if current is None else current) + step.delta
+    if step.minimum is not None:
+        level = max(step.minimum, level)
+    if step.maximum is not None:
+        level = min(step.maximum, level)
+    return level
+
+
+def stepped(intent: Intent, current: int | None) -> Intent:
+    """The intent with its step taken from `current` (the device's level; None: unknown)."""
+    if intent.step is None:
+        return intent
+    arguments = {**intent.arguments, intent.step.argument: _moved(intent.step, current)}
+    return Intent(
+        intent.llm_name,
+        arguments,
+        intent.confidence,
+        intent.clause,
+        intent.concept,
+        intent.missing,
+        intent.problem,
+        intent.step,
+    )
+
+
+def current_level(status_text: str, name: str) -> int | None:
+    """The value of `name` in a status tool's JSON answer (`{"audio_speaker": {"volume":
+    40}}` → 40 for "volume"), None when the answer does not say."""
+    try:
+        status = json.loads(status_text)
+    except ValueError:
+        return None
+    found: list[Any] = [status]
+    while found:
+        item = found.pop()
+        if isinstance(item, dict):
+            value = item.get(name)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                return round(value)
+            found.extend(item.values())
+        elif isinstance(item, list):
+            found.extend(item)
+    return None
 
 
 def _positive(value: Any) -> bool:
@@ -388,7 +507,7 @@ _DONE = {
         "vi": "Đã chỉnh độ sáng màn hình thành {value}.",
         "en": "Screen brightness set to {value}.",
     },
-    "theme": {"vi": "Đã đổi giao diện sang {value}.", "en": "Theme changed to {value}."},
+    "theme": {"vi": "Đã đổi sang giao diện {value}.", "en": "Theme changed to {value}."},
     "led_on": {"vi": "Đã bật đèn.", "en": "The light is on."},
     "led_off": {"vi": "Đã tắt đèn.", "en": "The light is off."},
     "status": {"vi": "Trạng thái thiết bị: {value}", "en": "Device status: {value}"},
@@ -397,6 +516,11 @@ _GENERIC_DONE = {"vi": "Đã thực hiện lệnh trên thiết bị.", "en": "D
 _FAILED = {
     "vi": "Thiết bị không thực hiện được lệnh này.",
     "en": "The device could not carry out that request.",
+}
+_UNSERVED = {
+    "vi": "Thiết bị này không cho phép tôi làm việc đó qua trò chuyện; hãy làm trực tiếp trên "
+    "thiết bị.",
+    "en": "This device does not let me do that from a chat; please do it on the device itself.",
 }
 _NEEDS_VALUE = {
     "vi": "Tôi chưa rõ bạn muốn đặt giá trị nào; hãy nói ví dụ \u201cđặt âm lượng 50\u201d.",
@@ -418,10 +542,16 @@ def device_reply(intent: Intent, result_text: str, ok: bool, language: Language)
         key = "led_off" if intent.arguments.get("on") is False else "led_on"
     if key == "status":
         value = clip(result_text, 200)
+    elif language == "vi" and isinstance(value, str):
+        value = VALUE_NAMES_VI.get(value, value)
     template = _DONE.get(key)
     if template is None:
         return _GENERIC_DONE[language]
     return template[language].format(value=value)
+
+
+def unserved_reply(language: Language) -> str:
+    return _UNSERVED[language]
 
 
 def rejected_reply(intent: Intent, language: Language) -> str:

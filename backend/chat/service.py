@@ -1,16 +1,25 @@
 """One chat turn, end to end (seed 003): language → guardrail → memory → search → LLM with
 device tools → sources → memory with an accumulated summary; offline when no model answers.
 
-`ChatService.run_turn(request)` is an async generator of `ChatEvent`s (see `events.py`); it
-never raises for model, search, tool or device failures: they become events and metadata.
+`ChatService.run_turn(request, toolbox)` is an async generator of `ChatEvent`s (see
+`events.py`); it never raises for model, search, tool or device failures: they become events
+and metadata.
+
+How the turn is built: the request is pure data and the toolbox comes beside it; what the turn
+knows before answering is one frozen `_Turn`; each stage returns what it found (`_Context`,
+`_Found`, `_Answer`) instead of writing into a shared object. An answering stage is an async
+generator of events whose last item is its `_Answer`. Every device call, whoever asks for it
+(the model, the offline rules, a confirmed question), goes through `_run_tool`. When the model
+cannot answer, its stage says why (`_Answer.failure`) and the offline stage takes over: that is
+the one place the turn branches to offline mode.
 """
 
 import dataclasses
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, SkipValidation, model_validator
@@ -60,12 +69,16 @@ from backend.chat.llm.base import (
 from backend.chat.memory import Conversation, MemoryStore, StoredMessage
 from backend.chat.offline import (
     OFFLINE_NOTE,
+    Intent,
     IntentDetector,
+    current_level,
     dental_words,
     device_reply,
     extractive_answer,
     extractive_summary,
     rejected_reply,
+    stepped,
+    unserved_reply,
     with_description_choices,
 )
 from backend.chat.search import (
@@ -81,9 +94,9 @@ from backend.chat.tools import NoTools, ToolBox, ToolOutcome
 from backend.common import clip
 from backend.config import Settings
 from backend.errors import BridgeError
+from backend.metrics import record_chat_stage, record_chat_turn
 
 log = structlog.get_logger("chat")
-_T = TypeVar("_T")
 
 # A question, typed or spoken, fits in this many characters. Longer ones are refused before
 # any work: the guardrail, the intent rules and the ranking all read the whole text.
@@ -147,7 +160,8 @@ class TurnRequest(BaseModel):
     `context="memory"`: the stored conversation is the context (the seed's page, devices).
     `context="messages"`: the messages before the question are (OpenAI clients without
     `chat_id`); the turn is stored only with `store=True`, in a new conversation whose id the
-    front end chose (`conversation_id`)."""
+    front end chose (`conversation_id`). Pure data: the tools a turn may use are passed to
+    `ChatService.run_turn` beside it."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
 
@@ -162,7 +176,6 @@ class TurnRequest(BaseModel):
     # This request's models (the console's settings); None: the server's configured ones.
     chat_model: ModelName | None = None
     guardrail_model: ModelName | None = None
-    toolbox: Annotated[ToolBox | None, SkipValidation] = Field(default=None, exclude=True)
 
     @model_validator(mode="after")
     def _has_query(self) -> "TurnRequest":
@@ -191,44 +204,31 @@ class TurnRequest(BaseModel):
         ]
 
 
+NO_LLM = "no LLM configured (llm_provider = none)"
+# The log steps that are also metric stages (backend.metrics.record_chat_stage).
+_STAGE_OF_STEP = {"guardrail": "guardrail", "memory_load": "memory", "search": "search"}
+
+
 @dataclass
-class _Turn:
-    """Mutable state of one turn (internal)."""
+class _TurnLog:
+    """A turn's step timings and what its log lines carry; filled in as the turn goes (the
+    conversation id once memory is read). The final `chat turn` line reads it even when the
+    consumer stopped reading halfway."""
 
-    request: TurnRequest
-    query: str
-    language: Language = "en"
-    conversation: Conversation | None = None
-    device_id: str | None = None
-    offline_reason: str | None = None
+    device_id: str | None
+    conversation_id: str | None
     steps: dict[str, float] = field(default_factory=dict)
-    answer: list[str] = field(default_factory=list)
-    results: list[SearchResult] = field(default_factory=list)
-    search: Literal["ok", "failed", "skipped"] = "skipped"
-    search_error: str | None = None
-    tool_rounds: int = 0
-    used_tools: list[str] = field(default_factory=list)
-    confirmation: PendingConfirmation | None = None  # a risky call the user is asked about
-    history: list[Message] = field(default_factory=list)
-    summary: str = ""
-    instructions: str = ""  # the client's system/developer messages
-    about_device: bool = False  # only then are the device's tools offered to the model
-    tool_results: list[tuple[str, str, bool]] = field(default_factory=list)  # (tool, text, ok)
-    finish_reason: Literal["stop", "length"] = "stop"
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    counted: bool = False  # some usage counted by the tokenizer, not reported by the model
-    deadline: Deadline | None = None
+    offline_reason: str | None = None
+    tools_used: int = 0
+    tool_seconds: float = 0.0
 
-    @property
-    def conversation_id(self) -> str | None:
-        if self.conversation is not None:
-            return self.conversation.id
-        return self.request.conversation_id
-
-    def log_step(self, step: str, began: float, **detail: Any) -> None:
-        ms = round((time.perf_counter() - began) * 1000, 3)
+    def step(self, step: str, began: float, **detail: Any) -> None:
+        seconds = time.perf_counter() - began
+        ms = round(seconds * 1000, 3)
         self.steps[step] = round(self.steps.get(step, 0.0) + ms, 3)
+        stage = _STAGE_OF_STEP.get(step)
+        if stage is not None:
+            record_chat_stage(stage, seconds)
         log.info(
             "chat step",
             step=step,
@@ -236,6 +236,131 @@ class _Turn:
             conversation_id=self.conversation_id,
             device_id=self.device_id,
             **detail,
+        )
+
+
+@dataclass
+class _TokenUsage:
+    """Tokens of every model call of a turn (an accumulator: each call adds to it)."""
+
+    prompt: int = 0
+    completion: int = 0
+    counted: bool = False  # some usage counted by the tokenizer, not reported by the model
+
+
+@dataclass(frozen=True, slots=True)
+class _Turn:
+    """What a turn knows before it answers."""
+
+    request: TurnRequest
+    query: str
+    language: Language
+    toolbox: ToolBox
+    functions: list[FunctionSpec]  # the toolbox's, with quoted choices as enums (offline rules)
+    deadline: Deadline
+    log: _TurnLog
+    usage: _TokenUsage
+
+
+@dataclass(frozen=True, slots=True)
+class _Verdict:
+    guardrail: Guardrail
+    dental: bool  # the question is about dentistry
+    offline_reason: str | None = None  # the guardrail model failed: no model answers this turn
+
+
+@dataclass(frozen=True, slots=True)
+class _Context:
+    """What the memory stage found: the conversation (None: nothing is stored) and the context
+    sent to the model."""
+
+    conversation: Conversation | None = None
+    history: tuple[Message, ...] = ()
+    summary: str = ""
+    instructions: str = ""  # the client's system/developer messages
+
+
+@dataclass(frozen=True, slots=True)
+class _Found:
+    """What the search stage found: web and knowledge-base results, and how the web went."""
+
+    results: tuple[SearchResult, ...] = ()
+    status: Literal["ok", "failed", "skipped"] = "skipped"
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ToolRun:
+    """One device call as a turn ran it."""
+
+    tool: str  # the device's MCP name
+    llm_name: str
+    arguments: dict[str, Any]
+    outcome: ToolOutcome
+    duration_ms: float
+
+    @property
+    def ok(self) -> bool:
+        return not (self.outcome.failed or self.outcome.is_error)
+
+    @property
+    def needs_confirmation(self) -> bool:
+        return self.outcome.needs_confirmation is not None
+
+    def event(self) -> ToolCompleted | ToolFailed:
+        """Failed (no answer, or not run yet) or completed (maybe with the tool's error)."""
+        if self.outcome.failed:
+            return ToolFailed(
+                tool=self.tool,
+                llm_name=self.llm_name,
+                error=self.outcome.text,
+                duration_ms=self.duration_ms,
+            )
+        return ToolCompleted(
+            tool=self.tool,
+            llm_name=self.llm_name,
+            result_text=self.outcome.text,
+            is_error=self.outcome.is_error,
+            duration_ms=self.duration_ms,
+        )
+
+    def pending(self, device_id: str | None) -> PendingConfirmation:
+        """The question to remember for a risky call that did not run."""
+        return PendingConfirmation(
+            device_id=device_id,
+            tool=self.tool,
+            llm_name=self.llm_name,
+            arguments=dict(self.arguments),
+            reason=self.outcome.needs_confirmation or "risky tool",
+            asked_at=time.time(),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    """What an answering stage said and did."""
+
+    pieces: tuple[str, ...] = ()  # the spoken answer, as its tokens went out
+    runs: tuple[ToolRun, ...] = ()  # calls that ran (not one waiting for a "yes")
+    confirmation: PendingConfirmation | None = None  # a risky call the user is asked about
+    tool_rounds: int = 0
+    finish_reason: Literal["stop", "length"] = "stop"
+    failure: str | None = None  # why the model did not answer: offline mode takes over
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    def then(self, later: "_Answer") -> "_Answer":
+        """This answer followed by a later stage's (offline after the model failed)."""
+        cut = "length" in (self.finish_reason, later.finish_reason)
+        return _Answer(
+            self.pieces + later.pieces,
+            self.runs + later.runs,
+            self.confirmation or later.confirmation,
+            self.tool_rounds + later.tool_rounds,
+            "length" if cut else "stop",
+            later.failure,
         )
 
 
@@ -303,16 +428,21 @@ class ChatService:
 
     # ---- the turn ------------------------------------------------------------------------------
 
-    async def run_turn(self, request: TurnRequest) -> AsyncIterator[ChatEvent]:
+    async def run_turn(
+        self, request: TurnRequest, toolbox: ToolBox | None = None
+    ) -> AsyncIterator[ChatEvent]:
+        """The turn's events; `toolbox`: the tools it may use (none: a turn without a device)."""
+        began = time.perf_counter()
         # Front ends refuse (HTTP) or repair (devices) invalid text; this keeps any other caller
         # from failing deep in the turn (SQLite, the model's client) on a lone surrogate.
         query = replace_surrogates(request.query.strip())
-        turn = _Turn(request, query, device_id=request.device_id)
-        turn.deadline = Deadline(self.turn_timeout_s, lambda: TurnDeadline(self.turn_timeout_s))
-        began = time.perf_counter()
+        turn_log = _TurnLog(request.device_id, request.conversation_id)
+        turn_log.offline_reason = None if self.llm is not None else NO_LLM
+        deadline = Deadline(self.turn_timeout_s, lambda: TurnDeadline(self.turn_timeout_s))
         outcome = "abandoned"  # the consumer stopped reading (a client went away)
         try:
-            async for event in self._turn_events(turn, request):
+            turn = self._start(request, query, toolbox or NoTools(), deadline, turn_log)
+            async for event in self._turn_events(turn):
                 if isinstance(event, Done):
                     outcome = event.metadata.guardrail.verdict
                 yield event
@@ -320,104 +450,145 @@ class ChatService:
             outcome = "failed"
             raise
         finally:
-            turn.deadline.close()
+            deadline.close()
             log.info(
                 "chat turn",
                 step="turn",
                 outcome=outcome,
                 duration_ms=round((time.perf_counter() - began) * 1000, 3),
-                offline=turn.offline_reason is not None,
-                tools=len(turn.used_tools),
-                conversation_id=turn.conversation_id,
-                device_id=turn.device_id,
+                offline=turn_log.offline_reason is not None,
+                tools=turn_log.tools_used,
+                conversation_id=turn_log.conversation_id,
+                device_id=turn_log.device_id,
             )
 
-    async def _turn_events(self, turn: _Turn, request: TurnRequest) -> AsyncIterator[ChatEvent]:
-        if self.llm is None:
-            turn.offline_reason = "no LLM configured (llm_provider = none)"
-        toolbox: ToolBox = request.toolbox if request.toolbox is not None else NoTools()
-
+    def _start(
+        self,
+        request: TurnRequest,
+        query: str,
+        toolbox: ToolBox,
+        deadline: Deadline,
+        turn_log: _TurnLog,
+    ) -> _Turn:
         began = time.perf_counter()
-        turn.language = detect_language(turn.query)
+        language = detect_language(query)
         functions = [with_description_choices(spec) for spec in toolbox.functions()]
-        turn.log_step("language", began, language=turn.language)
+        turn_log.step("language", began, language=language)
+        return _Turn(
+            request, query, language, toolbox, functions, deadline, turn_log, _TokenUsage()
+        )
 
+    async def _turn_events(self, turn: _Turn) -> AsyncIterator[ChatEvent]:
+        request = turn.request
         asked = self.confirmations.take(_confirmation_keys(request))
         if asked is not None and asked.device_id == request.device_id:
             kind = answer_kind(turn.query)
             if kind != "other":
-                async for event in self._confirmed(turn, toolbox, asked, kind == "yes"):
+                async for event in self._confirmed(turn, asked, kind == "yes"):
                     yield event
                 return
 
         began = time.perf_counter()
-        verdict, dental = await self._guardrail(turn, functions)
+        verdict = await self._guardrail(turn)
+        offline_reason = turn.log.offline_reason or verdict.offline_reason
+        turn.log.offline_reason = offline_reason
         # A clearly dental question does not get the device's functions (a toothache question
         # made a real model raise the screen brightness), unless it also asks something of the
         # device. Whatever the rules could not place keeps them (the model judged it).
-        turn.about_device = bool(functions) and (
-            verdict.by != "rules"
-            or not dental
-            or self.detector.is_device_request(turn.query, functions)
+        about_device = bool(turn.functions) and (
+            verdict.guardrail.by != "rules"
+            or not verdict.dental
+            or self.detector.is_device_request(turn.query, turn.functions)
         )
-        turn.log_step("guardrail", began, verdict=verdict.verdict, by=verdict.by)
-        if verdict.verdict == "refused":
-            text = prompts.refusal(turn.language, bool(functions))
-            turn.answer.append(text)
+        guardrail = verdict.guardrail
+        turn.log.step("guardrail", began, verdict=guardrail.verdict, by=guardrail.by)
+        if guardrail.verdict == "refused":
+            text = prompts.refusal(turn.language, bool(turn.functions))
             yield Token(text=text)
-            yield Done(metadata=self._metadata(turn, verdict, stored=False))
+            record_chat_turn("refused")
+            answer = _Answer((text,))
+            yield Done(metadata=self._metadata(turn, guardrail, answer, offline_reason))
             return
 
         began = time.perf_counter()
-        await self._load_memory(turn)
-        turn.log_step("memory_load", began, history=len(turn.history))
+        context = await self._load_memory(turn)
+        turn.log.step("memory_load", began, history=len(context.history))
 
-        device_only = not dental
+        device_only = not verdict.dental
         began = time.perf_counter()
-        await self._search(turn, skip_web=device_only)
-        turn.log_step("search", began, status=turn.search, results=len(turn.results))
+        found = await self._search(turn, skip_web=device_only)
+        turn.log.step("search", began, status=found.status, results=len(found.results))
 
-        if turn.offline_reason is None:
-            async for event in self._answer_with_llm(turn, toolbox, functions):
-                yield event
-        if turn.offline_reason is not None:
-            async for event in self._answer_offline(turn, toolbox, functions, device_only):
-                yield event
-        if turn.confirmation is not None:
-            text = ("\n\n" if turn.answer else "") + question(
-                turn.language, turn.confirmation, _compact(turn.confirmation.arguments)
+        # A key that may not call the device: said once, whichever stage answers.
+        denied = self._denied_event(turn) if about_device else None
+        if denied is not None:
+            yield denied
+        answer = _Answer()
+        if offline_reason is None:
+            async for item in self._answer_with_llm(turn, context, found, about_device):
+                if isinstance(item, _Answer):
+                    answer = item
+                else:
+                    yield item
+            offline_reason = answer.failure
+            turn.log.offline_reason = offline_reason
+        if offline_reason is not None:
+            async for item in self._answer_offline(turn, found, device_only, answer):
+                if isinstance(item, _Answer):
+                    answer = answer.then(item)
+                else:
+                    yield item
+        pending = answer.confirmation
+        if pending is not None:
+            text = ("\n\n" if answer.pieces else "") + question(
+                turn.language, pending, _compact(pending.arguments)
             )
-            turn.answer.append(text)
+            answer = dataclasses.replace(answer, pieces=(*answer.pieces, text))
             yield Token(text=text)
-            self.confirmations.remember(_confirmation_keys(request, turn), turn.confirmation)
+            self.confirmations.remember(_confirmation_keys(request, context.conversation), pending)
+        record_chat_turn("offline" if offline_reason is not None else "llm")
+        _record_tool_time(turn)
 
-        sources = self._sources(turn, device_only)
+        sources = self._sources(turn, found, device_only)
         if sources is not None:
             yield sources
-        answer = "".join(turn.answer).strip()
-        full = f"{answer}\n\n{sources.section}" if sources is not None else answer
+        spoken = answer.text.strip()
+        full = f"{spoken}\n\n{sources.section}" if sources is not None else spoken
+        began = time.perf_counter()
         # Nothing empty is stored or summarised (an empty answer's summary was invented).
-        stored = bool(answer) and await self._store(turn, full, sources)
+        stored = bool(spoken) and await self._store(
+            turn, context, full, sources, answer.runs, offline_reason
+        )
         if stored:
-            await self._summarize(turn, answer)
+            await self._summarize(turn, context, spoken, offline=offline_reason is not None)
+            record_chat_stage("store", time.perf_counter() - began)
         yield Done(
-            metadata=self._metadata(turn, verdict, stored=stored, sources=sources, answer=full)
+            metadata=self._metadata(
+                turn,
+                guardrail,
+                answer,
+                offline_reason,
+                context=context,
+                found=found,
+                stored=stored,
+                sources=sources,
+                full_answer=full,
+            )
         )
 
-    # ---- steps --------------------------------------------------------------------------------
+    # ---- stages -------------------------------------------------------------------------------
 
-    async def _guardrail(
-        self, turn: _Turn, functions: Sequence[FunctionSpec]
-    ) -> tuple[Guardrail, bool]:
-        """(verdict, whether the question is about dentistry)."""
+    async def _guardrail(self, turn: _Turn) -> _Verdict:
         dental = dental_words(turn.query)
         if dental == "clear":
-            return Guardrail(verdict="passed", reason="dental question", by="rules"), True
-        if functions and self.detector.is_device_request(turn.query, functions):
+            return _Verdict(Guardrail(verdict="passed", reason="dental question", by="rules"), True)
+        if turn.functions and self.detector.is_device_request(turn.query, turn.functions):
             # The device request passed; an ambiguous dental word beside it is taken as meant.
-            return Guardrail(verdict="passed", reason="device request", by="rules"), bool(dental)
-        if self.llm is not None and turn.offline_reason is None:
-            names = [f"{spec.llm_name}: {spec.description}" for spec in functions]
+            passed = Guardrail(verdict="passed", reason="device request", by="rules")
+            return _Verdict(passed, bool(dental))
+        failure: str | None = None
+        if self.llm is not None:
+            names = [f"{spec.llm_name}: {spec.description}" for spec in turn.functions]
             prompt = prompts.guardrail_prompt(turn.language, turn.query, names)
             sent = [Message("user", prompt)]
             sampling = _with_max_tokens(DETERMINISTIC, 3)
@@ -425,96 +596,141 @@ class ChatService:
                 model = turn.request.guardrail_model or self.llm.models.guardrail
                 reply = await self._complete(turn, sent, model, sampling)
             except LlmError as exc:
-                self._go_offline(turn, exc)
+                failure = _went_offline(turn, exc)
             else:
-                word = reply.text.strip().upper()
-                if "NO" in word:  # rejection first, as in the seed design
-                    return Guardrail(verdict="refused", reason="not dental", by="llm"), False
-                if "YES" in word:
-                    return Guardrail(verdict="passed", reason="dental (model)", by="llm"), True
-                return (
-                    Guardrail(verdict="refused", reason="unclear guardrail reply", by="llm"),
-                    False,
-                )
+                return _model_verdict(reply.text)
         if dental == "ambiguous":  # no model to judge "brush", "gum"...: answer rather than refuse
-            return Guardrail(verdict="passed", reason="dental word (unchecked)", by="rules"), True
-        return Guardrail(verdict="refused", reason="no dental or device words", by="rules"), False
+            passed = Guardrail(verdict="passed", reason="dental word (unchecked)", by="rules")
+            return _Verdict(passed, True, failure)
+        refused = Guardrail(verdict="refused", reason="no dental or device words", by="rules")
+        return _Verdict(refused, False, failure)
 
-    async def _load_memory(self, turn: _Turn) -> None:
+    async def _load_memory(self, turn: _Turn) -> _Context:
         request = turn.request
         if request.context == "messages":
             context = client_context(request.earlier(), self.history_messages, turn.language)
-            turn.history, turn.instructions = context.history, context.instructions
-            turn.summary = self.bounded(context.summary)
-            if request.store:
-                await self._open_conversation(turn)
-            return
+            opened = await self._open_conversation(turn) if request.store else None
+            return _Context(
+                opened,
+                tuple(context.history),
+                self.bounded(context.summary),
+                context.instructions,
+            )
+        conversation: Conversation | None = None
         try:
             if request.conversation_id is None and request.device_id is not None:
-                turn.conversation = await self.memory.conversation_for_device(request.device_id)
+                conversation = await self.memory.conversation_for_device(request.device_id)
             else:
-                turn.conversation = await self.memory.get_or_create(
+                conversation = await self.memory.get_or_create(
                     request.conversation_id, device_id=request.device_id
                 )
-            stored = await self.memory.recent(turn.conversation.id, self.history_messages)
+            turn.log.conversation_id = conversation.id
+            stored = await self.memory.recent(conversation.id, self.history_messages)
         except BridgeError as exc:
-            log.warning("chat memory unavailable", error=str(exc), device_id=turn.device_id)
-            return
-        turn.history = [_history_message(message) for message in stored]
-        turn.summary = self.bounded(turn.conversation.summary)
+            log.warning("chat memory unavailable", error=str(exc), device_id=request.device_id)
+            return _Context(conversation)  # found but unread: the turn is still stored there
+        history = tuple(_history_message(message) for message in stored)
+        return _Context(conversation, history, self.bounded(conversation.summary))
 
-    async def _open_conversation(self, turn: _Turn) -> None:
+    async def _open_conversation(self, turn: _Turn) -> Conversation | None:
         """A new stored conversation for a client that sent its own history with `store`."""
+        request = turn.request
         try:
-            turn.conversation = await self.memory.get_or_create(
-                turn.request.conversation_id, device_id=turn.request.device_id
+            conversation = await self.memory.get_or_create(
+                request.conversation_id, device_id=request.device_id
             )
         except BridgeError as exc:
-            log.warning("chat memory unavailable", error=str(exc), device_id=turn.device_id)
+            log.warning("chat memory unavailable", error=str(exc), device_id=request.device_id)
+            return None
+        turn.log.conversation_id = conversation.id
+        return conversation
 
-    async def _search(self, turn: _Turn, *, skip_web: bool) -> None:
+    async def _search(self, turn: _Turn, *, skip_web: bool) -> _Found:
+        if skip_web:
+            return _Found()
         results: list[SearchResult] = []
-        if self.web is not None and not skip_web:
+        status: Literal["ok", "failed", "skipped"] = "skipped"
+        error: str | None = None
+        if self.web is not None:
             try:
                 results = await self.web.search(turn.query, self.search_results)
             except SearchFailed as exc:
-                turn.search, turn.search_error = "failed", str(exc)
+                status, error = "failed", str(exc)
             else:
-                turn.search = "ok"
-        if not skip_web:
-            kb = self.knowledge.search(turn.query, self.kb_results, language=turn.language)
-            seen = {result.link for result in results}
-            results += [result for result in kb if result.link not in seen]
-        turn.results = results
+                status = "ok"
+        kb = self.knowledge.search(turn.query, self.kb_results, language=turn.language)
+        seen = {result.link for result in results}
+        results += [result for result in kb if result.link not in seen]
+        return _Found(tuple(results), status, error)
+
+    def _denied_event(self, turn: _Turn) -> ToolFailed | None:
+        """The refusal of the first device call the request asks for, when the key may not call
+        the device (the model is offered no device tools; offline mode calls none)."""
+        reason = turn.toolbox.unavailable_reason
+        if reason is None:
+            return None
+        for intent in self.detector.plan(turn.query, turn.functions).intents:
+            tool = turn.toolbox.device_tool_name(intent.llm_name)
+            return ToolFailed(tool=tool, llm_name=intent.llm_name, error=reason)
+        return None
+
+    async def _run_tool(
+        self, turn: _Turn, llm_name: str, arguments: dict[str, Any], *, confirmed: bool = False
+    ) -> AsyncIterator[ChatEvent | ToolRun]:
+        """The one way a turn calls a tool, for the model, the offline rules and a confirmed
+        question alike: `tool_started`, the call, its log line, `tool_failed` or
+        `tool_completed`; the last item is the `ToolRun`."""
+        tool = turn.toolbox.device_tool_name(llm_name)
+        yield ToolStarted(tool=tool, llm_name=llm_name, arguments=arguments)
+        began = time.perf_counter()
+        outcome = await turn.toolbox.call(llm_name, arguments, confirmed=confirmed)
+        seconds = time.perf_counter() - began
+        run = ToolRun(tool, llm_name, arguments, outcome, round(seconds * 1000, 3))
+        log.info(
+            "chat tool call",
+            step="tool",
+            tool=tool,
+            duration_ms=run.duration_ms,
+            failed=outcome.failed,
+            is_error=outcome.is_error,
+            offline=turn.log.offline_reason is not None,
+            conversation_id=turn.log.conversation_id,
+            device_id=turn.log.device_id,
+        )
+        if not run.needs_confirmation or confirmed:
+            turn.log.tools_used += 1
+        turn.log.tool_seconds += seconds
+        yield run.event()
+        yield run
 
     async def _answer_with_llm(
-        self,
-        turn: _Turn,
-        toolbox: ToolBox,
-        functions: Sequence[FunctionSpec],
-    ) -> AsyncIterator[ChatEvent]:
-        assert self.llm is not None
-        unavailable = toolbox.unavailable_reason if turn.about_device else None
-        offered = list(toolbox.functions()) if turn.about_device and unavailable is None else []
+        self, turn: _Turn, context: _Context, found: _Found, about_device: bool
+    ) -> AsyncIterator[ChatEvent | _Answer]:
+        """The model's answer, with up to `max_tool_rounds` rounds of tool calls."""
+        toolbox = turn.toolbox
+        unavailable = toolbox.unavailable_reason if about_device else None
+        offered = list(toolbox.functions()) if about_device and unavailable is None else []
         if not offered:  # external MCP servers' tools are not device tools (backend/mcp_servers)
             offered = toolbox.external_functions()
-        if unavailable is not None:
-            failed = self._unavailable_event(turn, toolbox, functions, unavailable)
-            if failed is not None:
-                yield failed
         user = prompts.user_prompt(
             turn.language,
             turn.query,
-            summary=turn.summary,
-            search_results=format_results(turn.results),
+            summary=context.summary,
+            search_results=format_results(found.results),
             tools_unavailable=unavailable,
         )
-        messages = [Message("system", prompts.system_prompt(turn.language, turn.instructions))]
-        messages += turn.history
+        messages = [Message("system", prompts.system_prompt(turn.language, context.instructions))]
+        messages += context.history
         messages.append(Message("user", user))
-        log.debug("chat prompt", conversation_id=turn.conversation_id, prompt=user)
+        log.debug("chat prompt", conversation_id=turn.log.conversation_id, prompt=user)
 
         began = time.perf_counter()
+        said: list[str] = []
+        runs: list[ToolRun] = []
+        rounds = 0
+        finish: Literal["stop", "length"] = "stop"
+        confirmation: PendingConfirmation | None = None
+        failure: str | None = None
         invalid_rounds = 0
         tool_time = 0.0
         try:
@@ -524,72 +740,106 @@ class ChatService:
                     messages.append(Message("system", prompts.TOO_MANY_ROUNDS_NOTE[turn.language]))
                 calls: list[ToolCall] = []
                 text: list[str] = []
-                async for item in self._stream_round(turn, messages, tools):
-                    if isinstance(item, TextDelta):
+                first = round_index == 0
+                async for item in self._stream_round(turn, messages, tools, said):
+                    if first:
+                        record_chat_stage("llm_first_token", time.perf_counter() - began)
+                        first = False
+                    if isinstance(item, StreamEnd):
+                        finish = "length" if item.finish_reason == "length" else finish
+                    elif isinstance(item, TextDelta):
                         text.append(item.text)
-                        turn.answer.append(item.text)
+                        said.append(item.text)
                         yield Token(text=item.text)
                     else:
                         calls.append(item)
-                if not calls or turn.finish_reason == "length":
+                if not calls or finish == "length":
                     break
-                turn.tool_rounds += 1
+                rounds += 1
                 messages.append(Message("assistant", "".join(text), tool_calls=tuple(calls)))
                 tools_began = time.perf_counter()
                 invalid = False
                 for call in calls:
-                    async for event, reply in self._run_call(turn, toolbox, call):
+                    async for event, reply, run in self._model_call(turn, call):
                         if event is not None:
                             yield event
                         if reply is not None:
                             messages.append(reply)
+                        if run is not None and run.needs_confirmation:
+                            confirmation = run.pending(turn.request.device_id)
+                        elif run is not None:
+                            runs.append(run)
                     invalid = invalid or call.arguments is None
                 tool_time += time.perf_counter() - tools_began
-                if turn.confirmation is not None:
+                if confirmation is not None:
                     break  # a risky call: the user is asked before anything else happens
                 invalid_rounds += invalid
                 if invalid_rounds >= 2:
                     text_end = prompts.INVALID_TOOL_CALL_ANSWER[turn.language]
-                    turn.answer.append(("\n\n" if turn.answer else "") + text_end)
-                    yield Token(text=turn.answer[-1])
+                    said.append(("\n\n" if said else "") + text_end)
+                    yield Token(text=said[-1])
                     break
         except TurnDeadline as exc:
-            if "".join(turn.answer).strip():
-                turn.finish_reason = "length"  # the answer so far is the answer, cut
+            if "".join(said).strip():
+                finish = "length"  # the answer so far is the answer, cut
             else:
-                self._go_offline(turn, exc)
+                failure = _went_offline(turn, exc)
         except LlmError as exc:
-            self._go_offline(turn, exc)
-            if turn.answer:
-                turn.answer.append("\n\n")
+            failure = _went_offline(turn, exc)
+            if said:
+                said.append("\n\n")
                 yield Token(text="\n\n")
-        turn.steps["tools"] = round(tool_time * 1000, 3)
-        turn.log_step(
-            "llm", began, rounds=turn.tool_rounds, offline=turn.offline_reason is not None
-        )
-        turn.steps["llm"] = round(turn.steps["llm"] - turn.steps["tools"], 3)
-        log.debug("chat answer", conversation_id=turn.conversation_id, answer="".join(turn.answer))
+        steps = turn.log.steps
+        steps["tools"] = round(tool_time * 1000, 3)
+        turn.log.step("llm", began, rounds=rounds, offline=failure is not None)
+        steps["llm"] = round(steps["llm"] - steps["tools"], 3)
+        log.debug("chat answer", conversation_id=turn.log.conversation_id, answer="".join(said))
+        yield _Answer(tuple(said), tuple(runs), confirmation, rounds, finish, failure)
+
+    async def _model_call(
+        self, turn: _Turn, call: ToolCall
+    ) -> AsyncIterator[tuple[ChatEvent | None, Message | None, ToolRun | None]]:
+        """Events for one call the model asked for, the tool message that answers it, and the
+        run (none for invalid arguments: those go back to the model unrun)."""
+        if call.arguments is None:
+            tool = turn.toolbox.device_tool_name(call.name)
+            error = call.error or "invalid arguments"
+            yield ToolFailed(tool=tool, llm_name=call.name, error=error), None, None
+            content = f"error: {error}. Call the function again with a valid JSON object."
+            yield None, Message("tool", content, tool_call_id=call.id, name=call.name), None
+            return
+        async for item in self._run_tool(turn, call.name, call.arguments):
+            if isinstance(item, ToolRun):
+                reply = Message("tool", item.outcome.text, tool_call_id=call.id, name=call.name)
+                yield None, reply, item
+            else:
+                yield item, None, None
 
     async def _stream_round(
-        self, turn: _Turn, messages: list[Message], tools: Sequence[FunctionSpec]
-    ) -> AsyncIterator[TextDelta | ToolCall]:
-        """One model round: its text (cut at the answer's token budget) and tool calls, within
-        the turn's deadline, its usage added to the turn's."""
+        self,
+        turn: _Turn,
+        messages: list[Message],
+        tools: Sequence[FunctionSpec],
+        said: Sequence[str],
+    ) -> AsyncIterator[TextDelta | ToolCall | StreamEnd]:
+        """One model round: its text (cut at the answer's token budget, `said` being what the
+        turn said so far) and tool calls, within the turn's deadline, its usage added to the
+        turn's; last, a `StreamEnd` saying "length" when the answer was cut."""
         assert self.llm is not None
-        budget = self._answer_budget(turn)
+        budget = self._answer_budget(turn, said)
         sampling = _with_max_tokens(turn.request.sampling, budget)
         # The model counts with its own tokenizer: the bridge cuts only a server that clearly
         # ignores max_tokens (one that keeps talking), with room for the tokenizers to differ.
         budget += budget // 2 + 8
         model = turn.request.chat_model  # None: the provider's own chat model
         stream = self.llm.stream(messages, model=model, tools=tools, sampling=sampling)
-        said: list[str] = []
+        text: list[str] = []
         calls: list[ToolCall] = []
         used = 0
         end = StreamEnd()
         try:
             while True:
-                item = await self._within(turn, anext(stream, None))
+                item = await turn.deadline.run(anext(stream, None))
                 if item is None:
                     break
                 if isinstance(item, StreamEnd):
@@ -603,180 +853,177 @@ class ChatService:
                 if used + tokens > budget:  # a server that ignores max_tokens
                     kept = cut_to_tokens(item.text, budget - used)
                     if kept:
-                        said.append(kept)
+                        text.append(kept)
                         yield TextDelta(kept)
                     end = StreamEnd("length", end.usage)
                     break
                 used += tokens
-                said.append(item.text)
+                text.append(item.text)
                 yield item
         finally:
             if isinstance(stream, AsyncGenerator):
                 await stream.aclose()
-            reply_text = "".join(said) + "".join(call.raw_arguments for call in calls)
+            reply_text = "".join(text) + "".join(call.raw_arguments for call in calls)
             self._count(turn, messages, reply_text, end.usage)
         if end.finish_reason == "length" and not calls:
-            turn.finish_reason = "length"
+            yield StreamEnd("length", end.usage)
 
-    def _answer_budget(self, turn: _Turn) -> int:
+    def _answer_budget(self, turn: _Turn, said: Sequence[str]) -> int:
         asked = turn.request.sampling.max_tokens
         cap = self.max_answer_tokens if asked is None else min(asked, self.max_answer_tokens)
-        spent = sum(count_tokens(piece) for piece in turn.answer)
+        spent = sum(count_tokens(piece) for piece in said)
         return max(1, cap - spent)
 
     async def _complete(
         self, turn: _Turn, messages: list[Message], model: str | None, sampling: Sampling
     ) -> Completion:
         assert self.llm is not None
-        reply = await self._within(
-            turn, self.llm.complete(messages, model=model, sampling=sampling)
-        )
+        reply = await turn.deadline.run(self.llm.complete(messages, model=model, sampling=sampling))
         self._count(turn, messages, reply.text, reply.usage)
         return reply
-
-    @staticmethod
-    async def _within(turn: _Turn, step: Awaitable[_T]) -> _T:
-        """A model step within what is left of the turn's deadline."""
-        assert turn.deadline is not None
-        return await turn.deadline.run(step)
 
     @staticmethod
     def _count(
         turn: _Turn, messages: Sequence[Message], reply: str, reported: TokenCount | None
     ) -> None:
+        usage = turn.usage
         if reported is not None:
-            turn.prompt_tokens += reported.prompt
-            turn.completion_tokens += reported.completion
+            usage.prompt += reported.prompt
+            usage.completion += reported.completion
             return
-        turn.counted = True
+        usage.counted = True
         if not turn.request.count_usage:
             return  # tokenizing every prompt costs ~0.1 ms per KB; only the OpenAI API needs it
-        turn.prompt_tokens += count_prompt(message.content for message in messages)
-        turn.completion_tokens += count_tokens(reply)
-
-    async def _run_call(
-        self, turn: _Turn, toolbox: ToolBox, call: ToolCall
-    ) -> AsyncIterator[tuple[ChatEvent | None, Message | None]]:
-        """Events for one model call and the tool message that answers it."""
-        tool = toolbox.device_tool_name(call.name)
-        if call.arguments is None:
-            error = call.error or "invalid arguments"
-            yield ToolFailed(tool=tool, llm_name=call.name, error=error), None
-            content = f"error: {error}. Call the function again with a valid JSON object."
-            yield None, Message("tool", content, tool_call_id=call.id, name=call.name)
-            return
-        yield ToolStarted(tool=tool, llm_name=call.name, arguments=call.arguments), None
-        began = time.perf_counter()
-        outcome = await toolbox.call(call.name, call.arguments)
-        took = _log_tool_call(turn, tool, began, outcome)
-        if outcome.needs_confirmation is not None:
-            turn.confirmation = _pending(turn, tool, call.name, call.arguments, outcome)
-        else:
-            turn.used_tools.append(tool)
-            turn.tool_results.append((tool, outcome.text, not (outcome.failed or outcome.is_error)))
-        event = _outcome_event(tool, call.name, outcome, took)
-        yield event, Message("tool", outcome.text, tool_call_id=call.id, name=call.name)
+        usage.prompt += count_prompt(message.content for message in messages)
+        usage.completion += count_tokens(reply)
 
     async def _answer_offline(
         self,
         turn: _Turn,
-        toolbox: ToolBox,
-        functions: Sequence[FunctionSpec],
+        found: _Found,
         device_only: bool,
-    ) -> AsyncIterator[ChatEvent]:
+        before: _Answer,
+    ) -> AsyncIterator[ChatEvent | _Answer]:
+        """The rules' answer: device calls the request asks for, an extractive answer to its
+        question. `before`: what the model said and did before it failed."""
         began = time.perf_counter()
-        plan = self.detector.plan(turn.query, functions)
+        plan = self.detector.plan(turn.query, turn.functions)
         # Tools the model ran before it failed: the user hears what they did, in words.
         parts = [
-            (DONE if ok else FAILED)[turn.language].format(
-                tool=tool, result=clip(text, _SPOKEN_RESULT_CHARS)
+            (DONE if run.ok else FAILED)[turn.language].format(
+                tool=run.tool, result=clip(run.outcome.text, _SPOKEN_RESULT_CHARS)
             )
-            for tool, text, ok in turn.tool_results
+            for run in before.runs
         ]
-        unavailable = toolbox.unavailable_reason
-        for intent in plan.intents:
-            tool = toolbox.device_tool_name(intent.llm_name)
-            if tool in turn.used_tools:
-                continue  # the model already did it before the service went away
-            if unavailable is not None:
-                yield ToolFailed(tool=tool, llm_name=intent.llm_name, error=unavailable)
-                parts.append(_NO_PERMISSION[turn.language].format(reason=unavailable))
-                break
-            yield ToolStarted(tool=tool, llm_name=intent.llm_name, arguments=intent.arguments)
-            call_began = time.perf_counter()
-            outcome = await toolbox.call(intent.llm_name, intent.arguments)
-            took = _log_tool_call(turn, tool, call_began, outcome)
-            if outcome.needs_confirmation is not None:
-                yield ToolFailed(
-                    tool=tool, llm_name=intent.llm_name, error=outcome.text, duration_ms=took
-                )
-                turn.confirmation = _pending(turn, tool, intent.llm_name, intent.arguments, outcome)
-                break
-            turn.used_tools.append(tool)
-            yield _outcome_event(tool, intent.llm_name, outcome, took)
-            ok = not (outcome.failed or outcome.is_error)
-            parts.append(device_reply(intent, outcome.text, ok, turn.language))
+        runs: list[ToolRun] = []
+        confirmation: PendingConfirmation | None = None
+        done_already = {run.tool for run in before.runs}
+        unavailable = turn.toolbox.unavailable_reason
+        if unavailable is not None and plan.intents:  # the turn reported it (_denied_event)
+            parts.append(_NO_PERMISSION[turn.language].format(reason=unavailable))
+        else:
+            for intent in plan.intents:
+                if turn.toolbox.device_tool_name(intent.llm_name) in done_already:
+                    continue  # the model already did it before the service went away
+                if intent.step is not None:  # "turn it up": from the level the device reports
+                    current: int | None = None
+                    async for found_item in self._level_now(turn, intent):
+                        if isinstance(found_item, ToolRun):
+                            runs.append(found_item)
+                        elif isinstance(found_item, int) or found_item is None:
+                            current = found_item
+                        else:
+                            yield found_item
+                    intent = stepped(intent, current)
+                async for item in self._run_tool(turn, intent.llm_name, intent.arguments):
+                    if not isinstance(item, ToolRun):
+                        yield item
+                    elif item.needs_confirmation:
+                        confirmation = item.pending(turn.request.device_id)
+                    else:
+                        runs.append(item)
+                        said = device_reply(intent, item.outcome.text, item.ok, turn.language)
+                        parts.append(said)
+                if confirmation is not None:
+                    break
         if not plan.intents and plan.rejected and not plan.question:
             parts.append(rejected_reply(plan.rejected[0], turn.language))
-        question = plan.question if functions else turn.query
-        if question and not device_only:
-            answer = extractive_answer(question, turn.results, turn.language)
+        if not plan.intents and not plan.rejected and plan.unserved:
+            parts.append(unserved_reply(turn.language))
+        question_text = plan.question if turn.functions else turn.query
+        if question_text and not device_only:
+            answer = extractive_answer(question_text, found.results, turn.language)
             parts.append(f"{OFFLINE_NOTE[turn.language]}\n{answer}")
-        elif question and not plan.intents and not plan.rejected:
-            parts.append(extractive_answer(question, turn.results, turn.language))
-        text = _limited(turn, "\n\n".join(parts))
+        elif question_text and not plan.intents and not plan.rejected:
+            parts.append(extractive_answer(question_text, found.results, turn.language))
+        text, cut = _limited(turn, before.pieces, "\n\n".join(parts))
         if text:
-            turn.answer.append(text)
             yield Token(text=text)
-        turn.log_step(
+        turn.log.step(
             "offline",
             began,
-            reason=turn.offline_reason,
+            reason=turn.log.offline_reason,
             calls=len(plan.intents),
-            question=bool(question),
+            question=bool(question_text),
+        )
+        yield _Answer(
+            (text,) if text else (),
+            tuple(runs),
+            confirmation,
+            finish_reason="length" if cut else "stop",
         )
 
+    async def _level_now(
+        self, turn: _Turn, intent: Intent
+    ) -> AsyncIterator[ChatEvent | ToolRun | int | None]:
+        """For a step up or down ("turn it up"): the device's status call, if it has a status
+        tool, then the level it reports (None: unknown)."""
+        status = self.detector.status_function(turn.functions)
+        if intent.step is None or status is None:
+            yield None
+            return
+        async for item in self._run_tool(turn, status.llm_name, {}):
+            yield item
+            if isinstance(item, ToolRun):
+                yield current_level(item.outcome.text, intent.step.argument)
+
     async def _confirmed(
-        self, turn: _Turn, toolbox: ToolBox, asked: PendingConfirmation, yes: bool
+        self, turn: _Turn, asked: PendingConfirmation, yes: bool
     ) -> AsyncIterator[ChatEvent]:
         """The turn after a risky call was asked about: run it (yes) or drop it (no)."""
         verdict = Guardrail(verdict="passed", reason="confirmation answer", by="rules")
-        await self._load_memory(turn)
+        context = await self._load_memory(turn)
+        runs: tuple[ToolRun, ...] = ()
         if yes:
-            yield ToolStarted(tool=asked.tool, llm_name=asked.llm_name, arguments=asked.arguments)
-            began = time.perf_counter()
-            outcome = await toolbox.call(asked.llm_name, asked.arguments, confirmed=True)
-            turn.used_tools.append(asked.tool)
-            took = _log_tool_call(turn, asked.tool, began, outcome)
-            yield _outcome_event(asked.tool, asked.llm_name, outcome, took)
-            template = FAILED if outcome.failed or outcome.is_error else DONE
-            result = clip(outcome.text, _SPOKEN_RESULT_CHARS)
+            run: ToolRun | None = None
+            async for item in self._run_tool(turn, asked.llm_name, asked.arguments, confirmed=True):
+                if isinstance(item, ToolRun):
+                    run = item
+                else:
+                    yield item
+            assert run is not None
+            runs = (run,)
+            template = DONE if run.ok else FAILED
+            result = clip(run.outcome.text, _SPOKEN_RESULT_CHARS)
             text = template[turn.language].format(tool=asked.tool, result=result)
         else:
             text = CANCELLED[turn.language].format(tool=asked.tool)
-        turn.answer.append(text)
         yield Token(text=text)
-        stored = await self._store(turn, text, None)
-        yield Done(metadata=self._metadata(turn, verdict, stored=stored))
+        record_chat_turn("confirmation")  # neither a model's nor the rules': "other"
+        _record_tool_time(turn)
+        reason = turn.log.offline_reason
+        answer = _Answer((text,), runs)
+        stored = await self._store(turn, context, text, None, runs, reason)
+        yield Done(
+            metadata=self._metadata(turn, verdict, answer, reason, context=context, stored=stored)
+        )
 
-    def _unavailable_event(
-        self,
-        turn: _Turn,
-        toolbox: ToolBox,
-        functions: Sequence[FunctionSpec],
-        reason: str,
-    ) -> ToolFailed | None:
-        for clause_intent in self.detector.plan(turn.query, functions).intents:
-            tool = toolbox.device_tool_name(clause_intent.llm_name)
-            return ToolFailed(tool=tool, llm_name=clause_intent.llm_name, error=reason)
-        return None
-
-    def _sources(self, turn: _Turn, device_only: bool) -> Sources | None:
-        if device_only or not turn.results:
+    def _sources(self, turn: _Turn, found: _Found, device_only: bool) -> Sources | None:
+        if device_only or not found.results:
             return None
         items: list[SourceItem] = []
         seen: set[str] = set()
-        for result in turn.results:
+        for result in found.results:
             if result.link in seen:
                 continue
             seen.add(result.link)
@@ -785,32 +1032,42 @@ class ChatService:
         lines += [f"{i}. {item.title} - {item.link}" for i, item in enumerate(items, 1)]
         return Sources(items=items, section="\n".join(lines))
 
-    async def _store(self, turn: _Turn, answer: str, sources: Sources | None) -> bool:
-        if turn.conversation is None:
+    async def _store(
+        self,
+        turn: _Turn,
+        context: _Context,
+        answer: str,
+        sources: Sources | None,
+        runs: Sequence[ToolRun],
+        offline_reason: str | None,
+    ) -> bool:
+        if context.conversation is None:
             return False
         began = time.perf_counter()
         metadata = {
             "language": turn.language,
-            "offline": turn.offline_reason is not None,
-            "tools": turn.used_tools,
+            "offline": offline_reason is not None,
+            "tools": [run.tool for run in runs],
             "sources": [item.link for item in sources.items] if sources else [],
         }
         try:
             await self.memory.append_pair(
-                turn.conversation.id, turn.query, answer, metadata=metadata
+                context.conversation.id, turn.query, answer, metadata=metadata
             )
         except BridgeError as exc:
-            log.warning("chat memory write failed", error=str(exc), device_id=turn.device_id)
+            log.warning("chat memory write failed", error=str(exc), device_id=turn.log.device_id)
             return False
-        turn.log_step("memory_store", began)
+        turn.log.step("memory_store", began)
         return True
 
-    async def _summarize(self, turn: _Turn, answer: str) -> None:
-        assert turn.conversation is not None
+    async def _summarize(
+        self, turn: _Turn, context: _Context, answer: str, *, offline: bool
+    ) -> None:
+        assert context.conversation is not None
         began = time.perf_counter()
         piece = ""
         how = "extractive"
-        if self.llm is not None and turn.offline_reason is None:
+        if self.llm is not None and not offline:
             prompt = prompts.summarize_prompt(turn.language, turn.query, answer)
             sampling = _with_max_tokens(DETERMINISTIC, 120)
             try:
@@ -823,128 +1080,110 @@ class ChatService:
         if not piece:
             piece = extractive_summary(answer, turn.language)
         summary = self.bounded(
-            "\n\n".join(part for part in (turn.conversation.summary, piece) if part)
+            "\n\n".join(part for part in (context.conversation.summary, piece) if part)
         )
         try:
-            await self.memory.set_summary(turn.conversation.id, summary)
+            await self.memory.set_summary(context.conversation.id, summary)
         except BridgeError as exc:
-            log.warning("chat summary write failed", error=str(exc), device_id=turn.device_id)
-        turn.log_step("summary", began, how=how, length=len(summary))
+            log.warning("chat summary write failed", error=str(exc), device_id=turn.log.device_id)
+        turn.log.step("summary", began, how=how, length=len(summary))
 
     # ---- helpers ------------------------------------------------------------------------------
-
-    def _go_offline(self, turn: _Turn, exc: LlmError) -> None:
-        turn.offline_reason = str(exc)
-        log.warning(
-            "chat offline mode",
-            reason=str(exc),
-            conversation_id=turn.conversation_id,
-            device_id=turn.device_id,
-        )
 
     def _metadata(
         self,
         turn: _Turn,
         verdict: Guardrail,
+        answer: _Answer,
+        offline_reason: str | None,
         *,
-        stored: bool,
+        context: _Context | None = None,
+        found: _Found | None = None,
+        stored: bool = False,
         sources: Sources | None = None,
-        answer: str | None = None,
+        full_answer: str | None = None,
     ) -> TurnMetadata:
-        """`answer`: the full text as stored (with its sources section); the spoken tokens
+        """`full_answer`: the text as stored (with its sources section); the spoken tokens
         when not given."""
+        conversation = context.conversation if context is not None else None
+        found = found or _Found()
         return TurnMetadata(
-            conversation_id=turn.conversation_id,
-            device_id=turn.device_id,
+            conversation_id=conversation.id if conversation else turn.request.conversation_id,
+            device_id=turn.request.device_id,
             language=turn.language,
             guardrail=verdict,
             stored=stored,
             sources=sources.items if sources else [],
-            offline=turn.offline_reason is not None,
-            offline_reason=turn.offline_reason,
-            search=turn.search,
-            search_error=turn.search_error,
-            steps_ms=dict(turn.steps),
-            tool_rounds=turn.tool_rounds,
-            answer="".join(turn.answer) if answer is None else answer,
-            finish_reason=turn.finish_reason,
-            usage=self._usage(turn),
-            confirmation=_confirmation(turn.confirmation),
-        )
-
-    @staticmethod
-    def _usage(turn: _Turn) -> TurnUsage | None:
-        """The model's own counts of every call of the turn; the tokenizer's where it gave none,
-        and for an answer no model wrote (offline, refused): the question and the answer."""
-        nothing = turn.prompt_tokens == turn.completion_tokens == 0
-        if not turn.request.count_usage and (turn.counted or nothing):
-            return None  # counting is the OpenAI front end's need, not every turn's cost
-        prompt, completion, counted = turn.prompt_tokens, turn.completion_tokens, turn.counted
-        if prompt == 0 and completion == 0:
-            prompt = count_prompt([turn.query])
-            completion = count_tokens("".join(turn.answer).strip())
-            counted = True
-        return TurnUsage(
-            prompt_tokens=prompt,
-            completion_tokens=completion,
-            total_tokens=prompt + completion,
-            counted_by="tokenizer" if counted else "provider",
+            offline=offline_reason is not None,
+            offline_reason=offline_reason,
+            search=found.status,
+            search_error=found.error,
+            steps_ms=dict(turn.log.steps),
+            tool_rounds=answer.tool_rounds,
+            answer=answer.text if full_answer is None else full_answer,
+            finish_reason=answer.finish_reason,
+            usage=_usage(turn, answer),
+            confirmation=_confirmation(answer.confirmation),
         )
 
 
-def _log_tool_call(turn: _Turn, tool: str, began: float, outcome: ToolOutcome) -> float:
-    """Logs the call and returns its duration in ms (the front ends show it)."""
-    took = round((time.perf_counter() - began) * 1000, 3)
-    log.info(
-        "chat tool call",
-        step="tool",
-        tool=tool,
-        duration_ms=took,
-        failed=outcome.failed,
-        is_error=outcome.is_error,
-        offline=turn.offline_reason is not None,
-        conversation_id=turn.conversation_id,
-        device_id=turn.device_id,
+def _model_verdict(reply: str) -> _Verdict:
+    word = reply.strip().upper()
+    if "NO" in word:  # rejection first, as in the seed design
+        return _Verdict(Guardrail(verdict="refused", reason="not dental", by="llm"), False)
+    if "YES" in word:
+        return _Verdict(Guardrail(verdict="passed", reason="dental (model)", by="llm"), True)
+    unclear = Guardrail(verdict="refused", reason="unclear guardrail reply", by="llm")
+    return _Verdict(unclear, False)
+
+
+def _record_tool_time(turn: _Turn) -> None:
+    """The turn's time in device calls, one observation a turn (none without a call)."""
+    if turn.log.tool_seconds:
+        record_chat_stage("tools", turn.log.tool_seconds)
+
+
+def _went_offline(turn: _Turn, exc: LlmError) -> str:
+    """Why no model answers this turn (logged once, as it happens)."""
+    reason = str(exc)
+    turn.log.offline_reason = reason
+    log.warning(
+        "chat offline mode",
+        reason=reason,
+        conversation_id=turn.log.conversation_id,
+        device_id=turn.log.device_id,
     )
-    return took
+    return reason
 
 
-def _outcome_event(
-    tool: str, llm_name: str, outcome: ToolOutcome, took: float
-) -> ToolCompleted | ToolFailed:
-    """The event for a finished call: failed (no answer) or completed (maybe the tool's error)."""
-    if outcome.failed:
-        return ToolFailed(tool=tool, llm_name=llm_name, error=outcome.text, duration_ms=took)
-    return ToolCompleted(
-        tool=tool,
-        llm_name=llm_name,
-        result_text=outcome.text,
-        is_error=outcome.is_error,
-        duration_ms=took,
+def _usage(turn: _Turn, answer: _Answer) -> TurnUsage | None:
+    """The model's own counts of every call of the turn; the tokenizer's where it gave none,
+    and for an answer no model wrote (offline, refused): the question and the answer."""
+    usage = turn.usage
+    nothing = usage.prompt == usage.completion == 0
+    if not turn.request.count_usage and (usage.counted or nothing):
+        return None  # counting is the OpenAI front end's need, not every turn's cost
+    prompt, completion, counted = usage.prompt, usage.completion, usage.counted
+    if prompt == 0 and completion == 0:
+        prompt = count_prompt([turn.query])
+        completion = count_tokens(answer.text.strip())
+        counted = True
+    return TurnUsage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        counted_by="tokenizer" if counted else "provider",
     )
 
 
-def _confirmation_keys(request: TurnRequest, turn: _Turn | None = None) -> list[str]:
+def _confirmation_keys(request: TurnRequest, conversation: Conversation | None = None) -> list[str]:
     """Where a question about a risky call is remembered: the conversation; the device only
     for a turn that named no conversation (so another conversation cannot answer it)."""
-    conversation_id = request.conversation_id or (turn.conversation_id if turn else None)
+    conversation_id = request.conversation_id or (conversation.id if conversation else None)
     keys = [f"conversation:{conversation_id}"] if conversation_id else []
     if request.conversation_id is None and request.device_id is not None:
         keys.append(f"device:{request.device_id}")
     return keys
-
-
-def _pending(
-    turn: _Turn, tool: str, llm_name: str, arguments: dict[str, Any], outcome: ToolOutcome
-) -> PendingConfirmation:
-    return PendingConfirmation(
-        device_id=turn.device_id,
-        tool=tool,
-        llm_name=llm_name,
-        arguments=dict(arguments),
-        reason=outcome.needs_confirmation or "risky tool",
-        asked_at=time.time(),
-    )
 
 
 def _confirmation(pending: PendingConfirmation | None) -> Confirmation | None:
@@ -963,18 +1202,19 @@ def _with_max_tokens(sampling: Sampling, max_tokens: int) -> Sampling:
     return dataclasses.replace(sampling, max_tokens=max_tokens)
 
 
-def _limited(turn: _Turn, text: str) -> str:
-    """An answer no model wrote, within the client's `stop` and `max_tokens`."""
+def _limited(turn: _Turn, said: Sequence[str], text: str) -> tuple[str, bool]:
+    """An answer no model wrote, within the client's `stop` and `max_tokens` (`said`: what
+    the turn said before it); and whether it was cut for length."""
     sampling = turn.request.sampling
     for stop in sampling.stop:
         if stop in text:
             text = text[: text.index(stop)]
     if sampling.max_tokens is not None:
-        budget = sampling.max_tokens - sum(count_tokens(piece) for piece in turn.answer)
+        budget = sampling.max_tokens - sum(count_tokens(piece) for piece in said)
         cut = cut_to_tokens(text, max(0, budget))
         if cut != text:
-            text, turn.finish_reason = cut, "length"
-    return text
+            return cut, True
+    return text, False
 
 
 def _history_message(message: StoredMessage) -> Message:

@@ -107,6 +107,7 @@ class SentenceStream:
         self._text = ""
 
     def feed(self, text: str) -> list[str]:
+        """Add streamed text; the sentences it completed (one that may go on is held back)."""
         self._text += text
         ends = list(_FOLLOWED_SENTENCE_END.finditer(self._text))
         if not ends:
@@ -116,6 +117,7 @@ class SentenceStream:
         return sentences(_MARKDOWN.sub("", done))
 
     def flush(self) -> list[str]:
+        """The text held back, as sentences (the answer ended)."""
         rest, self._text = self._text, ""
         return sentences(_MARKDOWN.sub("", rest))
 
@@ -125,15 +127,20 @@ class Answer(Protocol):
 
     begun: bool
 
-    async def begin(self, emotion: str) -> None: ...
+    async def begin(self, emotion: str) -> None:
+        """The answer starts: show its emotion and start speaking."""
 
-    async def say(self, sentence: str) -> None: ...
+    async def say(self, sentence: str) -> None:
+        """Speak (or show) one sentence of the answer."""
 
-    async def finish(self) -> None: ...
+    async def finish(self) -> None:
+        """The answer is complete: end it once everything said has played."""
 
-    def halt(self) -> None: ...
+    def halt(self) -> None:
+        """Stop the downlink at once (abort, barge-in); nothing leaves after it returns."""
 
-    async def stop(self) -> None: ...
+    async def stop(self) -> None:
+        """Halt and tell the device the answer is over."""
 
 
 class TextAnswer:
@@ -145,20 +152,25 @@ class TextAnswer:
         self._stopped = False
 
     async def begin(self, emotion: str) -> None:
+        """Send the emotion and `tts start`."""
         self.begun = True
         await self._conversation.send_llm(emotion)
         await self._conversation.send_tts_start()
 
     async def say(self, sentence: str) -> None:
+        """Send the sentence as `tts sentence_start` (the device shows it)."""
         await self._conversation.send_tts_sentence(sentence)
 
     async def finish(self) -> None:
+        """Nothing plays: end at once."""
         await self.stop()
 
     def halt(self) -> None:
+        """Nothing is queued to halt."""
         pass
 
     async def stop(self) -> None:
+        """Send `tts stop` once if the answer began; a gone link is not an error."""
         if self.begun and not self._stopped:
             self._stopped = True
             with contextlib.suppress(BridgeError):
@@ -168,9 +180,8 @@ class TextAnswer:
 class VoiceOutput(Protocol):
     """The voice loop's side of a turn: a spoken answer for the device, or None for text."""
 
-    def answer_for(
-        self, conversation: DeviceConversation, timings: TurnTimings
-    ) -> Answer | None: ...
+    def answer_for(self, conversation: DeviceConversation, timings: TurnTimings) -> Answer | None:
+        """A spoken answer for this turn, or None to answer in text."""
 
 
 class DeviceChat:
@@ -196,6 +207,7 @@ class DeviceChat:
         self._logs = DeviceBudgets(burst=5)  # outlives links: reconnecting buys no fresh burst
 
     def start(self) -> None:
+        """Subscribe to the devices' listen, abort and end messages."""
         self._unsubscribe = [
             self.hub.on_listen(self._on_listen),
             self.hub.on_abort(self._on_abort),
@@ -203,6 +215,7 @@ class DeviceChat:
         ]
 
     async def stop(self) -> None:
+        """Unsubscribe and cancel the turns in progress."""
         for unsubscribe in self._unsubscribe:
             unsubscribe()
         self._unsubscribe = []
@@ -331,10 +344,8 @@ class DeviceChat:
             toolbox: ToolBox | None = DeviceToolBox(device, actor=f"device:{device_id}")
             if self.servers is not None:
                 toolbox = self.servers.toolbox_for(None, device_id, toolbox)
-            request = TurnRequest(
-                text=text, device_id=device_id, conversation_id=conversation_id, toolbox=toolbox
-            )
-            events, spoken = await self._speak_stream(request, answer, timings)
+            request = TurnRequest(text=text, device_id=device_id, conversation_id=conversation_id)
+            events, spoken = await self._speak_stream(request, toolbox, answer, timings)
             done = next((event for event in events if isinstance(event, Done)), None)
             conversation_id = done.metadata.conversation_id if done is not None else None
             if not answer.begun:
@@ -365,7 +376,7 @@ class DeviceChat:
                 )
 
     async def _speak_stream(
-        self, request: TurnRequest, answer: Answer, timings: TurnTimings
+        self, request: TurnRequest, toolbox: ToolBox | None, answer: Answer, timings: TurnTimings
     ) -> tuple[list[ChatEvent], int]:
         """Run the chat turn, speaking each sentence once the next token or tool event shows
         it complete (so an answer that comes in one piece is spoken knowing its outcome)."""
@@ -373,7 +384,7 @@ class DeviceChat:
         stream = SentenceStream()
         ready: list[str] = []
         spoken = 0
-        async for event in self.chat.run_turn(request):
+        async for event in self.chat.run_turn(request, toolbox):
             events.append(event)
             if isinstance(event, Sources | Done):
                 continue  # the end of the answer: its outcome decides the emotion
