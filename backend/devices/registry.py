@@ -320,7 +320,7 @@ class Device:
         return [t for t in self._tools.tools if include_user_only or not is_user_only(t)]
 
     def summary(self) -> dict[str, Any]:
-        """The device as the API lists it: state, transport, tools count, board and firmware."""
+        """The device as the API lists it: ids, transport, state, times, server info, tool count."""
         record = self._registry.record(self.device_id)
         return {
             "device_id": self.device_id,

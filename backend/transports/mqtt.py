@@ -201,7 +201,7 @@ class MqttLink:
 
     @property
     def identity(self) -> DeviceIdentity:
-        """Who the device is (from its MQTT client id and hello)."""
+        """Who the device is, as established when the link opened."""
         return self._identity
 
     async def send_text(self, text: str) -> None:
