@@ -135,3 +135,33 @@ async def test_bodies_over_the_cap_are_413_declared_or_streamed(bridge, api, pat
     # Without the token nothing is read: 401 before the body.
     stranger = await api.post(path, content=_chunks(too_big), headers={"Authorization": "x"})
     assert stranger.status_code == 401
+
+
+@pytest.mark.parametrize(
+    ("path", "status"),
+    [("/api/keys", 422), ("/api/chat/stream", 422), ("/v1/chat/completions", 400)],
+)
+async def test_a_truncated_json_body_says_so_with_the_position(api, path, status):
+    response = await api.post(
+        path, content=b'{"name": "ab', headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["code"] == "invalid_request"
+    assert error["message"] == (
+        "request body is not valid JSON: Unterminated string starting at position 9"
+    )
+
+
+async def test_an_unknown_tool_suggests_the_closest_names(bridge, api, wire_devices):
+    device = wire_devices()
+    await device.connect()
+    await wait_state(bridge, device.device_id)
+    call = f"/api/devices/{device.device_id}/tools/call"
+    response = await api.post(call, json={"name": "self.audio_speaker.set_volum"})
+    assert response.status_code == 404
+    error = response.json()["error"]
+    assert error["code"] == "unknown_tool"
+    assert error["message"].endswith("did you mean 'self.audio_speaker.set_volume'?")
+    response = await api.post(call, json={"name": "zzzz"})
+    assert "did you mean" not in response.json()["error"]["message"]

@@ -403,6 +403,13 @@ def _install_error_handlers(app: FastAPI) -> None:
         first = exc.errors()[0]
         param = param_of(first["loc"])
         where = param or ""
+        if first["type"] == "json_invalid":  # its loc is ("body", <character offset>)
+            # json's reasons end where it would add the place ("Unterminated string starting at").
+            reason = str((first.get("ctx") or {}).get("error") or "malformed").removesuffix(" at")
+            at = first["loc"][-1] if isinstance(first["loc"][-1], int) else None
+            message = f"request body is not valid JSON: {reason}"
+            message += f" at position {at}" if at is not None else ""
+            return _error(request, 422, "invalid_request", message, None)
         if first["type"] == "string_unicode":  # a lone surrogate: invalid text, as chat says
             message = f"{where}: a lone surrogate is not Unicode text"
             return _error(request, 400, "invalid_text", message, param)

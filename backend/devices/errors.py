@@ -1,5 +1,8 @@
 """Errors of the device layer; the MCP-level ones live in backend.mcp_session.errors."""
 
+import difflib
+from collections.abc import Collection
+
 from backend.errors import BridgeError
 
 
@@ -34,12 +37,16 @@ class DeviceOnline(DeviceLayerError):
 
 
 class UnknownTool(DeviceLayerError):
-    """The device exists but its current tool list has no such tool."""
+    """The device exists but its current tool list has no such tool; the message suggests the
+    closest of its `known` tool names (a typo is the usual cause)."""
 
-    def __init__(self, device_id: str, tool: str) -> None:
-        super().__init__(f"device {device_id!r} has no tool {tool!r}")
+    def __init__(self, device_id: str, tool: str, known: Collection[str] = ()) -> None:
+        close = difflib.get_close_matches(tool, list(known), n=3) if len(tool) <= 200 else []
+        hint = f"; did you mean {' or '.join(repr(name[:120]) for name in close)}?" if close else ""
+        super().__init__(f"device {device_id!r} has no tool {tool!r}{hint}")
         self.device_id = device_id
         self.tool = tool
+        self.suggestions = close
 
 
 class DeviceNotReady(DeviceLayerError):

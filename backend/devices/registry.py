@@ -402,7 +402,7 @@ class Device:
             raise DeviceNotReady(self.device_id, self._state.value)
         tool = self._tools.by_name.get(name)
         if tool is None:
-            raise UnknownTool(self.device_id, name)
+            raise UnknownTool(self.device_id, name, self._tools.by_name)
         reason = argument_error(tool.input_schema, arguments)
         if reason is not None:
             raise InvalidArguments(name, reason)
