@@ -35,6 +35,7 @@ from backend.devices.confirm import ConfirmationPolicy
 from backend.devices.conversation import ConversationHub
 from backend.devices.gateway import DeviceGateway
 from backend.devices.registry import SHUTDOWN, EventKind
+from backend.errors import listen_errors
 from backend.frontends import FRONTEND_MIGRATIONS, FrontEnds
 from backend.mcp_dialin.endpoint import DialInEndpoint, dialin_limits
 from backend.mcp_servers.api import mcp_servers_router
@@ -278,7 +279,9 @@ class Bridge:
             await self.metrics_listener.stop()
 
     async def _start_api(self) -> None:
-        self._api_socket = _bind(self.settings.http_host, self.settings.http_port)
+        host, port = self.settings.http_host, self.settings.http_port
+        with listen_errors("the admin API", host, port, "http"):
+            self._api_socket = _bind(host, port)
         config = uvicorn.Config(
             self.app,
             log_config=None,

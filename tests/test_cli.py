@@ -85,6 +85,10 @@ async def test_explicit_server_and_token_flags(self_configured_bridge):
         (["call", "ff:ff:ff:ff:ff:ff", "self.x"], "unknown device 'ff:ff:ff:ff:ff:ff'"),
         (["call", "{device}", "self.nope"], "has no tool 'self.nope'"),
         (
+            ["call", "{device}", "self.audio_speaker.setvolume"],
+            "did you mean 'self.audio_speaker.set_volume'?",
+        ),
+        (
             ["call", "{device}", "self.audio_speaker.set_volume", "--arg", "volume=500"],
             "invalid arguments",
         ),
@@ -116,8 +120,90 @@ async def test_unreachable_server(tmp_path):
         "devices", "--server", "http://127.0.0.1:9", "--token", "x", "--data-dir", str(tmp_path)
     )
     assert code == 1
-    assert "cannot reach the bridge at http://127.0.0.1:9" in err
+    assert "cannot reach the bridge at http://127.0.0.1:9" in err and "--server" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+async def test_no_bridge_in_the_data_dir_says_how_to_point_at_one(tmp_path):
+    """Without --server, the error says which data directory was looked in and which options
+    and variables point at another bridge."""
+    (tmp_path / "admin.token").write_text("x\n")
+    env = {"BRIDGE_SERVER": "", "BRIDGE_HTTP_PORT": "9", "BRIDGE_ADMIN_TOKEN": ""}
+    code, _, err = await run_cli("devices", "--data-dir", str(tmp_path), env=env)
+    assert code == 1
+    (line,) = err.strip().splitlines()
+    assert f"no bridge runs with data directory {tmp_path}" in line
+    for pointer in ("--data-dir", "BRIDGE_DATA_DIR", "--server", "BRIDGE_SERVER"):
+        assert pointer in line
+
+    # A runtime file left by a bridge that did not stop cleanly: it says so.
+    (tmp_path / "bridge.json").write_text(json.dumps({"pid": 1, "api_url": "http://127.0.0.1:9"}))
+    code, _, err = await run_cli("devices", "--data-dir", str(tmp_path), env=env)
+    assert code == 1
+    assert f"{tmp_path / 'bridge.json'} names it, but the bridge that wrote it has stopped" in err
+
+
+async def test_listings_keep_ids_whole_at_80_columns_and_print_json(self_configured_bridge):
+    """`devices`, `keys list`, `audit`: an id is never cut with "…" on a narrow terminal (it is
+    what the next command needs); every listing has --json, one document on stdout."""
+    bridge, device = self_configured_bridge
+    data_dir = ["--data-dir", str(bridge.settings.data_dir)]
+    code, out, err = await run_cli(
+        "keys", "create", "a key with a long name for a narrow terminal", "--scope",
+        "devices:read", "--scope", "chat:use", "--device", device.device_id, *data_dir,
+    )  # fmt: skip
+    assert code == 0, err
+    key_id = out.split()[2]
+    code, _, err = await run_cli(
+        "call", device.device_id, "self.audio_speaker.set_volume", "--arg", "volume=33", *data_dir
+    )
+    assert code == 0, err
+    narrow = {"COLUMNS": "80"}
+    for command, ids in (
+        (["devices"], [device.device_id]),
+        (["keys", "list"], [key_id]),
+        (["audit"], [device.device_id, "self.audio_speaker.set_volume"]),
+    ):
+        code, out, err = await run_cli(*command, *data_dir, env=narrow)
+        assert code == 0, err
+        assert max(len(line) for line in out.splitlines()) <= 80
+        for wanted in ids:
+            assert any(wanted in line for line in out.splitlines()), (command, wanted, out)
+
+    listings = {
+        ("devices",): lambda doc: [d["device_id"] for d in doc] == [device.device_id],
+        ("devices", "--online"): lambda doc: doc[0]["state"] == "ready",
+        ("devices", "pending"): lambda doc: doc == [],
+        ("keys", "list"): lambda doc: [k["id"] for k in doc] == [key_id],
+        ("audit",): lambda doc: doc[0]["tool"] == "self.audio_speaker.set_volume",
+        ("tools", device.device_id): lambda doc: (
+            "self.get_device_status" in [t["name"] for t in doc["tools"]]
+        ),
+        ("firmware", "releases"): lambda doc: doc == [],
+        ("mcp", "servers"): lambda doc: doc == [],
+    }
+    for command, check in listings.items():
+        code, out, err = await run_cli(*command, "--json", *data_dir, env=narrow)
+        assert code == 0, (command, err)
+        assert check(json.loads(out)), (command, out)
+
+
+@pytest.mark.parametrize(
+    ("command", "wanted", "unwanted"),
+    [
+        (["call"], ["[env: BRIDGE_SERVER", "[env: BRIDGE_ADMIN_TOKEN", "API key"], ["URL ."]),
+        (["keys", "list"], ["--active", "--json"], ["default: revoked", "URL ."]),
+        (["demo"], ["temporary directory"], []),
+    ],
+)
+async def test_help_texts(command, wanted, unwanted):
+    code, out, err = await run_cli(*command, "--help")
+    assert code == 0, err
+    text = " ".join(out.split())
+    for phrase in wanted:
+        assert phrase in text, (phrase, text)
+    for phrase in unwanted:
+        assert phrase not in text, (phrase, text)
 
 
 async def test_no_token_anywhere(tmp_path):
@@ -134,14 +220,21 @@ async def test_bad_config_file(tmp_path):
     assert code == 2 and "invalid setting 'ws_port'" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("command", [["simulate"], ["firmware", "run-host"]])
-async def test_device_commands_without_a_bridge_or_a_device_token(tmp_path, command):
-    # Per-device tokens (the default): the devices would enrol through a running bridge.
+@pytest.mark.parametrize(
+    ("command", "alternative"),
+    [(["simulate"], "--ota URL"), (["firmware", "run-host"], 'device config whose "ota_url"')],
+)
+async def test_device_commands_without_a_bridge_or_a_device_token(tmp_path, command, alternative):
+    # Per-device tokens (the default): the devices would enrol through a running bridge. Each
+    # command suggests only options it has (run-host has no --ota).
     code, _, err = await run_cli(
         *command, "--data-dir", str(tmp_path), env={"BRIDGE_DEVICE_TOKEN": ""}
     )
     assert code == 1
-    assert f"no bridge running with data dir {tmp_path}" in err and "--ota URL" in err
+    assert f"no bridge running with data directory {tmp_path}" in err and alternative in err
+    assert "--data-dir" in err and "--url and --token" in err
+    if command[0] == "firmware":
+        assert "--ota" not in err
     assert "Traceback" not in err
 
 

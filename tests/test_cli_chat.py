@@ -156,3 +156,27 @@ async def test_chat_refuses_a_device_tool_without_devices_call(served):
     assert code == 0, err
     assert "  [tool] self.audio_speaker.set_volume failed: missing scope devices:call" in out
     assert device.volume == 50
+
+
+@pytest.mark.parametrize(
+    ("how", "named"),
+    [("env", "BRIDGE_API_KEY"), ("flag", "--token"), ("admin", "BRIDGE_ADMIN_TOKEN")],
+)
+async def test_a_refused_token_names_where_it_came_from(served, how, named):
+    """A bad key says which variable or option to fix, not another one."""
+    _bridge, _device, data_dir = served
+    args = ["chat", "--data-dir", data_dir]
+    env = {"BRIDGE_API_KEY": "", "BRIDGE_ADMIN_TOKEN": ""}
+    if how == "env":
+        env["BRIDGE_API_KEY"] = "not-a-key"
+    elif how == "flag":
+        args += ["--token", "not-a-key"]
+    else:
+        env["BRIDGE_ADMIN_TOKEN"] = "not-a-key"
+    code, _, err = await run_cli(*args, env=env, stdin="How often should I floss?\n")
+    assert code == 1
+    (line,) = err.strip().splitlines()
+    assert line.endswith(f"check {named}" if how != "admin" else "admin_token in the config file)")
+    assert named in line
+    for other in {"BRIDGE_API_KEY", "--token", "BRIDGE_ADMIN_TOKEN"} - {named}:
+        assert other not in line

@@ -3,13 +3,15 @@ a fresh machine), holds a spoken turn, then serves the CLI until SIGINT."""
 
 import asyncio
 import json
+import os
 import signal
+from asyncio.subprocess import PIPE
 from pathlib import Path
 
 import numpy as np
 
 from backend.voice.audio import read_wav
-from tests.helpers import eventually, run_cli, start_cli
+from tests.helpers import CLI, STARTED, eventually, run_cli, start_cli
 
 
 async def test_demo_calls_tools_then_serves_cli_until_sigint(tmp_path):
@@ -66,6 +68,77 @@ async def test_demo_calls_tools_then_serves_cli_until_sigint(tmp_path):
     assert "device: volume = 70" in rest.decode()
     assert "Traceback" not in err.decode()
     await eventually(lambda: not (data_dir / "bridge.json").exists())
+    assert (data_dir / "bridge.sqlite3").exists()  # --data-dir: the demo's data is kept
+
+
+async def test_demo_without_data_dir_uses_a_temporary_one_and_prints_commands_that_paste(
+    tmp_path,
+):
+    """A fresh user's `./scripts/demo`: nothing lands in the default data directory (a later
+    `serve` would inherit the demo's device and keys), and the printed commands run as printed,
+    whole lines even at 80 columns in a pipe."""
+    home = tmp_path / "home"
+    temp = tmp_path / "tmp"
+    home.mkdir()
+    temp.mkdir()
+    env = {
+        **os.environ,
+        "HOME": str(home),
+        "TMPDIR": str(temp),
+        "COLUMNS": "80",
+        "BRIDGE_DATA_DIR": "",
+        "BRIDGE_ADMIN_TOKEN": "",
+        "BRIDGE_DEVICE_TOKEN": "",
+        "BRIDGE_LLM_BASE_URL": "http://127.0.0.1:9",
+        "BRIDGE_SEARCH_ENABLED": "false",
+    }
+    env.pop("BRIDGE_DATA_DIR")
+    ports = ["--ws-port", "0", "--http-port", "0", "--device-http-port", "0"]
+    process = await asyncio.create_subprocess_exec(
+        *CLI, "demo", *ports, stdout=PIPE, stderr=PIPE, env=env
+    )
+    STARTED.append(process)
+    try:
+        lines: list[str] = []
+        async with asyncio.timeout(120):
+            while not lines or lines[-1] != "Serving until Ctrl-C. From another terminal try:":
+                line = await process.stdout.readline()
+                assert line, f"demo exited early: {''.join(lines)}"
+                lines.append(line.decode().rstrip("\n"))
+            hints = [(await process.stdout.readline()).decode().rstrip("\n") for _ in range(4)]
+        (data_dir_line,) = [line for line in lines if line.startswith("data directory: ")]
+        data_dir = Path(data_dir_line.split()[2])
+        assert data_dir.parent == temp and data_dir.name.startswith("esp32-bridge-demo-")
+        assert "temporary: removed when the demo stops" in data_dir_line
+        assert (data_dir / "bridge.json").exists()
+        assert not (home / ".local").exists()
+
+        assert all(
+            hint.startswith("  ") and hint.endswith(f"--data-dir {data_dir}") for hint in hints
+        )
+        devices, call = hints[0].strip(), hints[1].strip()
+        assert (
+            devices.split()[0] in ("esp32-bridge", ".venv/bin/esp32-bridge")
+            or Path(devices.split()[0]).is_absolute()
+        )
+        assert call.split()[1:4] == ["call", "02:00:00:00:00:01", "self.audio_speaker.set_volume"]
+        code, out, err = await _pasted(devices, env)
+        assert code == 0 and "02:00:00:00:00:01" in out, err
+        code, out, err = await _pasted(call, env)
+        assert (code, out.strip()) == (0, "true"), err
+    finally:
+        process.send_signal(signal.SIGINT)
+        _rest, err = await asyncio.wait_for(process.communicate(), 30)
+    assert process.returncode == 0, err.decode()
+    await eventually(lambda: not data_dir.exists())
+    assert not (home / ".local").exists()
+
+
+async def _pasted(command: str, env: dict[str, str]) -> tuple[int | None, str, str]:
+    """A printed command line run by a shell, as pasted into a terminal."""
+    shell = await asyncio.create_subprocess_shell(command, stdout=PIPE, stderr=PIPE, env=env)
+    out, err = await asyncio.wait_for(shell.communicate(), 60)
+    return shell.returncode, out.decode(), err.decode()
 
 
 def _assert_spoken_turn(text: str, data_dir: Path) -> None:

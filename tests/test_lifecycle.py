@@ -1,15 +1,21 @@
-"""`esp32-bridge serve` as a real process: token files, runtime file, graceful SIGTERM/SIGINT."""
+"""`esp32-bridge serve` as a real process: token files, runtime file, graceful SIGTERM/SIGINT,
+one bridge per data directory, start-up errors that say what to change."""
 
 import asyncio
 import json
+import os
 import signal
+import socket
 import stat
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
+import psutil
 import pytest
 
-from tests.helpers import eventually, start_cli
+from backend.runtime import read_runtime_file, remove_runtime_file, write_runtime_file
+from tests.helpers import eventually, run_cli, start_cli
 from tests.stock_device import CLIENT_ID, WireDevice, hang_and_signal
 
 
@@ -83,3 +89,113 @@ async def test_signal_stops_gracefully(tmp_path, sig):
     events = [json.loads(line)["event"] for line in logs.splitlines() if line.startswith("{")]
     assert "bridge stopping" in events and "bridge stopped" in events
     assert "created secret file" in out.decode()
+
+
+# ---- one bridge per data directory; errors that name what to change --------------------------
+
+
+async def test_a_second_bridge_on_the_data_dir_fails_at_once_and_leaves_the_first_alone(tmp_path):
+    data_dir = tmp_path / "data"
+    first = await start_serve(data_dir)
+    runtime = json.loads((data_dir / "bridge.json").read_text())
+    assert runtime["pid"] == first.pid
+    ports = ["--ws-port", "0", "--http-port", "0", "--device-http-port", "0"]
+    for command in ("serve", "demo"):
+        code, out, err = await run_cli(command, "--data-dir", str(data_dir), *ports)
+        assert code == 1, out + err
+        (line,) = err.strip().splitlines()
+        assert str(data_dir) in line and f"pid {first.pid}" in line and "--data-dir" in line
+        # The first bridge keeps its runtime file (the CLI still finds it) and keeps serving.
+        assert json.loads((data_dir / "bridge.json").read_text()) == runtime
+        async with httpx.AsyncClient(timeout=10) as http:
+            assert (await http.get(runtime["api_url"] + "/healthz")).status_code == 200
+
+    # A bridge that died without cleaning up leaves no lock behind (the kernel drops it).
+    first.kill()
+    await first.wait()
+    second = await start_cli("serve", data_dir)
+    await eventually(
+        lambda: (read_runtime_file(data_dir) or {}).get("pid") == second.pid, timeout_s=30
+    )
+    second.send_signal(signal.SIGTERM)
+    await asyncio.wait_for(second.communicate(), 15)
+    assert second.returncode == 0
+
+
+def test_a_runtime_file_of_another_process_is_not_removed(tmp_path):
+    write_runtime_file(tmp_path, {"api_url": "http://127.0.0.1:1"})
+    (tmp_path / "bridge.json").write_text(json.dumps({"pid": os.getpid() + 1}))
+    remove_runtime_file(tmp_path)
+    assert (tmp_path / "bridge.json").exists()
+    write_runtime_file(tmp_path, {"api_url": "http://127.0.0.1:1"})
+    remove_runtime_file(tmp_path)
+    assert not (tmp_path / "bridge.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("flag", "host"),
+    [("--ws-port", "0.0.0.0"), ("--http-port", "127.0.0.1"), ("--device-http-port", "0.0.0.0")],
+)
+async def test_a_port_in_use_names_the_address_and_the_flag(tmp_path, flag, host):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ports = {"--ws-port": "0", "--http-port": "0", "--device-http-port": "0", flag: str(port)}
+        args = [item for pair in ports.items() for item in pair]
+        code, out, err = await run_cli("serve", "--data-dir", str(tmp_path / "data"), *args)
+    assert code == 1, out + err
+    error = err.strip().splitlines()[-1]
+    assert f"{host}:{port}" in error and "address already in use" in error
+    assert flag in error and "Errno" not in error
+    assert not (tmp_path / "data" / "bridge.json").exists()
+
+
+async def test_an_unusable_data_dir_says_data_directory(tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    code, _, err = await run_cli("serve", "--data-dir", str(not_a_dir))
+    assert code == 1
+    (line,) = err.strip().splitlines()
+    assert f"data directory {not_a_dir}: not a directory" in line and "--data-dir" in line
+
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    (data_dir / "firmware").write_text("")  # where the bridge keeps published firmware
+    ports = ["--ws-port", "0", "--http-port", "0", "--device-http-port", "0"]
+    code, _, err = await run_cli("serve", "--data-dir", str(data_dir), *ports)
+    assert code == 1
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"error: data directory {data_dir}: {data_dir / 'firmware'}: ")
+    assert "Errno" not in line
+
+
+async def test_serve_prints_addresses_a_device_can_use(tmp_path):
+    """Bound to every interface, the device URLs name this machine's network addresses (the
+    loopback URL only works on the bridge's own machine)."""
+    data_dir = tmp_path / "data"
+    process = await start_serve(data_dir)
+    runtime = json.loads((data_dir / "bridge.json").read_text())
+    line = ""
+    async with asyncio.timeout(10):
+        while not line.startswith("bridge ready:"):
+            line = (await process.stdout.readline()).decode()
+    ws_port = urlsplit(runtime["ws_url"]).port
+    ota_port = urlsplit(runtime["ota_url"]).port
+    hosts = [
+        address.address
+        for addresses in psutil.net_if_addrs().values()
+        for address in addresses
+        if address.family == socket.AF_INET and not address.address.startswith(("127.", "169.254."))
+    ]
+    if not hosts:  # a machine without a network: the line says so
+        assert "no network address found" in line
+        hosts = ["127.0.0.1"]
+    for host in hosts:
+        assert f"ws://{host}:{ws_port}/xiaozhi/v1/" in line
+        assert f"http://{host}:{ota_port}/xiaozhi/ota/" in line
+    assert f"admin API at {runtime['api_url']}" in line
+    if hosts != ["127.0.0.1"]:
+        assert "ws://127.0.0.1" not in line
+    process.send_signal(signal.SIGTERM)
+    await asyncio.wait_for(process.communicate(), 15)

@@ -3,10 +3,16 @@
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
-from backend.cli.options import ConfigOpt, DataDirOpt, ServerOpt, TokenOpt, admin_client
-from backend.cli.output import console, say
+from backend.cli.options import (
+    ConfigOpt,
+    DataDirOpt,
+    JsonOpt,
+    ServerOpt,
+    TokenOpt,
+    admin_client,
+)
+from backend.cli.output import console, listing, print_json, say
 
 
 def audit(
@@ -16,6 +22,7 @@ def audit(
         str | None, typer.Option("--actor", help="Only this caller, e.g. key:<id> or admin.")
     ] = None,
     limit: Annotated[int, typer.Option("--limit", min=1, max=1000, help="Entries.")] = 50,
+    as_json: JsonOpt = False,
     server: ServerOpt = None,
     token: TokenOpt = None,
     data_dir: DataDirOpt = None,
@@ -28,10 +35,16 @@ def audit(
             params[name] = value
     with admin_client(server, token, data_dir, config) as admin:
         entries = admin.get("/api/audit", params)["entries"]
+    if as_json:
+        print_json(entries)
+        return
     if not entries:
         say("no tool calls recorded")
         return
-    table = Table("at", "actor", "device_id", "tool", "outcome", "ms", "arguments sha256")
+    table = listing(
+        "at", "actor", "device_id", "tool", "outcome", "ms", "arguments sha256",
+        ids=("actor", "device_id", "tool"),
+    )  # fmt: skip
     for entry in entries:
         outcome = entry["outcome"] + (f" ({entry['error']})" if entry["error"] else "")
         if entry["confirmed"]:

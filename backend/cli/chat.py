@@ -90,11 +90,13 @@ def chat(
     config: ConfigOpt = None,
 ) -> None:
     """Chat with the dental assistant: type a line, get a streamed answer; /quit or Ctrl-D ends."""
-    token = token or os.environ.get("BRIDGE_API_KEY") or None
+    source = "--token"
+    if not token and os.environ.get("BRIDGE_API_KEY"):
+        token, source = os.environ["BRIDGE_API_KEY"], "BRIDGE_API_KEY"
     interactive = sys.stdin.isatty()
     printer = ChatPrinter(console)
     printer.conversation_id = conversation
-    with admin_client(server, token, data_dir, config) as client:
+    with admin_client(server, token, data_dir, config, token_source=source) as client:
         if interactive:
             console.print("[dim]Ask a dental question or give the device an order; /quit ends.")
         while True:

@@ -18,9 +18,22 @@ class AdminError(BridgeError):
 
 
 class AdminClient:
-    def __init__(self, base_url: str, token: str | None, timeout_s: float = 10.0) -> None:
+    """`token_source` names where the token came from (a refused token says what to check);
+    `unreachable_hint` says how to point at another bridge when this one does not answer."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None,
+        timeout_s: float = 10.0,
+        *,
+        token_source: str = "--token or BRIDGE_ADMIN_TOKEN",
+        unreachable_hint: str = "is it running?",
+    ) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.base_url = base_url.rstrip("/")
+        self.token_source = token_source
+        self.unreachable_hint = unreachable_hint
         self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s)
 
     def __enter__(self) -> "AdminClient":
@@ -115,14 +128,14 @@ class AdminClient:
         with self._errors(), file.open("rb") as reader:
             response = self._http.put(path, content=reader, headers=headers, timeout=timeout_s)
         if not response.is_success:
-            raise AdminError(_error_message(response))
+            raise AdminError(self._error_message(response))
         return _object(response.json())
 
     def text(self, path: str) -> str:
         with self._errors():
             response = self._http.get(path)
         if not response.is_success:
-            raise AdminError(_error_message(response))
+            raise AdminError(self._error_message(response))
         return response.text
 
     # ---- chat (scope chat:use) -----------------------------------------------------------------
@@ -146,7 +159,7 @@ class AdminClient:
             with stream as response:
                 if not response.is_success:
                     response.read()
-                    raise AdminError(_error_message(response))
+                    raise AdminError(self._error_message(response))
                 for line in response.iter_lines():
                     if line.startswith("data: "):
                         yield _object(json.loads(line[len("data: ") :]))
@@ -160,7 +173,7 @@ class AdminClient:
             return None
         if response.is_success:
             return response.json()
-        raise AdminError(_error_message(response))
+        raise AdminError(self._error_message(response))
 
     @contextlib.contextmanager
     def _errors(self) -> Iterator[None]:
@@ -169,28 +182,27 @@ class AdminClient:
             yield
         except httpx.ConnectError:
             raise AdminError(
-                f"cannot reach the bridge at {self.base_url} (is it running?)"
+                f"cannot reach the bridge at {self.base_url}: {self.unreachable_hint}"
             ) from None
         except httpx.TimeoutException:
             raise AdminError(f"the bridge at {self.base_url} did not answer in time") from None
         except httpx.HTTPError as exc:
             raise AdminError(f"request to {self.base_url} failed: {exc}") from None
 
+    def _error_message(self, response: httpx.Response) -> str:
+        try:
+            error = response.json()["error"]
+            message = f"{error['message']} ({error['code']})"
+        except (ValueError, KeyError, TypeError):
+            message = response.text.strip()[:200] or response.reason_phrase
+        if response.status_code == 401:
+            return f"{message}: check {self.token_source}"
+        if response.status_code == 403:
+            return f"{message}: use a key with that scope, or the admin token"
+        return f"HTTP {response.status_code}: {message}"
+
 
 def _object(value: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise AdminError("the bridge answered with something other than a JSON object")
     return value
-
-
-def _error_message(response: httpx.Response) -> str:
-    try:
-        error = response.json()["error"]
-        message = f"{error['message']} ({error['code']})"
-    except (ValueError, KeyError, TypeError):
-        message = response.text.strip()[:200] or response.reason_phrase
-    if response.status_code == 401:
-        return f"{message}: check --token or BRIDGE_ADMIN_TOKEN"
-    if response.status_code == 403:
-        return f"{message}: use a key with that scope, or the admin token"
-    return f"HTTP {response.status_code}: {message}"

@@ -21,10 +21,16 @@ from typing import Annotated, Any
 from urllib.parse import quote
 
 import typer
-from rich.table import Table
 
-from backend.cli.options import ConfigOpt, DataDirOpt, ServerOpt, TokenOpt, admin_client
-from backend.cli.output import console, fail, say
+from backend.cli.options import (
+    ConfigOpt,
+    DataDirOpt,
+    JsonOpt,
+    ServerOpt,
+    TokenOpt,
+    admin_client,
+)
+from backend.cli.output import console, fail, listing, print_json, say
 
 devices_app = typer.Typer(
     help="List devices (no subcommand), or manage who may connect: pending, approve, revoke, "
@@ -42,6 +48,7 @@ def list_devices(
         bool | None,
         typer.Option("--online/--offline", help="Only connected (or only offline) devices."),
     ] = None,
+    as_json: JsonOpt = False,
     server: ServerOpt = None,
     token: TokenOpt = None,
     data_dir: DataDirOpt = None,
@@ -52,7 +59,13 @@ def list_devices(
         return
     with admin_client(server, token, data_dir, config) as admin:
         rows = admin.devices(online=online)
-    table = Table("device_id", "state", "transport", "tools", "server", "connected_at", "last_seen")
+    if as_json:
+        print_json(rows)
+        return
+    table = listing(
+        "device_id", "state", "transport", "tools", "server", "connected_at", "last_seen",
+        ids=("device_id",),
+    )  # fmt: skip
     for device in rows:
         info = device.get("server_info") or {}
         ota = device.get("ota") or {}
@@ -80,6 +93,7 @@ def list_devices(
 
 @devices_app.command("pending")
 def pending(
+    as_json: JsonOpt = False,
     server: ServerOpt = None,
     token: TokenOpt = None,
     data_dir: DataDirOpt = None,
@@ -88,12 +102,16 @@ def pending(
     """Activation requests waiting for approval, with the code each device shows."""
     with admin_client(server, token, data_dir, config) as admin:
         rows = admin.get("/api/provisioning/pending")["pending"]
+    if as_json:
+        print_json(rows)
+        return
     if not rows:
         say("no pending activations")
         return
-    table = Table(
-        "code", "device_id", "claims", "client_id", "board", "firmware", "serial", "from", "since"
-    )
+    table = listing(
+        "code", "device_id", "claims", "client_id", "board", "firmware", "serial", "from", "since",
+        ids=("code", "device_id", "client_id"),
+    )  # fmt: skip
     contested: dict[str, int] = {}
     for row in sorted(rows, key=lambda r: (r["device_id"], r["created_at"])):
         serial = row["serial_number"] or ""

@@ -6,10 +6,16 @@ The token is printed once, at creation; the bridge keeps only its SHA-256.
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
-from backend.cli.options import ConfigOpt, DataDirOpt, ServerOpt, TokenOpt, admin_client
-from backend.cli.output import console, say
+from backend.cli.options import (
+    ConfigOpt,
+    DataDirOpt,
+    JsonOpt,
+    ServerOpt,
+    TokenOpt,
+    admin_client,
+)
+from backend.cli.output import console, listing, print_json, say
 from backend.keys import Scope
 from backend.keys.store import parse_scopes
 
@@ -58,9 +64,10 @@ def create(
 
 @keys_app.command("list")
 def list_keys(
-    revoked: Annotated[
-        bool, typer.Option("--revoked/--active", help="Include revoked keys.")
-    ] = True,
+    active: Annotated[
+        bool, typer.Option("--active", help="Only active keys (revoked ones are listed too).")
+    ] = False,
+    as_json: JsonOpt = False,
     server: ServerOpt = None,
     token: TokenOpt = None,
     data_dir: DataDirOpt = None,
@@ -68,11 +75,16 @@ def list_keys(
 ) -> None:
     """List keys (never their tokens)."""
     with admin_client(server, token, data_dir, config) as admin:
-        keys = admin.keys(include_revoked=revoked)
+        keys = admin.keys(include_revoked=not active)
+    if as_json:
+        print_json(keys)
+        return
     if not keys:
         say("no keys")
         return
-    table = Table("id", "name", "scopes", "devices", "created_at", "last_used_at", "status")
+    table = listing(
+        "id", "name", "scopes", "devices", "created_at", "last_used_at", "status", ids=("id",)
+    )
     for key in keys:
         table.add_row(
             key["id"],

@@ -1,14 +1,20 @@
 """`esp32-bridge`: run the bridge, a simulated fleet or the demo; list and call device tools."""
 
 import asyncio
+import contextlib
 import json
+import shutil
+import signal
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.table import Table
 
+from backend.cli import output
 from backend.cli.audit import audit as audit_command
 from backend.cli.chat import chat as chat_command
 from backend.cli.devices import devices_app
@@ -22,11 +28,18 @@ from backend.cli.local import (
 )
 from backend.cli.mcp import mcp_app
 from backend.cli.mqtt import mqtt_app
-from backend.cli.options import ConfigOpt, DataDirOpt, ServerOpt, TokenOpt, admin_client
-from backend.cli.output import console, fail
+from backend.cli.options import (
+    ConfigOpt,
+    DataDirOpt,
+    JsonOpt,
+    ServerOpt,
+    TokenOpt,
+    admin_client,
+)
+from backend.cli.output import console, fail, print_json
 from backend.cli.voice import VOICE_DEVICE_INDEX
 from backend.config import Settings
-from backend.errors import BridgeError
+from backend.errors import BridgeError, ListenError
 
 if TYPE_CHECKING:
     from backend.cli.voice import TurnOptions
@@ -99,22 +112,53 @@ def serve(
 @app.command()
 def demo(
     config: ConfigOpt = None,
-    data_dir: DataDirOpt = None,
+    data_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--data-dir",
+            help="Keep the demo's data here \\[default: a temporary directory, removed at exit].",
+        ),
+    ] = None,
     ws_port: WsPortOpt = None,
     http_port: HttpPortOpt = None,
     device_http_port: DeviceHttpPortOpt = None,
 ) -> None:
-    """Start the bridge and one simulated device, call two tools, keep serving until Ctrl-C."""
+    """Start the bridge and one simulated device, call two tools, keep serving until Ctrl-C.
+
+    Its data (tokens, database, the device) goes to a temporary directory unless --data-dir is
+    given, so a later `serve` starts clean."""
     from backend.cli.runs import run_demo
 
-    settings = cli_settings(
-        config,
-        data_dir=data_dir,
-        ws_port=ws_port,
-        http_port=http_port,
-        device_http_port=device_http_port,
-    )
-    _run(run_demo(settings, console))
+    throwaway = data_dir is None
+    if data_dir is None:
+        data_dir = Path(tempfile.mkdtemp(prefix="esp32-bridge-demo-"))
+    try:
+        settings = cli_settings(
+            config,
+            data_dir=data_dir,
+            ws_port=ws_port,
+            http_port=http_port,
+            device_http_port=device_http_port,
+        )
+        with _terminate_as_interrupt():
+            _run(run_demo(settings, console, throwaway=throwaway))
+    finally:
+        if throwaway:
+            shutil.rmtree(data_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C (cleanup runs: the demo's temporary directory is removed)."""
+
+    def interrupt(_signum: int, _frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 SayOpt = Annotated[
@@ -335,6 +379,7 @@ def forget_device(
 def list_tools(
     device: Annotated[str, typer.Argument(help="Device id, e.g. a4:cf:12:34:56:78.")],
     user: Annotated[bool, typer.Option("--user/--no-user", help="Include user-only tools.")] = True,
+    as_json: JsonOpt = False,
     server: ServerOpt = None,
     token: TokenOpt = None,
     data_dir: DataDirOpt = None,
@@ -343,12 +388,15 @@ def list_tools(
     """List one device's tools."""
     with admin_client(server, token, data_dir, config) as admin:
         listing = admin.tools(device, include_user_only=user)
+    if as_json:
+        print_json(listing)
+        return
     if listing["cached"]:
         read_at = listing.get("read_at") or "an unknown time"
         console.print(
             f"{device} is offline: cached tools, read at {read_at}", highlight=False, markup=False
         )
-    table = Table("name", "arguments", "description", "audience")
+    table = output.listing("name", "arguments", "description", "audience", ids=("name",))
     for tool in listing["tools"]:
         table.add_row(
             tool["name"],
@@ -434,8 +482,32 @@ def _run(coro: Any) -> None:
         asyncio.run(coro)
     except KeyboardInterrupt:
         pass
-    except (OSError, BridgeError) as exc:  # a port in use, an unusable database...
+    except ListenError as exc:
+        raise fail(listen_advice(exc)) from None
+    except (OSError, BridgeError) as exc:  # an unusable database...
         raise fail(str(exc)) from None
+
+
+# The command-line flag of each listener's port (`serve --help`); the others have settings only.
+PORT_FLAGS = {
+    "ws": "--ws-port",
+    "http": "--http-port",
+    "device_http": "--device-http-port",
+    "mqtt": "--mqtt-port",
+}
+
+
+def listen_advice(exc: ListenError) -> str:
+    """The bind failure, with the flag, variable and config key that move it."""
+    port, host = f"{exc.setting}_port", f"{exc.setting}_host"
+    flag = PORT_FLAGS.get(exc.setting)
+    where = f"{flag}, " if flag else ""
+    busy = "in use" in exc.reason
+    hint = " (another program, maybe another bridge, listens there)" if busy else ""
+    return (
+        f"{exc}{hint}: choose another port with {where}BRIDGE_{port.upper()} or {port} in "
+        f"the config file, another address with BRIDGE_{host.upper()} or {host}"
+    )
 
 
 def main() -> None:

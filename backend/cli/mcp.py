@@ -1,14 +1,17 @@
 """`esp32-bridge mcp servers`: the external MCP servers the chat uses (`GET /api/mcp/servers`,
 scope devices:read or admin): name, kind, state, last error, tools."""
 
-import json
-from typing import Annotated
-
 import typer
-from rich.table import Table
 
-from backend.cli.options import ConfigOpt, DataDirOpt, ServerOpt, TokenOpt, admin_client
-from backend.cli.output import console, say
+from backend.cli.options import (
+    ConfigOpt,
+    DataDirOpt,
+    JsonOpt,
+    ServerOpt,
+    TokenOpt,
+    admin_client,
+)
+from backend.cli.output import console, listing, print_json, say
 
 mcp_app = typer.Typer(
     help="External MCP servers the chat may use beside device tools (docs/mcp-servers.md).",
@@ -18,7 +21,7 @@ mcp_app = typer.Typer(
 
 @mcp_app.command("servers")
 def servers(
-    as_json: Annotated[bool, typer.Option("--json", help="Print the API's JSON.")] = False,
+    as_json: JsonOpt = False,
     server: ServerOpt = None,
     token: TokenOpt = None,
     data_dir: DataDirOpt = None,
@@ -28,12 +31,12 @@ def servers(
     with admin_client(server, token, data_dir, config) as admin:
         listed = admin.get("/api/mcp/servers")["servers"]
     if as_json:
-        say(json.dumps(listed, indent=2, ensure_ascii=False))
+        print_json(listed)
         return
     if not listed:
         say("no MCP servers configured (see [[mcp_servers]] in docs/mcp-servers.md)")
         return
-    table = Table("name", "kind", "state", "since", "last_error", "tools")
+    table = listing("name", "kind", "state", "since", "last_error", "tools", ids=("name",))
     for item in listed:
         tools = ", ".join(
             tool["name"] + (" (risky)" if tool.get("risky") else "") for tool in item["tools"]

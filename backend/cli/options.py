@@ -8,36 +8,57 @@ from typing import Annotated
 import typer
 
 from backend.cli.client import AdminClient, AdminError
-from backend.cli.local import admin_token, api_url, cli_settings
+from backend.cli.local import admin_token, admin_token_source, api_url_and_hint, cli_settings
 from backend.cli.output import fail
 
+JsonOpt = Annotated[
+    bool,
+    typer.Option("--json", help="Print one JSON document (the API's rows) instead of a table."),
+]
 ConfigOpt = Annotated[Path | None, typer.Option("--config", help="TOML config file.")]
 DataDirOpt = Annotated[
     Path | None, typer.Option("--data-dir", help="Where tokens and runtime files live.")
 ]
 ServerOpt = Annotated[
-    str | None, typer.Option("--server", help="Admin API URL [env: BRIDGE_SERVER].")
+    str | None,
+    typer.Option(
+        "--server",
+        help="Admin API URL \\[env: BRIDGE_SERVER; default: the bridge of --data-dir].",
+    ),
 ]
 TokenOpt = Annotated[
     str | None,
     typer.Option(
-        "--token", help="Admin token, or a key with scope admin [env: BRIDGE_ADMIN_TOKEN]."
+        "--token",
+        help="The admin token, or an API key with the scope the command needs "
+        "\\[env: BRIDGE_ADMIN_TOKEN; default: the data directory's admin.token].",
     ),
 ]
 
 
 @contextlib.contextmanager
 def admin_client(
-    server: str | None, token: str | None, data_dir: Path | None, config: Path | None
+    server: str | None,
+    token: str | None,
+    data_dir: Path | None,
+    config: Path | None,
+    *,
+    token_source: str = "--token",
 ) -> Iterator[AdminClient]:
-    """A client for the local (or given) bridge, with the given token or the admin token. An
-    `AdminError` in the block ends the command with its one-line message."""
+    """A client for the local (or given) bridge, with the given token (from `token_source`) or
+    the admin token. An `AdminError` in the block ends the command with its one-line message."""
     settings = cli_settings(config, data_dir=data_dir)
-    token = token or admin_token(settings)
+    if not token:
+        token = admin_token(settings)
+        token_source = admin_token_source(settings)
     if token is None:
-        raise fail("no admin token: pass --token, set BRIDGE_ADMIN_TOKEN, or run `serve` once")
+        raise fail(
+            f"no admin token: pass --token, set BRIDGE_ADMIN_TOKEN, or run `serve` once with "
+            f"data directory {settings.data_dir} (--data-dir, BRIDGE_DATA_DIR)"
+        )
+    url, hint = api_url_and_hint(settings, server)
     try:
-        with AdminClient(server or api_url(settings), token) as client:
+        with AdminClient(url, token, token_source=token_source, unreachable_hint=hint) as client:
             yield client
     except AdminError as exc:
         raise fail(str(exc)) from None

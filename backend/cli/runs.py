@@ -1,10 +1,15 @@
 """Long-running entry points behind `serve`, `demo` and `simulate`."""
 
 import asyncio
+import contextlib
 import json
 import os
+import shlex
+import shutil
 import signal
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -13,10 +18,16 @@ from rich.console import Console
 from rich.table import Table
 
 from backend.auth import ADMIN_TOKEN_FILE
+from backend.cli.network import network_addresses, urls_for
 from backend.config import Settings
 from backend.errors import BridgeError
 from backend.logs import configure_logging
-from backend.runtime import raise_open_file_limit, tune_gc_for_many_devices
+from backend.runtime import (
+    data_dir_error,
+    data_dir_lock,
+    raise_open_file_limit,
+    tune_gc_for_many_devices,
+)
 from backend.server import Bridge
 
 if TYPE_CHECKING:
@@ -27,29 +38,54 @@ if TYPE_CHECKING:
 async def run_bridge(settings: Settings) -> None:
     configure_logging(settings.log_level, settings.log_format)
     raise_open_file_limit()
-    bridge = Bridge(settings)
-    for path in [*bridge.tokens.created, *bridge.secrets_created]:
-        print(f"created secret file {path} (mode 0600)", flush=True)
-    for warning in auth_warnings(settings):
-        print(f"warning: {warning}", file=sys.stderr, flush=True)
-    await bridge.start()
-    tune_gc_for_many_devices()
-    print(
-        f"bridge ready: devices at {bridge.ws_url} (OTA: {bridge.provisioning.ota_url}), "
-        f"admin API at {bridge.api_url}",
-        flush=True,
-    )
-    if settings.console_enabled:
-        print(f"web console: {bridge.api_url}/ (log in with an API key or the admin token)")
-    if bridge.mqtt is not None:
-        mqtt = bridge.mqtt.endpoints()
-        kind = "the bridge's own endpoint" if mqtt["mqtt_broker"] == "embedded" else "a broker"
-        print(
-            f"mqtt: devices at {mqtt['mqtt']} ({kind}, topics "
-            f"{mqtt['mqtt_topic_prefix']}/<device>/up|down|status), udp audio at {mqtt['udp']}",
-            flush=True,
-        )
-    await bridge.serve_forever()
+    with data_dir_lock(settings.data_dir), data_dir_errors(settings.data_dir):
+        bridge = Bridge(settings)
+        for path in [*bridge.tokens.created, *bridge.secrets_created]:
+            print(f"created secret file {path} (mode 0600)", flush=True)
+        for warning in auth_warnings(settings):
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
+        await bridge.start()
+        tune_gc_for_many_devices()
+        print(ready_line(bridge), flush=True)
+        if settings.console_enabled:
+            print(f"web console: {bridge.api_url}/ (log in with an API key or the admin token)")
+        if bridge.mqtt is not None:
+            mqtt = bridge.mqtt.endpoints()
+            kind = "the bridge's own endpoint" if mqtt["mqtt_broker"] == "embedded" else "a broker"
+            print(
+                f"mqtt: devices at {mqtt['mqtt']} ({kind}, topics "
+                f"{mqtt['mqtt_topic_prefix']}/<device>/up|down|status), udp audio at {mqtt['udp']}",
+                flush=True,
+            )
+        await bridge.serve_forever()
+
+
+def ready_line(bridge: Bridge) -> str:
+    """Where devices reach the bridge: on a wildcard listener, this machine's network addresses
+    (the loopback URL is of no use to a device); where the admin API is."""
+    settings = bridge.settings
+    ws = " or ".join(urls_for(settings.ws_host, bridge.ws_url))
+    ota = " or ".join(urls_for(settings.device_http_host, bridge.provisioning.ota_url))
+    line = f"bridge ready: devices at {ws} (OTA: {ota}), admin API at {bridge.api_url}"
+    if not network_addresses(settings.ws_host):
+        line += " (no network address found: only this machine can reach the device port)"
+    return line
+
+
+@contextlib.contextmanager
+def data_dir_errors(data_dir: Path) -> Iterator[None]:
+    """A file error under the data directory says so (raw errno text names neither it nor how
+    to pick another one)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None or not _inside(Path(str(exc.filename)), data_dir):
+            raise
+        raise data_dir_error(data_dir, exc) from None
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path.absolute().is_relative_to(folder.absolute())
 
 
 def auth_warnings(settings: Settings) -> list[str]:
@@ -77,11 +113,23 @@ def auth_warnings(settings: Settings) -> list[str]:
 DEMO_TURNS = ("Set the volume to 30 and tell me how long I should brush my teeth",)
 
 
-async def run_demo(settings: Settings, console: Console) -> None:
-    """The bridge plus one simulated device in one process: list, call, chat, keep serving."""
+async def run_demo(settings: Settings, console: Console, *, throwaway: bool = False) -> None:
+    """The bridge plus one simulated device in one process: list, call, chat, keep serving.
+    `throwaway`: the data directory is a temporary one (the caller removes it)."""
+    configure_logging("warning", settings.log_format)
+    with data_dir_lock(settings.data_dir), data_dir_errors(settings.data_dir):
+        await _demo(settings, console, throwaway)
+
+
+async def _demo(settings: Settings, console: Console, throwaway: bool) -> None:
     from simulator import SimulatedDevice
 
-    configure_logging("warning", settings.log_format)
+    if throwaway:
+        print(
+            f"data directory: {settings.data_dir} (temporary: removed when the demo stops; "
+            "--data-dir DIR keeps one)",
+            flush=True,
+        )
     settings = await _offline_without_model(settings, console)
     bridge = Bridge(settings)
     await bridge.start()
@@ -107,21 +155,48 @@ async def run_demo(settings: Settings, console: Console) -> None:
         if settings.console_enabled:
             console.print(
                 f"web console: {bridge.api_url}/ (log in with the admin token, in "
-                f"{settings.data_dir / ADMIN_TOKEN_FILE})"
+                f"{settings.data_dir / ADMIN_TOKEN_FILE})",
+                soft_wrap=True,
             )
-        console.print(
-            "\nServing until Ctrl-C. From another terminal try:\n"
-            f"  esp32-bridge devices --data-dir {settings.data_dir}\n"
-            f"  esp32-bridge call {device.device_id} self.audio_speaker.set_volume "
-            f"--arg volume=70 --data-dir {settings.data_dir}\n"
-            f"  esp32-bridge chat --device {device.device_id} --data-dir {settings.data_dir}\n"
-            '  esp32-bridge simulate --say "how often should I floss" '
-            f"--data-dir {settings.data_dir}"
-        )
+        # Plain print: commands must paste whole, and rich wraps at 80 columns in a pipe.
+        print("\n" + demo_hints(device.device_id, settings.data_dir), flush=True)
         await bridge.serve_forever()
     finally:
         await device.stop()
         await bridge.stop()
+
+
+def demo_hints(device_id: str, data_dir: Path) -> str:
+    """What to try from another terminal, as commands that paste (this executable's real path,
+    the data directory quoted)."""
+    cli = cli_command()
+    where = f"--data-dir {shlex.quote(str(data_dir))}"
+    commands = [
+        f"{cli} devices {where}",
+        f"{cli} call {device_id} self.audio_speaker.set_volume --arg volume=70 {where}",
+        f"{cli} chat --device {device_id} {where}",
+        f"{cli} simulate --say 'how often should I floss' {where}",
+    ]
+    return "Serving until Ctrl-C. From another terminal try:\n" + "\n".join(
+        f"  {command}" for command in commands
+    )
+
+
+def cli_command() -> str:
+    """How a shell runs this CLI: `esp32-bridge` when PATH finds this very script, else its path
+    (relative to the working directory below it, e.g. `.venv/bin/esp32-bridge`), else
+    `python -m backend.cli` with this interpreter."""
+    script = Path(sys.executable).absolute().parent / "esp32-bridge"
+    if not script.is_file():
+        return f"{shlex.quote(sys.executable)} -m backend.cli"
+    on_path = shutil.which("esp32-bridge")
+    if on_path is not None and Path(on_path).resolve() == script.resolve():
+        return "esp32-bridge"
+    cwd = Path.cwd()
+    if script.is_relative_to(cwd):
+        relative = str(script.relative_to(cwd))
+        return shlex.quote(relative if "/" in relative else f"./{relative}")
+    return shlex.quote(str(script))
 
 
 async def _demo_calls(bridge: Bridge, device_id: str, console: Console) -> None:
@@ -283,7 +358,7 @@ def enrollment_url(settings: Settings, devices: int, transport: str = "websocket
     """An enrollment URL for `devices` simulated devices, made by the local bridge (an hour),
     that sends them to `transport` (websocket or mqtt)."""
     from backend.cli.client import AdminClient, AdminError
-    from backend.cli.local import admin_token, api_url, local_ota_url
+    from backend.cli.local import admin_token, admin_token_source, api_url_and_hint, local_ota_url
     from backend.cli.output import fail
 
     local_ota_url(settings)  # fails clearly when no bridge runs here
@@ -292,7 +367,9 @@ def enrollment_url(settings: Settings, devices: int, transport: str = "websocket
         raise fail("no admin token to enrol the simulated devices: pass --ota or --token")
     body = {"name": "esp32-bridge simulate", "uses": devices, "ttl_s": 3600, "transport": transport}
     try:
-        with AdminClient(api_url(settings), token) as admin:
+        api, hint = api_url_and_hint(settings)
+        source = admin_token_source(settings)
+        with AdminClient(api, token, token_source=source, unreachable_hint=hint) as admin:
             created = admin.post("/api/provisioning/enrollment-codes", body)
     except AdminError as exc:
         raise fail(str(exc)) from None

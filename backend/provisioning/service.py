@@ -44,6 +44,7 @@ from backend.auth import DEVICE_TOKEN_FILE, load_or_create_secret, read_token
 from backend.common import reachable_host, url_host
 from backend.config import Settings
 from backend.devices.registry import DeviceRegistry
+from backend.errors import listen_errors
 from backend.logs import LogBudget
 from backend.metrics import record_approval
 from backend.provisioning import ota as proto
@@ -155,7 +156,9 @@ class Provisioning:
         from backend.provisioning.http import device_app
 
         settings = self.settings
-        self._socket = _bind(settings.device_http_host, settings.device_http_port)
+        host, port = settings.device_http_host, settings.device_http_port
+        with listen_errors("device HTTP (OTA)", host, port, "device_http"):
+            self._socket = _bind(host, port)
         config = uvicorn.Config(
             device_app(self),
             log_config=None,

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import structlog
 
 from backend.common import reachable_host, url_host
-from backend.errors import MessageTooLarge
+from backend.errors import MessageTooLarge, listen_errors
 from backend.logs import LogBudget
 from backend.metrics import record_cut_off
 from backend.protocol import mqtt_packets as mp
@@ -289,11 +289,12 @@ class MqttEndpoint:
         settings = self.settings
         if not self.udp.running:
             await self.udp.start()
-        listener = socket.create_server(
-            (settings.host, settings.port),
-            family=socket.AF_INET6 if ":" in settings.host else socket.AF_INET,
-            backlog=settings.backlog,
-        )
+        with listen_errors("devices over MQTT", settings.host, settings.port, "mqtt"):
+            listener = socket.create_server(
+                (settings.host, settings.port),
+                family=socket.AF_INET6 if ":" in settings.host else socket.AF_INET,
+                backlog=settings.backlog,
+            )
         # At most 64 accepts per loop wakeup (a connection storm cannot hold the loop), over a
         # deep kernel queue (a fleet reconnecting at once); as on the WebSocket listener.
         self._server = await asyncio.get_running_loop().create_server(

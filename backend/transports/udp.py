@@ -50,7 +50,7 @@ from enum import StrEnum
 import structlog
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-from backend.errors import BridgeError
+from backend.errors import BridgeError, listen_errors
 from backend.logs import EventBudget
 from backend.protocol.audio import AudioFrame
 
@@ -679,9 +679,10 @@ class UdpAudioChannel:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        transport, _protocol = await loop.create_datagram_endpoint(
-            lambda: _Protocol(self), local_addr=(self.host, self._port)
-        )
+        with listen_errors("UDP audio", self.host, self._port, "udp"):
+            transport, _protocol = await loop.create_datagram_endpoint(
+                lambda: _Protocol(self), local_addr=(self.host, self._port)
+            )
         self._transport = transport
         self._port = transport.get_extra_info("sockname")[1]
         log.info("udp audio channel listening", host=self.host, port=self._port)

@@ -25,7 +25,7 @@ from websockets.http11 import Request, Response
 
 from backend.common import reachable_host, url_host
 from backend.config import Settings
-from backend.errors import MessageTooLarge
+from backend.errors import MessageTooLarge, listen_errors
 from backend.logs import LogBudget
 from backend.metrics import record_cut_off, record_handshake_refused
 from backend.protocol.audio import AudioFrame, AudioFrameError, decode_audio, encode_audio
@@ -174,11 +174,12 @@ class WebSocketTransport:
         settings = self._settings
         self._acceptor = acceptor
         # Our own listening socket, so its kernel queue can be deep (see below).
-        listener = socket.create_server(
-            (settings.ws_host, settings.ws_port),
-            family=socket.AF_INET6 if ":" in settings.ws_host else socket.AF_INET,
-            backlog=settings.ws_backlog,
-        )
+        with listen_errors("device WebSockets", settings.ws_host, settings.ws_port, "ws"):
+            listener = socket.create_server(
+                (settings.ws_host, settings.ws_port),
+                family=socket.AF_INET6 if ":" in settings.ws_host else socket.AF_INET,
+                backlog=settings.ws_backlog,
+            )
         self._server = await serve(
             self._handle,
             sock=listener,
