@@ -194,6 +194,7 @@ async def test_listings_keep_ids_whole_at_80_columns_and_print_json(self_configu
         (["call"], ["[env: BRIDGE_SERVER", "[env: BRIDGE_ADMIN_TOKEN", "API key"], ["URL ."]),
         (["keys", "list"], ["--active", "--json"], ["default: revoked", "URL ."]),
         (["demo"], ["temporary directory"], []),
+        (["firmware", "bundle"], ["--out", "--build"], []),
     ],
 )
 async def test_help_texts(command, wanted, unwanted):

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import typer
 
@@ -396,6 +397,81 @@ async def test_run_host_joins_the_local_bridge_and_stops_on_ctrl_c(tmp_path: Pat
         assert "Traceback" not in "\n".join(seen) + rest.decode()
         # The firmware process is gone, so its link to the bridge closed.
         await eventually(lambda: device.state is DeviceState.OFFLINE, SAFETY_TIMEOUT_S)
+
+
+@_needs("micropython")
+@pytest.mark.micropython
+async def test_run_host_updates_a_temporary_copy_and_runs_it_again(tmp_path: Path) -> None:
+    """A bundle the bridge offers is installed into run-host's copy, never into the source
+    folder (a checkout got 13 untracked files), and the updated firmware starts again instead
+    of ending with "exited with status 3"."""
+    settings = Settings.on_loopback(tmp_path / "data", device_auth="device")
+    source = copy_firmware(tmp_path / "source")
+    before = {path: path.read_bytes() for path in source.rglob("*") if path.is_file()}
+    release = copy_firmware(tmp_path / "release")
+    marker = "# release 0.2.0 marker\n"
+    (release / "lib" / "tools_stock.py").write_text(
+        (release / "lib" / "tools_stock.py").read_text() + marker
+    )
+    build(release, tmp_path / "build", "none", compiled=False)
+    completed = run_cli(
+        "bundle", "0.2.0", "--build", str(tmp_path / "build"), "--out", str(tmp_path / "b.bin"),
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr
+    async with Bridge(settings) as bridge:
+        headers = {"Authorization": f"Bearer {bridge.tokens.admin}"}
+        async with httpx.AsyncClient(base_url=bridge.api_url, headers=headers) as api:
+            published = await api.put(
+                "/api/firmware/run-host-board/0.2.0", content=(tmp_path / "b.bin").read_bytes()
+            )
+            assert published.status_code == 201, published.text
+            created = await api.post("/api/provisioning/enrollment-codes", json={"uses": 1})
+        config = device_config(
+            tmp_path / "config.json", ota_url=created.json()["ota_url"], board_name="run-host-board"
+        )
+        process = await asyncio.create_subprocess_exec(
+            *CLI, "run-host", "--source", str(source), "--config", str(config),
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env={**os.environ, "NO_COLOR": "1"},
+        )  # fmt: skip
+        assert process.stdout is not None
+        seen: list[str] = []
+        try:
+            await _read_until(process.stdout, seen, "firmware updated to 0.2.0")
+            device_id = await _wait_for_a_device(bridge)
+            device = await wait_state(bridge, device_id, timeout_s=SAFETY_TIMEOUT_S)
+            assert device.server_info is not None and device.server_info["version"] == "0.2.0"
+            process.send_signal(signal.SIGINT)
+            rest, errors = await asyncio.wait_for(process.communicate(), SAFETY_TIMEOUT_S)
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+    assert process.returncode == 0, errors.decode()
+    assert "status 3" not in errors.decode() + rest.decode()
+    after = {path: path.read_bytes() for path in source.rglob("*") if path.is_file()}
+    assert after == before  # not one file added or changed
+
+
+async def _wait_for_a_device(bridge: Bridge) -> str:
+    await eventually(lambda: len(bridge.registry) > 0, SAFETY_TIMEOUT_S)
+    return next(iter(bridge.registry)).device_id
+
+
+def test_bundle_writes_the_file_given_with_out(tmp_path: Path) -> None:
+    """`firmware bundle VERSION --out FILE`, as docs/provisioning.md shows it (--out was also
+    the build folder's option, so FILE was taken for the build)."""
+    build(copy_firmware(tmp_path / "source"), tmp_path / "build", "none", compiled=False)
+    out = tmp_path / "firmware-0.2.0.bundle"
+    completed = run_cli(
+        "bundle", "0.2.0", "--build", str(tmp_path / "build"), "--out", str(out), cwd=tmp_path
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert out.is_file() and f"wrote {out}" in completed.stdout
+    completed = run_cli("bundle", "0.2.0", "--out", str(out), cwd=tmp_path)  # no build/ here
+    assert_one_error_line(completed, "build/firmware is missing or older than its sources")
+    assert "--build" in completed.stderr
 
 
 # ---- in-process -------------------------------------------------------------------------------

@@ -22,8 +22,8 @@ from backend.cli.local import (
     device_token,
     local_ota_url,
 )
-from backend.cli.options import DataDirOpt, ServerOpt, TokenOpt, admin_client
-from backend.cli.output import console, fail, say, warn
+from backend.cli.options import DataDirOpt, JsonOpt, ServerOpt, TokenOpt, admin_client
+from backend.cli.output import console, fail, listing, print_json, say, warn
 from backend.firmware.build import DEFAULT_MARCH, DEFAULT_OUT, BuiltFile, build, stale_build
 from backend.firmware.deploy import plan_deploy, run_deploy
 from backend.firmware.errors import FirmwareError
@@ -37,7 +37,7 @@ from backend.firmware.flash import (
 )
 from backend.firmware.flash import flash as flash_image
 from backend.firmware.host import LocalEndpoint, host_config, run_on_host
-from backend.firmware.source import firmware_dir
+from backend.firmware.source import firmware_source
 from backend.firmware.tools import require_tool
 
 firmware_app = typer.Typer(
@@ -151,6 +151,13 @@ def flash(
     say(f"flashed {image} to {port}; next: esp32-bridge firmware deploy")
 
 
+# run-host has no --ota: a device config with "ota_url" does that.
+RUN_HOST_ALTERNATIVES = (
+    'pass --config with a device config whose "ota_url" is the bridge\'s OTA URL, or --url '
+    'and --token (a bridge with device_auth = "shared")'
+)
+
+
 def _local_endpoint(data_dir: Path | None) -> LocalEndpoint:
     """How the firmware reaches the local bridge: its OTA endpoint (per-device tokens: the
     firmware shows an activation code to approve), else its device URL and shared token."""
@@ -159,7 +166,7 @@ def _local_endpoint(data_dir: Path | None) -> LocalEndpoint:
         settings = cli_settings(None, data_dir=data_dir)
         shared = bool(token) or device_token(settings) is not None
         if not shared and device_auth_mode(settings) == "device":
-            return {"ota_url": local_ota_url(settings)}
+            return {"ota_url": local_ota_url(settings, RUN_HOST_ALTERNATIVES)}
         found_url, found_token = device_endpoint(settings, url, token)
         return {"url": found_url, "token": found_token or ""}
 
@@ -180,17 +187,30 @@ def run_host(
     data_dir: Annotated[
         Path | None, typer.Option("--data-dir", help="The bridge's data dir (URL and token).")
     ] = None,
+    source: Annotated[
+        Path | None, typer.Option("--source", help="Firmware folder [default: firmware/].")
+    ] = None,
 ) -> None:
-    """Run the firmware on the MicroPython unix port with the fake HAL, until Ctrl-C."""
+    """Run the firmware on the MicroPython unix port with the fake HAL, until Ctrl-C.
+
+    It runs a temporary copy: a firmware update the bridge offers is installed there (the
+    source folder stays as it is), and the updated copy starts again."""
     with one_line_errors():
         micropython = require_tool("micropython")
-        firmware = firmware_dir()
+        firmware = firmware_source(source)
         device_config = host_config(config, url, token, _local_endpoint(data_dir))
         say(
-            f"running {firmware / 'main.py'} on the MicroPython unix port (fake HAL); "
+            f"running a copy of {firmware} on the MicroPython unix port (fake HAL); "
             "Ctrl-C stops it"
         )
-        run_on_host(micropython, firmware, device_config)
+
+        def updated(version: str) -> None:
+            say(
+                f"firmware updated to {version} (in the temporary copy; {firmware} is "
+                "unchanged): running the updated firmware"
+            )
+
+        run_on_host(micropython, firmware, device_config, on_update=updated)
 
 
 # ---- releases for the OTA endpoint (through the running bridge's admin API) -------------------
@@ -223,6 +243,7 @@ def publish(
 
 @firmware_app.command("releases")
 def releases(
+    as_json: JsonOpt = False,
     server: ServerOpt = None,
     token: TokenOpt = None,
     data_dir: DataDirOpt = None,
@@ -231,10 +252,16 @@ def releases(
 
     with admin_client(server, token, data_dir, None) as admin:
         rows = admin.get("/api/firmware")["releases"]
+    if as_json:
+        print_json(rows)
+        return
     if not rows:
         say("no firmware published")
         return
-    table = Table("board", "version", "bytes", "sha256", "published_at", "downloads")
+    table = listing(
+        "board", "version", "bytes", "sha256", "published_at", "downloads",
+        ids=("board", "version"),
+    )  # fmt: skip
     for row in rows:
         table.add_row(
             row["board"],
@@ -270,7 +297,9 @@ def bundle(
     out: Annotated[Path, typer.Option("--out", help="Bundle file to write.")] = Path(
         "build/firmware.bundle"
     ),
-    build_dir: OutOpt = DEFAULT_OUT,
+    build_dir: Annotated[
+        Path, typer.Option("--build", help="The build folder to pack (`firmware build --out`).")
+    ] = DEFAULT_OUT,
 ) -> None:
     """Pack a firmware build into an OTA bundle for `firmware publish` (our MicroPython
     firmware updates its files from it)."""
@@ -279,7 +308,10 @@ def bundle(
     with one_line_errors():
         ensure = stale_build(build_dir)
         if ensure is not None:
-            raise fail(f"{build_dir} is missing or older than its sources: run `firmware build`")
+            raise fail(
+                f"{build_dir} is missing or older than its sources: run `firmware build`, or "
+                "name another build folder with --build"
+            )
         data = make_bundle(build_dir, version)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(data)

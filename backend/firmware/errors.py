@@ -52,7 +52,7 @@ class ImageError(FirmwareError):
 class FirmwareExited(FirmwareError):
     """The firmware run on this computer ended with a non-zero status."""
 
-    def __init__(self, status: int) -> None:
-        super().__init__(f"the firmware exited with status {status}")
+    def __init__(self, status: int, why: str = "") -> None:
+        super().__init__(f"the firmware exited with status {status}" + (f": {why}" if why else ""))
         self.status = status
         self.exit_code = status if status > 0 else 1  # negative: killed by a signal

@@ -1,6 +1,7 @@
 """Run the firmware on this computer: firmware/main.py on the MicroPython unix port, fake HAL."""
 
 import json
+import shutil
 import signal
 import socket
 import subprocess
@@ -55,21 +56,50 @@ def host_config(
     return device
 
 
-def run_on_host(micropython: str, firmware: Path, device_config: dict[str, Any]) -> None:
-    """`micropython firmware/main.py CONFIG` until it ends or the user stops it (Ctrl-C,
-    SIGTERM, SIGHUP: the firmware is stopped, no traceback). FirmwareExited on a failure."""
+# firmware/main.py's exit status after it installed an OTA bundle (an ESP32 resets instead).
+EXIT_UPDATED = 3
+# Updates in a row before a host run gives up (each boot is offered a newer release).
+MAX_UPDATES = 3
+
+
+def run_on_host(
+    micropython: str,
+    firmware: Path,
+    device_config: dict[str, Any],
+    on_update: Callable[[str], None] = lambda _version: None,
+) -> None:
+    """`micropython main.py CONFIG` on a temporary copy of `firmware` until it ends or the user
+    stops it (Ctrl-C, SIGTERM, SIGHUP: the firmware is stopped, no traceback). A bundle the
+    bridge offers is installed into the copy, never into `firmware` (a source checkout), and
+    the updated copy runs again, as an ESP32 reboots into it; `on_update` gets the version.
+    FirmwareExited on a failure."""
     with tempfile.TemporaryDirectory(prefix="esp32-bridge-run-host-") as folder:
         config_file = Path(folder) / "config.json"
         config_file.write_text(json.dumps(device_config))
-        command = [micropython, str(firmware / "main.py"), str(config_file)]
-        libs = [firmware / "lib"]
+        copy = Path(folder) / "firmware"
+        shutil.copytree(firmware, copy, ignore=shutil.ignore_patterns("__pycache__"))
+        command = [micropython, str(copy / "main.py"), str(config_file)]
+        libs = [copy / "lib"]
         if may_use_mqtt(device_config):  # umqtt.simple, in an ignored folder
             from backend.firmware import micropython_lib
 
             libs.append(micropython_lib.ensure())
-        status = run_until_stopped(command, micropython_env(*libs))
+        for _boot in range(MAX_UPDATES + 1):
+            status = run_until_stopped(command, micropython_env(*libs))
+            if status != EXIT_UPDATED:
+                break
+            on_update(_installed_version(copy))
+        else:
+            raise FirmwareExited(EXIT_UPDATED, f"updated {MAX_UPDATES + 1} times in a row")
     if status:
         raise FirmwareExited(status)
+
+
+def _installed_version(firmware: Path) -> str:
+    try:
+        return (firmware / "version").read_text().strip() or "a new version"
+    except OSError:
+        return "a new version"
 
 
 def run_until_stopped(command: list[str], env: dict[str, str]) -> int | None:
