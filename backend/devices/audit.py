@@ -114,7 +114,7 @@ class AuditLog:
         self._max_buffer = max_buffer
         self._buffer: list[tuple[Any, ...]] = []
         self._writer = WriteBehind(
-            self.flush,
+            self._write_buffered,
             name="audit-log",
             interval_s=flush_interval_s,
             depth=lambda: len(self._buffer),
@@ -181,8 +181,11 @@ class AuditLog:
         self._writer.wake()
 
     async def flush(self) -> None:
-        """Write the buffered rows in one transaction; on a database error they are counted as
-        dropped."""
+        """Write the buffered rows in one transaction, after any write in progress; on a
+        database error they are counted as dropped."""
+        await self._writer.flush()
+
+    async def _write_buffered(self) -> None:
         rows, self._buffer = self._buffer, []
         if not rows:
             return

@@ -109,7 +109,7 @@ class DeviceCatalog:
         # Live devices' last_seen from the latest heartbeat, not written yet (device id -> time).
         self._seen: dict[str, float] = {}
         self._writer = WriteBehind(
-            self.flush,
+            self._write_pending,
             name="device-catalog",
             interval_s=flush_interval_s,
             heartbeat_s=heartbeat_s,
@@ -147,7 +147,10 @@ class DeviceCatalog:
         await self.flush()
 
     async def flush(self) -> None:
-        """Write every pending change now (one transaction)."""
+        """Write every pending change now (one transaction), after any write in progress."""
+        await self._writer.flush()
+
+    async def _write_pending(self) -> None:
         dirty, self._dirty = self._dirty, set()
         forgotten, self._forgotten = self._forgotten, set()
         seen, self._seen = self._seen, {}

@@ -107,7 +107,7 @@ class ProvisioningStore:
         self._dirty: set[str] = set()
         self._dropped: set[str] = set()
         self._writer = WriteBehind(
-            self._expire_and_flush, name="provisioning-writer", interval_s=flush_interval_s
+            self._expire_and_write, name="provisioning-writer", interval_s=flush_interval_s
         )
         self._lock = asyncio.Lock()
 
@@ -562,7 +562,11 @@ class ProvisioningStore:
         self._writer.wake()
 
     async def flush(self) -> None:
-        """Write pending activations that changed (one transaction)."""
+        """Write pending activations that changed (one transaction), after any write in
+        progress."""
+        await self._writer.flush()
+
+    async def _write_pending(self) -> None:
         dirty, self._dirty = self._dirty, set()
         dropped, self._dropped = self._dropped, set()
         requests = [self._pending.get(code) for code in dirty]
@@ -577,9 +581,9 @@ class ProvisioningStore:
             self._dropped |= dropped
             raise
 
-    async def _expire_and_flush(self) -> None:
+    async def _expire_and_write(self) -> None:
         self._pending.expire()
-        await self.flush()
+        await self._write_pending()
 
     async def _write_device(self, device: Provisioned) -> None:
         await self._db.run(lambda c: upsert_device(c, device))

@@ -26,6 +26,7 @@ class WriteBehind:
         "_flush",
         "_heartbeat_s",
         "_interval_s",
+        "_lock",
         "_name",
         "_on_heartbeat",
         "_task",
@@ -50,6 +51,9 @@ class WriteBehind:
         self._heartbeat_s = heartbeat_s
         self._on_heartbeat = on_heartbeat
         self._wake = asyncio.Event()
+        # One flush at a time: a caller's flush() that ran while the task's was still writing
+        # found nothing pending and returned before those rows were stored.
+        self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -75,7 +79,8 @@ class WriteBehind:
         """Stop the task; the owner writes what is still pending itself."""
         unwatch_write_queue(self)
         if self._task is not None:
-            self._task.cancel()
+            async with self._lock:  # never cancel a flush halfway: its rows would be lost
+                self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
@@ -92,10 +97,18 @@ class WriteBehind:
                 heartbeat = self._next_heartbeat(loop)
             await asyncio.sleep(self._interval_s)  # a burst becomes one transaction
             self._wake.clear()
-            began = time.perf_counter()
             with contextlib.suppress(DatabaseError):
+                await self.flush()
+
+    async def flush(self) -> None:
+        """Run the owner's flush once any flush in progress has finished, so that on return
+        everything changed before the call is written (or `DatabaseError` was raised)."""
+        async with self._lock:
+            began = time.perf_counter()
+            try:
                 await self._flush()
-            record_flush(self._name, time.perf_counter() - began)
+            finally:
+                record_flush(self._name, time.perf_counter() - began)
 
     def _next_heartbeat(self, loop: asyncio.AbstractEventLoop) -> float | None:
         return None if self._heartbeat_s is None else loop.time() + self._heartbeat_s
