@@ -206,19 +206,23 @@ class Bridge:
 
     @property
     def ws_url(self) -> str:
+        """The device WebSocket URL."""
         return self.websocket.url
 
     @property
     def http_port(self) -> int:
+        """The bound port of the API listener."""
         assert self._api_socket is not None, "bridge not started"
         port: int = self._api_socket.getsockname()[1]
         return port
 
     @property
     def api_url(self) -> str:
+        """The API's base URL."""
         return f"http://{self.settings.http_host}:{self.http_port}"
 
     def endpoints(self) -> dict[str, str]:
+        """The device endpoints of every started transport, by name."""
         found: dict[str, str] = {}
         for transport in self._started:
             found.update(transport.endpoints())

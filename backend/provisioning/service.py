@@ -89,6 +89,7 @@ class Answer:
 
 
 def refusal(status: int, message: str, **headers: str) -> Answer:
+    """An error answer: `{"error": message}` with this status and headers."""
     return Answer(status, {"error": message}, dict(headers))
 
 
@@ -96,6 +97,8 @@ OtaHeadersOrAnswer = proto.OtaHeaders | Answer
 
 
 class Provisioning:
+    """The provisioning side of the bridge (see the module docstring for what it owns)."""
+
     def __init__(
         self,
         settings: Settings,
@@ -177,6 +180,7 @@ class Provisioning:
             await asyncio.sleep(0.01)
 
     async def stop_listener(self) -> None:
+        """Stop the device-facing HTTP listener and close the vision client."""
         if self._server is not None and self._server_task is not None:
             self._server.should_exit = True
             await self._server_task
@@ -185,12 +189,14 @@ class Provisioning:
 
     @property
     def http_port(self) -> int:
+        """The bound port of the device-facing listener (the real one when configured as 0)."""
         assert self._socket is not None, "listener not started"
         port: int = self._socket.getsockname()[1]
         return port
 
     @property
     def ota_url(self) -> str:
+        """The OTA URL devices are configured with (a wildcard bind is given as loopback)."""
         host = url_host(reachable_host(self.settings.device_http_host))
         return f"http://{host}:{self.http_port}{self.settings.ota_path}"
 

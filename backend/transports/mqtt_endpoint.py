@@ -74,6 +74,8 @@ _REFUSAL_CODES = {400: mp.IDENTIFIER_REJECTED, 401: mp.BAD_USERNAME_PASSWORD, 42
 
 @dataclass(frozen=True, slots=True)
 class EndpointSettings:
+    """Where the bridge's own MQTT endpoint listens and the limits it applies per client."""
+
     host: str = "0.0.0.0"
     port: int = 1883
     topic_prefix: str = "xiaozhi"
@@ -103,6 +105,7 @@ class DeviceLogin:
         self._provider = provider
 
     def refusal(self, device_id: str, presented: str | None) -> str | None:
+        """Check the CONNECT password against the device's credential; the reason when refused."""
         if not presented:
             return "missing password"
         try:
@@ -162,9 +165,11 @@ class EndpointLink:
 
     @property
     def identity(self) -> DeviceIdentity:
+        """Who the device is, as established at its CONNECT (client id, login)."""
         return self._identity
 
     async def send_text(self, text: str) -> None:
+        """Publish a JSON message on the down topic; raises LinkClosed or MessageTooLarge."""
         if self.closed:
             raise LinkClosed("link closed")
         data = text.encode()
@@ -186,6 +191,7 @@ class EndpointLink:
         raise LinkClosed("no free packet id")  # unreachable while max_unacked < 65535
 
     async def write(self, data: bytes) -> None:
+        """Write packet bytes, draining at most the write timeout; raises LinkClosed."""
         writer = self._writer
         if self.closed or writer.transport.is_closing():
             raise LinkClosed("link closed")
@@ -203,20 +209,24 @@ class EndpointLink:
             raise LinkClosed(f"connection lost: {exc}") from None
 
     async def send_audio(self, frame: AudioFrame) -> None:
+        """Send one frame over the conversation's UDP session; counted and dropped without one."""
         if self.closed:
             raise LinkClosed("link closed")
         if not self.audio.send(frame):
             self._endpoint.count("udp_no_session")
 
     def hello_fields(self, session_id: str) -> dict[str, object]:
+        """Open the conversation's UDP session; the hello carries its server, port and keys."""
         if self.closed:
             raise LinkClosed("link closed")
         return self.audio.open(session_id)
 
     def conversation_ended(self, session_id: str) -> None:
+        """Release the UDP session of that conversation."""
         self.audio.ended(session_id)
 
     async def close(self, code: int = 1000, reason: str = "") -> None:
+        """Drop the client's connection (MQTT has no close frame: code and reason are kept)."""
         self.abort(reason or f"closed by the bridge ({code})", code)
 
     def abort(self, reason: str, code: int = 1000) -> None:
@@ -265,26 +275,32 @@ class MqttEndpoint:
 
     @property
     def port(self) -> int:
+        """The bound TCP port (the real one when configured as 0)."""
         assert self._server is not None, "endpoint not started"
         port: int = self._server.sockets[0].getsockname()[1]
         return port
 
     def endpoints(self) -> dict[str, str]:
+        """The MQTT and UDP URLs devices can reach (a wildcard bind is given as loopback)."""
         host = url_host(reachable_host(self.settings.host))
         return {"mqtt": f"mqtt://{host}:{self.port}", "udp": f"udp://{host}:{self.udp.port}"}
 
     @property
     def links(self) -> dict[str, EndpointLink]:
+        """A snapshot of the connected links by device key."""
         return dict(self._links)
 
     def count(self, name: str, amount: int = 1) -> None:
+        """Add to a named counter of the endpoint's stats."""
         self.counters[name] = self.counters.get(name, 0) + amount
 
     def stats(self) -> dict[str, int]:
+        """The endpoint's counters, its link count and its UDP channel's counters."""
         udp = {f"udp_{name}": value for name, value in self.udp.stats().items()}
         return {**self.counters, "links": len(self._links), **udp}
 
     async def start(self, acceptor: LinkAcceptor) -> None:
+        """Bind the UDP channel and the TCP listener; raises a clear error when a port is taken."""
         self._acceptor = acceptor
         settings = self.settings
         if not self.udp.running:
@@ -305,6 +321,7 @@ class MqttEndpoint:
         log.info("mqtt endpoint listening", host=settings.host, port=self.port)
 
     async def stop(self) -> None:
+        """Stop listening, end every link, then close the UDP channel."""
         if self._server is not None:
             self._server.close()
         if self._watchdog is not None:

@@ -128,6 +128,8 @@ DEFAULT_LIMITS = UdpLimits()
 
 @dataclass(frozen=True, slots=True)
 class PacketHeader:
+    """The 16-byte header of a UDP audio packet, which is also its AES-CTR counter block."""
+
     type: int
     flags: int
     payload_len: int
@@ -140,6 +142,7 @@ class PacketHeader:
 
 
 def new_key() -> bytes:
+    """A fresh random AES-128 key for one UDP session."""
     return secrets.token_bytes(KEY_SIZE)
 
 
@@ -151,6 +154,7 @@ def new_nonce(cookie: int) -> bytes:
 
 
 def cookie_of(nonce: bytes) -> int:
+    """The session cookie carried in bytes 4-7 of a nonce or header."""
     return int.from_bytes(nonce[4:8], "big")
 
 
@@ -190,6 +194,7 @@ class CtrKeystream:
         self._ecb = Cipher(algorithms.AES(key), modes.ECB()).encryptor()
 
     def xor(self, header: bytes, data: bytes) -> bytes:
+        """Encrypt or decrypt `data` with the counter starting at `header`."""
         size = len(data)
         if not size:
             return b""
@@ -613,6 +618,7 @@ class SourceBudgets:
         bucket.stamp = now
 
     def exhausted(self, key: str, now: float) -> bool:
+        """Whether the source has no failures left to spend (its datagrams are dropped unread)."""
         bucket = self._buckets.get(key)
         if bucket is None:
             return False
@@ -678,6 +684,7 @@ class UdpAudioChannel:
     # -- lifecycle --
 
     async def start(self) -> None:
+        """Bind the UDP socket; raises a clear error when the port is taken."""
         loop = asyncio.get_running_loop()
         with listen_errors("UDP audio", self.host, self._port, "udp"):
             transport, _protocol = await loop.create_datagram_endpoint(
@@ -688,6 +695,7 @@ class UdpAudioChannel:
         log.info("udp audio channel listening", host=self.host, port=self._port)
 
     async def stop(self) -> None:
+        """Close every session and the socket."""
         for session in list(self._sessions.values()):
             self.close_session(session)
         self._global_drops.flush()
@@ -697,16 +705,20 @@ class UdpAudioChannel:
 
     @property
     def port(self) -> int:
+        """The bound port (the real one when configured as 0)."""
         return self._port
 
     @property
     def running(self) -> bool:
+        """Whether the socket is bound."""
         return self._transport is not None
 
     def count(self, name: str, amount: int = 1) -> None:
+        """Add to a named counter of the channel's stats."""
         self.counters[name] = self.counters.get(name, 0) + amount
 
     def stats(self) -> dict[str, int]:
+        """The channel's counters, sessions and the source table's size and evictions."""
         return {
             **self.counters,
             "sessions": len(self._sessions),
@@ -738,6 +750,7 @@ class UdpAudioChannel:
         self.count("sessions_closed")
 
     def session(self, cookie: int) -> UdpSession | None:
+        """The session with this cookie, if open."""
         return self._sessions.get(cookie)
 
     # -- uplink (hot path) --

@@ -59,6 +59,7 @@ class WebSocketLink:
         self._high_water = connection.transport.get_write_buffer_limits()[1]
 
     async def send_text(self, text: str) -> None:
+        """Send a JSON message; raises MessageTooLarge past the link's limit."""
         limit = self._limits.max_message_bytes
         if len(text) * 4 > limit:  # only long texts need their UTF-8 size worked out
             size = len(text.encode())
@@ -67,6 +68,7 @@ class WebSocketLink:
         await self._send(text)
 
     async def send_audio(self, frame: AudioFrame) -> None:
+        """Send one frame in the device's binary protocol version; raises MessageTooLarge."""
         data = encode_audio(self.identity.protocol_version, frame.payload, frame.timestamp_ms)
         if len(data) > self._limits.max_message_bytes:
             raise MessageTooLarge(len(data), self._limits.max_message_bytes)
@@ -96,18 +98,23 @@ class WebSocketLink:
         return size <= self._high_water and not transport.get_write_buffer_size()
 
     def hello_fields(self, session_id: str) -> dict[str, str]:
+        """The hello reply's transport fields (stock firmware needs `transport` exactly)."""
         # Must be present and exactly "websocket": a missing transport crashes stock firmware.
         return {"transport": "websocket"}
 
     def conversation_ended(self, session_id: str) -> None:
+        """Nothing to release: the link is the conversation."""
         pass  # nothing is held per conversation: the link is the conversation
 
     async def close(self, code: int = 1000, reason: str = "") -> None:
+        """Close the WebSocket with this code and reason."""
         await self.connection.close(code, reason)
 
 
 @dataclass(frozen=True, slots=True)
 class LinkLimits:
+    """Per-link limits: the largest message in bytes and the write timeout in seconds."""
+
     max_message_bytes: int
     write_timeout_s: float
 
@@ -116,6 +123,7 @@ class HandshakeGuard(ConnectionGuard):
     """`ConnectionGuard` applied in `websockets`' `connection_made`, before a byte is parsed."""
 
     def connection_class(self) -> type[ServerConnection]:
+        """A `ServerConnection` subclass that asks the guard at `connection_made`."""
         guard = self
 
         class GuardedConnection(ServerConnection):
@@ -158,19 +166,23 @@ class WebSocketTransport:
 
     @property
     def port(self) -> int:
+        """The bound port (the real one when configured as 0)."""
         assert self._server is not None, "transport not started"
         port: int = next(iter(self._server.sockets)).getsockname()[1]
         return port
 
     @property
     def url(self) -> str:
+        """The URL devices connect to (a wildcard bind is given as loopback)."""
         host = url_host(reachable_host(self._settings.ws_host))
         return f"ws://{host}:{self.port}{self._settings.ws_path}"
 
     def endpoints(self) -> dict[str, str]:
+        """The device WebSocket URL."""
         return {"websocket": self.url}
 
     async def start(self, acceptor: LinkAcceptor) -> None:
+        """Bind the listener and serve devices; raises a clear error when the port is taken."""
         settings = self._settings
         self._acceptor = acceptor
         # Our own listening socket, so its kernel queue can be deep (see below).
