@@ -495,7 +495,7 @@ def chat_metrics() -> dict[str, float]:
     sample = metrics.REGISTRY.get_sample_value
     values = {
         path: sample("bridge_chat_turns_total", {"path": path}) or 0.0
-        for path in ("llm", "offline", "refused", "other")
+        for path in ("llm", "offline", "refused", "confirmation", "other")
     }
     for stage in ("guardrail", "memory", "search", "llm_first_token", "tools", "store"):
         values[stage] = sample("bridge_chat_stage_seconds_count", {"stage": stage}) or 0.0
@@ -516,6 +516,7 @@ async def test_a_turn_moves_the_turn_counter_and_the_stage_histograms(
         "llm": 1,
         "offline": 0,
         "refused": 0,
+        "confirmation": 0,
         "other": 0,
         "guardrail": 1,
         "memory": 1,

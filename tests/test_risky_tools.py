@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
+from backend import metrics
 from backend.chat import (
     ChatService,
     DeviceToolBox,
@@ -170,8 +171,15 @@ async def test_a_chat_turn_asks_before_a_risky_tool_and_runs_it_after_yes(
     assert len(fake_llm.of_kind("chat")) == 1  # no second model round after the refusal
     assert isinstance(first[-1], Done) and first[-1].metadata.stored
 
+    confirmations = metrics.REGISTRY.get_sample_value(
+        "bridge_chat_turns_total", {"path": "confirmation"}
+    )
     second = await collect(chat.run_turn(turn(bridge, "Yes, go ahead"), box(bridge)))
     assert called(device) == [UPGRADE]
+    assert (
+        metrics.REGISTRY.get_sample_value("bridge_chat_turns_total", {"path": "confirmation"})
+        == (confirmations or 0) + 1
+    )
     assert device.stock.calls[0][1] == {"url": "http://x/f.bin"}
     assert [type(e) for e in second if isinstance(e, ToolStarted | ToolCompleted)] == [
         ToolStarted,

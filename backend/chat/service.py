@@ -1009,7 +1009,7 @@ class ChatService:
         else:
             text = CANCELLED[turn.language].format(tool=asked.tool)
         yield Token(text=text)
-        record_chat_turn("confirmation")  # neither a model's nor the rules': "other"
+        record_chat_turn("confirmation")
         _record_tool_time(turn)
         reason = turn.log.offline_reason
         answer = _Answer((text,), runs)

@@ -62,7 +62,7 @@ def _pick(children: Mapping[str, _Child], value: str) -> _Child:
 
 # ---- chat pipeline (backend/chat/service.py) ---------------------------------------------------
 
-CHAT_PATHS = ("llm", "offline", "refused")
+CHAT_PATHS = ("llm", "offline", "refused", "confirmation")
 CHAT_STAGES = ("guardrail", "memory", "search", "llm_first_token", "tools", "store")
 # Seconds: a guardrail or store step takes milliseconds, a model's first token up to a minute.
 STAGE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -85,7 +85,8 @@ _chat_stage_by_name = {stage: _chat_stage_seconds.labels(stage) for stage in (*C
 
 
 def record_chat_turn(path: str) -> None:
-    """One chat turn answered; `path` is "llm", "offline" or "refused"."""
+    """One chat turn answered; `path` is "llm", "offline", "refused" or "confirmation" (a yes or no
+    to a risky tool)."""
     if _enabled:
         _pick(_chat_turn_by_path, path).inc()
 
