@@ -7,6 +7,7 @@ development mode `device_auth = "shared"`; by default every device has its own t
 (`backend.provisioning`). Tokens never reach the logs.
 """
 
+import errno
 import hmac
 import os
 import secrets
@@ -83,7 +84,12 @@ def _load_or_create(path: Path, created: list[Path]) -> str:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        return read_token(path.parent, path.name) or token
+        # A concurrent writer's token, or a path that holds none (empty file, directory,
+        # unreadable): serving with a token kept only in memory would lock the CLI out.
+        written = read_token(path.parent, path.name)
+        if written is None:
+            raise OSError(errno.EINVAL, "exists but holds no token", str(path)) from None
+        return written
     with os.fdopen(fd, "w") as handle:
         handle.write(token + "\n")
     created.append(path)

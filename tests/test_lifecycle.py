@@ -170,6 +170,25 @@ async def test_an_unusable_data_dir_says_data_directory(tmp_path):
     assert "Errno" not in line
 
 
+async def test_an_admin_token_path_without_a_token_stops_serve(tmp_path):
+    """An admin.token that is a directory (or an empty file) used to leave the bridge serving
+    with a token kept only in memory, which no CLI command could ever find."""
+    ports = ["--ws-port", "0", "--http-port", "0", "--device-http-port", "0"]
+    for name, make in (("as-dir", Path.mkdir), ("empty", Path.touch)):
+        data_dir = tmp_path / name
+        data_dir.mkdir()
+        make(data_dir / "admin.token")
+        code, out, err = await run_cli("serve", "--data-dir", str(data_dir), *ports)
+        assert code == 1, out + err
+        line = err.strip().splitlines()[-1]
+        token_path = data_dir / "admin.token"
+        assert line == (
+            f"error: data directory {data_dir}: {token_path}: exists but holds no token "
+            "(use another one with --data-dir or BRIDGE_DATA_DIR)"
+        )
+        assert not (data_dir / "bridge.json").exists()
+
+
 async def test_serve_prints_addresses_a_device_can_use(tmp_path):
     """Bound to every interface, the device URLs name this machine's network addresses (the
     loopback URL only works on the bridge's own machine)."""
