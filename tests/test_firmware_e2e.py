@@ -3,12 +3,10 @@ a real WebSocket to a real bridge, driven through the admin API; the bridge is k
 restarted and the device comes back by itself; a wrong token is logged and retried."""
 
 import asyncio
-import contextlib
 import json
 import os
 import re
 import signal
-import socket
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,6 +20,7 @@ from simulator.processes import WatchedProcess
 from tests.firmware_helpers import needs_micropython, running_firmware
 from tests.fw.fw_support import MODEL_TOOLS, USER_TOOLS
 from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN
+from tests.ports import reserve_port
 
 REPO = Path(__file__).resolve().parents[1]
 FIRMWARE = REPO / "firmware"
@@ -227,21 +226,13 @@ async def test_wrong_token_is_logged_in_one_line_and_retried(
 # ---- against a bridge process that is killed and restarted ------------------------------------
 
 
-def free_ports(count: int) -> list[int]:
-    """Ports nothing listens on, all different (the probes are open together)."""
-    with contextlib.ExitStack() as stack:
-        probes = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for probe in probes:
-            probe.bind(("127.0.0.1", 0))
-        return [probe.getsockname()[1] for probe in probes]
-
-
 class BridgeProcess:
     """`python -m backend.cli serve` on fixed ports, so a restart listens where the device dials."""
 
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
-        self.ws_port, self.http_port = free_ports(2)
+        # Reserved while this object lives: no parallel test takes them between restarts.
+        self.ws_port, self.http_port = reserve_port(self), reserve_port(self)
         self.runs: list[WatchedProcess] = []
 
     @property

@@ -23,7 +23,6 @@ from backend.transports.mqtt_endpoint import DeviceLogin, EndpointSettings, Mqtt
 from backend.transports.throttle import ConnectionGuard, ExemptNetworks, KeyedLimiter
 from backend.transports.udp import UdpAudioChannel
 from tests.helpers import make_settings
-from tests.mosquitto import free_port
 from tests.mqtt_helpers import (
     DEVICE_A,
     DEVICE_B,
@@ -52,7 +51,7 @@ async def endpoint(
 ) -> AsyncIterator[MqttEndpoint]:
     values: dict[str, Any] = {
         "host": "127.0.0.1",
-        "port": free_port(),
+        "port": 0,  # the kernel's pick, bound at once (a probed port may be taken meanwhile)
         "topic_prefix": SCHEME.prefix,
         "connect_timeout_s": 2.0,
         "keepalive_check_s": 0.1,
