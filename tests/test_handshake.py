@@ -56,6 +56,7 @@ async def test_wrong_path_is_404(bridge):
     assert code == 404
 
 
+@pytest.mark.serial  # a latency bound (hello within 1 s): alone on the CPU
 @pytest.mark.parametrize("authorization", [f"Bearer {DEVICE_TOKEN}", DEVICE_TOKEN])
 async def test_hello_reply_has_transport_session_and_audio_params(bridge, authorization):
     async with connect(

@@ -14,7 +14,8 @@ import pytest
 from backend.config import DEFAULT_RATE_LIMITS
 from simulator.siege import Attack, Siege, SiegeResult, escaped_errors
 
-pytestmark = pytest.mark.slow
+# RSS growth and starvation latency bounds: alone on the CPU (scripts/test)
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 WINDOW_S = 1.5
 MAX_RSS_GROWTH_MB = 20.0

@@ -10,7 +10,8 @@ import pytest
 
 from simulator.hostile_mqtt import MqttSiege, MqttSiegeResult, mqtt_attack
 
-pytestmark = pytest.mark.slow
+# RSS growth and starvation latency bounds: alone on the CPU (scripts/test)
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 WINDOW_S = 2.0
 MAX_RSS_GROWTH_MB = 20.0

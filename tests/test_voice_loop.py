@@ -14,7 +14,8 @@ from tests.helpers import DEVICE_TOKEN, eventually, wait_state
 from tests.mosquitto import free_port
 from tests.voice_helpers import spoken
 
-pytestmark = pytest.mark.slow
+# real-time pacing bounds (frames in flight, stop margin): alone on the CPU
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 @pytest.fixture
