@@ -216,7 +216,7 @@ class EndpointLink:
             self._endpoint.count("udp_no_session")
 
     def hello_fields(self, session_id: str) -> dict[str, object]:
-        """Open the conversation's UDP session; the hello carries its server, port and keys."""
+        """Open the conversation's UDP session; the hello carries its server, port, key, nonce."""
         if self.closed:
             raise LinkClosed("link closed")
         return self.audio.open(session_id)
