@@ -26,7 +26,7 @@ from simulator import firmware_fuzzing, fuzzing
 
 NAME = "fuzz"
 FULL = 100_000
-QUICK = 300
+QUICK = 100  # proves each parser's run and the table (tests/test_bench_smoke)
 
 PARSERS: dict[str, tuple[SearchStrategy[Any], Callable[..., None], bool]] = {
     "device frame decoder (`decode_device_message` + models)": (
