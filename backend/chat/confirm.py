@@ -59,6 +59,8 @@ FAILED = {
 
 @dataclass(frozen=True, slots=True)
 class PendingConfirmation:
+    """A tool call held back until the user says yes: which tool, with what, and why."""
+
     device_id: str | None
     tool: str  # the device's MCP name
     llm_name: str
@@ -84,6 +86,7 @@ def answer_kind(text: str) -> Literal["yes", "no", "other"]:
 
 
 def question(language: Language, pending: PendingConfirmation, arguments_text: str) -> str:
+    """The question asking the user to confirm this call, in their language."""
     return QUESTION[language].format(
         tool=pending.tool, arguments=arguments_text, reason=pending.reason
     )
@@ -101,6 +104,7 @@ class ConfirmationBook:
         self._pending: OrderedDict[str, PendingConfirmation] = OrderedDict()
 
     def remember(self, keys: list[str], pending: PendingConfirmation) -> None:
+        """Remember the call under each key (replacing older ones); past `limit` the oldest go."""
         for key in keys:
             self._pending.pop(key, None)
             self._pending[key] = pending

@@ -40,6 +40,8 @@ class ClientTurn:
 
 @dataclass(frozen=True, slots=True)
 class ClientContext:
+    """A turn's context from the client's messages: instructions, recent history, a summary."""
+
     instructions: str
     history: list[Message]
     summary: str

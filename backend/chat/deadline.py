@@ -16,6 +16,8 @@ _T = TypeVar("_T")
 
 
 class Deadline:
+    """The deadline of one turn (see the module docstring); `expired` makes the error it raises."""
+
     def __init__(self, timeout_s: float, expired: Callable[[], Exception]) -> None:
         loop = asyncio.get_running_loop()
         self._expired_error = expired
@@ -47,4 +49,5 @@ class Deadline:
             self._task = None
 
     def close(self) -> None:
+        """Cancel the timer (the turn is over)."""
         self._handle.cancel()

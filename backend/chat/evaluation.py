@@ -21,6 +21,8 @@ from backend.storage import Database
 
 @dataclass
 class OfflineOutcome:
+    """What offline mode did with one labelled request, and whether that was right."""
+
     item: dict[str, Any]
     refused: bool
     calls: list[tuple[str, dict[str, Any]]]
@@ -31,25 +33,32 @@ class OfflineOutcome:
 
 @dataclass
 class OfflineReport:
+    """The outcomes of a run over the labelled set, with the shares per expectation."""
+
     outcomes: list[OfflineOutcome]
 
     def share(self, *expects: str) -> tuple[int, int]:
+        """(correct, total) over the items expecting any of `expects`."""
         chosen = [o for o in self.outcomes if o.item["expect"] in expects]
         return sum(o.correct for o in chosen), len(chosen)
 
     @property
     def routed(self) -> tuple[int, int]:
+        """(correct, total) of the requests that expect a tool call."""
         return self.share("tool", "tool+answer")
 
     @property
     def refused(self) -> tuple[int, int]:
+        """(correct, total) of the requests that expect a refusal."""
         return self.share("refuse")
 
     @property
     def answered(self) -> tuple[int, int]:
+        """(correct, total) of the questions that expect an answer."""
         return self.share("answer")
 
     def failures(self) -> list[OfflineOutcome]:
+        """The outcomes that were wrong."""
         return [o for o in self.outcomes if not o.correct]
 
 

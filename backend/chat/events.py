@@ -74,6 +74,8 @@ class ToolFailed(_Event):
 
 
 class SourceItem(BaseModel):
+    """A source the answer drew on (web result or knowledge-base entry), sent apart."""
+
     model_config = ConfigDict(frozen=True)
 
     title: str
@@ -92,6 +94,8 @@ class Sources(_Event):
 
 
 class Guardrail(BaseModel):
+    """The guardrail's verdict on the question: passed or refused, why, by rules or model."""
+
     model_config = ConfigDict(frozen=True)
 
     verdict: Literal["passed", "refused"]
@@ -121,6 +125,8 @@ class Confirmation(BaseModel):
 
 
 class TurnMetadata(BaseModel):
+    """What `done` says about the turn: conversation, language, guardrail, sources, timings."""
+
     model_config = ConfigDict(frozen=True)
 
     conversation_id: str | None
@@ -142,6 +148,8 @@ class TurnMetadata(BaseModel):
 
 
 class Done(_Event):
+    """The last event of a turn, with its metadata."""
+
     type: Literal["done"] = "done"
     metadata: TurnMetadata
 

@@ -21,6 +21,7 @@ _EN_WORDS = wordset(
 
 
 def detect_language(text: str) -> Language:
+    """`vi` or `en`: Vietnamese letters decide, else which language's common words are more."""
     if has_vietnamese_letters(text):
         return "vi"
     tokens = folded_words(text)

@@ -285,6 +285,8 @@ CLAUSE_SPLIT = re.compile(
 
 @dataclass(frozen=True, slots=True)
 class Hit:
+    """One phrase found in a text, at `start:end` of the text as matched."""
+
     phrase: str
     start: int
     end: int
@@ -303,6 +305,7 @@ class PhraseMatcher:
         self._folded = [(p, _pattern(p)) for p in folded]
 
     def find(self, text: str) -> list[Hit]:
+        """The phrases in `text`, longest first where they overlap, in linear time."""
         accented = has_vietnamese_letters(text)
         subject = nfc_lower(text) if accented else fold(text)
         table = self._accented if accented else self._folded

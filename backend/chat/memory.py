@@ -55,17 +55,23 @@ TITLE_LENGTH = 80
 
 
 class ConversationNotFound(BridgeError):
+    """No stored conversation has this id."""
+
     def __init__(self, conversation_id: str) -> None:
         super().__init__(f"no conversation {conversation_id[:MAX_ID_LENGTH]!r}")
         self.conversation_id = conversation_id
 
 
 class InvalidConversationId(BridgeError):
+    """A conversation id that is not 1 to `MAX_ID_LENGTH` ASCII letters, digits or `._:@-`."""
+
     pass
 
 
 @dataclass(frozen=True, slots=True)
 class StoredMessage:
+    """One stored message, with when it was written and its metadata."""
+
     role: MessageRole
     content: str
     created_at: datetime
@@ -74,6 +80,8 @@ class StoredMessage:
 
 @dataclass(frozen=True, slots=True)
 class Conversation:
+    """A stored conversation: its device, title and rolling summary (messages only when asked)."""
+
     id: str
     device_id: str | None
     title: str
@@ -86,11 +94,15 @@ class Conversation:
 
 @dataclass(frozen=True, slots=True)
 class ConversationPage:
+    """One page of conversations and the total."""
+
     items: list[Conversation]
     total: int
 
 
 class MemoryStore(Protocol):
+    """Where conversations are kept (see the module docstring)."""
+
     async def get_or_create(
         self, conversation_id: str | None = None, *, device_id: str | None = None
     ) -> Conversation:
@@ -125,16 +137,20 @@ class MemoryStore(Protocol):
         """Both messages of a turn, atomically; the assistant message carries `metadata`."""
         ...
 
-    async def set_summary(self, conversation_id: str, summary: str) -> None: ...
+    async def set_summary(self, conversation_id: str, summary: str) -> None:
+        """Replace the conversation's summary; raises ConversationNotFound."""
 
     async def list_conversations(
         self, *, limit: int = 50, offset: int = 0, device_id: str | None = None
-    ) -> ConversationPage: ...
+    ) -> ConversationPage:
+        """One page of conversations, newest first (only the device's with `device_id`)."""
 
-    async def delete(self, conversation_id: str) -> bool: ...
+    async def delete(self, conversation_id: str) -> bool:
+        """Delete a conversation and its messages; False when there was none."""
 
 
 def now() -> datetime:
+    """The current time, timezone-aware UTC."""
     return datetime.now(UTC)
 
 
@@ -174,6 +190,7 @@ class SqliteMemoryStore:
     async def get_or_create(
         self, conversation_id: str | None = None, *, device_id: str | None = None
     ) -> Conversation:
+        """See `MemoryStore.get_or_create`; raises InvalidConversationId."""
         wanted = check_conversation_id(conversation_id) if conversation_id else None
         return await self.db.run(lambda c: self._get_or_create(c, wanted, device_id))
 
@@ -196,18 +213,24 @@ class SqliteMemoryStore:
         return created
 
     async def conversation_for_device(self, device_id: str) -> Conversation:
+        """See `MemoryStore.conversation_for_device`."""
+
         def work(c: sqlite3.Connection) -> Conversation:
             return self._get_or_create(c, _current_of_device(c, device_id), device_id)
 
         return await self.db.run(work)
 
     async def device_conversation_id(self, device_id: str) -> str:
+        """See `MemoryStore.device_conversation_id`."""
+
         def work(c: sqlite3.Connection) -> str:
             return _current_of_device(c, device_id) or uuid.uuid4().hex
 
         return await self.db.run(work)
 
     async def get(self, conversation_id: str, *, with_messages: bool = False) -> Conversation:
+        """See `MemoryStore.get`; raises ConversationNotFound."""
+
         def work(c: sqlite3.Connection) -> Conversation:
             found = _fetch(c, conversation_id)
             if found is None:
@@ -224,6 +247,7 @@ class SqliteMemoryStore:
         return await self.db.run(work)
 
     async def recent(self, conversation_id: str, n: int) -> list[StoredMessage]:
+        """See `MemoryStore.recent`."""
         if n <= 0:
             return []
         rows = await self.db.fetchall(
@@ -241,6 +265,7 @@ class SqliteMemoryStore:
         *,
         metadata: dict[str, Any] | None = None,
     ) -> None:
+        """See `MemoryStore.append_pair`: both messages in one transaction."""
         meta = json.dumps(metadata or {}, ensure_ascii=False, default=str)
 
         def work(c: sqlite3.Connection) -> None:
@@ -265,6 +290,7 @@ class SqliteMemoryStore:
         await self.db.run(work)
 
     async def set_summary(self, conversation_id: str, summary: str) -> None:
+        """See `MemoryStore.set_summary`."""
         changed = await self.db.execute(
             "UPDATE chat_conversations SET summary = ? WHERE id = ?", (summary, conversation_id)
         )
@@ -274,6 +300,7 @@ class SqliteMemoryStore:
     async def list_conversations(
         self, *, limit: int = 50, offset: int = 0, device_id: str | None = None
     ) -> ConversationPage:
+        """See `MemoryStore.list_conversations` (`limit` is kept within 1..500)."""
         limit = max(1, min(limit, 500))
         offset = max(0, offset)
         where, args = ("WHERE device_id = ?", [device_id]) if device_id else ("", [])
@@ -290,6 +317,7 @@ class SqliteMemoryStore:
         return await self.db.run(work)
 
     async def delete(self, conversation_id: str) -> bool:
+        """See `MemoryStore.delete`."""
         return (
             await self.db.execute("DELETE FROM chat_conversations WHERE id = ?", (conversation_id,))
             > 0

@@ -93,10 +93,12 @@ def dental_words(text: str) -> Literal["clear", "ambiguous"] | None:
 
 
 def is_dental(text: str) -> bool:
+    """Whether the text names a dental topic."""
     return dental_words(text) is not None
 
 
 def split_clauses(text: str) -> list[str]:
+    """The request cut into clauses (at `;`, commas, and/then/và/rồi...), each routed on its own."""
     parts = (part.strip(" .,") for part in CLAUSE_SPLIT.split(text))
     return [part for part in parts if part]
 
@@ -142,11 +144,14 @@ class _Profile:
 
 
 class IntentDetector:
+    """Routes a request to a tool by the concepts both share (see the module docstring)."""
+
     def __init__(self, threshold: float = DEFAULT_THRESHOLD) -> None:
         self.threshold = threshold
         self._profiles: dict[tuple[str, str], _Profile] = {}
 
     def profile(self, spec: FunctionSpec) -> _Profile:
+        """The concepts of a tool's name and description (cached per name and description)."""
         key = (spec.llm_name, spec.description)
         cached = self._profiles.get(key)
         if cached is not None:
@@ -551,10 +556,12 @@ def device_reply(intent: Intent, result_text: str, ok: bool, language: Language)
 
 
 def unserved_reply(language: Language) -> str:
+    """What offline mode says to a device request that none of the functions serves."""
     return _UNSERVED[language]
 
 
 def rejected_reply(intent: Intent, language: Language) -> str:
+    """What offline mode says when the value asked for is missing or outside the tool's range."""
     if intent.problem:
         return _OUT_OF_RANGE[language].format(problem=intent.problem)
     return _NEEDS_VALUE[language]

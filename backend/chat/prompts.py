@@ -73,6 +73,7 @@ def user_prompt(
     search_results: str = "",
     tools_unavailable: str | None = None,
 ) -> str:
+    """The turn's user message: summary, question, search results, a note if tools are off."""
     return _USER[language].format(
         summary=_SUMMARY[language].format(summary=summary) if summary else "",
         question=question,
@@ -104,6 +105,7 @@ SUMMARY_OPENINGS = tuple(template.split("{", 1)[0] for template in _SUMMARIZE.va
 
 
 def summarize_prompt(language: Language, question: str, answer: str) -> str:
+    """The prompt that folds a question and its answer into the conversation summary."""
     return _SUMMARIZE[language].format(question=question, answer=answer)
 
 
@@ -129,6 +131,7 @@ GUARDRAIL_OPENINGS = tuple(template.split("{", 1)[0] for template in _GUARDRAIL.
 
 
 def guardrail_prompt(language: Language, question: str, functions: list[str]) -> str:
+    """The prompt asking the model whether the question is in scope (dental, or the device)."""
     device = _GUARDRAIL_DEVICE[language].format(functions="; ".join(functions)) if functions else ""
     return _GUARDRAIL[language].format(question=question, device=device)
 
@@ -147,6 +150,7 @@ _REFUSAL_DEVICE = {"vi": " và điều khiển thiết bị này", "en": " and w
 
 
 def refusal(language: Language, with_device: bool) -> str:
+    """The answer to an out-of-scope question, mentioning the device when there is one."""
     return REFUSAL[language].format(device=_REFUSAL_DEVICE[language] if with_device else "")
 
 

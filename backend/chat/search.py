@@ -57,6 +57,8 @@ DEFAULT_KB_MIN_SCORE = 2.0
 
 @dataclass(frozen=True, slots=True)
 class SearchResult:
+    """One search result: title, text, link, and where it came from."""
+
     title: str
     content: str
     link: str
@@ -69,6 +71,8 @@ class SearchFailed(BridgeError):
 
 
 class WebSearch(Protocol):
+    """A web search provider."""
+
     async def search(self, query: str, n: int) -> list[SearchResult]:
         """Up to `n` results; raises SearchFailed on any failure."""
         ...
@@ -113,6 +117,7 @@ class DdgsSearch:
         self.safesearch = safesearch
 
     async def search(self, query: str, n: int) -> list[SearchResult]:
+        """Search DuckDuckGo (the `ddgs` library, on a thread); raises SearchFailed."""
         try:
             async with asyncio.timeout(self.timeout_s + 1.0):
                 rows = await asyncio.to_thread(self._search_sync, query, n)
@@ -342,6 +347,7 @@ class GoogleSearch(_HttpSearch):
         _HTTPX_LOG_FILTER.secrets.add(api_key)
 
     async def search(self, query: str, n: int) -> list[SearchResult]:
+        """Search Google's Custom Search JSON API (at most 10 results); raises SearchFailed."""
         num = max(1, min(n, 10))  # the API answers 400 to num > 10
         params: dict[str, str | int] = {"key": self._key, "cx": self.engine_id, "q": query}
         params["num"] = num
@@ -393,6 +399,7 @@ class SearxngSearch(_HttpSearch):
             _HTTPX_LOG_FILTER.secrets.add(password)
 
     async def search(self, query: str, n: int) -> list[SearchResult]:
+        """Search a SearxNG instance's JSON API; raises SearchFailed."""
         answer = await self._get_json(self.url, {"q": query, "format": "json"})
         if not isinstance(answer, dict):
             raise self._failed("the answer is not a SearxNG result object")
@@ -421,9 +428,11 @@ class FallbackSearch:
 
     @property
     def names(self) -> list[str]:
+        """The providers' names, in the order they are tried."""
         return [provider_name(provider) for provider in self.providers]
 
     async def search(self, query: str, n: int) -> list[SearchResult]:
+        """The first results any provider finds, in order; raises SearchFailed when all fail."""
         failures: list[str] = []
         answered = False
         for provider in self.providers:
@@ -476,6 +485,8 @@ def web_search_from_settings(settings: "Settings") -> FallbackSearch | None:
 
 
 class KbEntry(BaseModel):
+    """One entry of the bundled dental knowledge base."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     id: str
@@ -565,10 +576,12 @@ class KnowledgeBase:
 
     @classmethod
     def bundled(cls, *, min_score: float = DEFAULT_KB_MIN_SCORE) -> "KnowledgeBase":
+        """The knowledge base shipped in `data/dental_kb.json`."""
         text = resources.files("backend.chat").joinpath("data/dental_kb.json").read_text("utf-8")
         return cls(_KbFile.model_validate(json.loads(text)).entries, min_score=min_score)
 
     def scores(self, query: str) -> list[float]:
+        """The BM25 score of every entry for the query, in entry order."""
         terms = set(kb_terms(query))
         scores = []
         for doc, length in zip(self._docs, self._lengths, strict=True):

@@ -146,6 +146,7 @@ class InputMessage(BaseModel):
 
     @property
     def text(self) -> str:
+        """The message's text (the text parts of a multi-part content)."""
         if isinstance(self.content, str):
             return self.content
         parts = self.content or []
@@ -188,6 +189,7 @@ class TurnRequest(BaseModel):
 
     @property
     def query(self) -> str:
+        """The question: `text`, else the last user message."""
         if self.text is not None:
             return self.text
         for message in reversed(self.messages):
@@ -301,10 +303,12 @@ class ToolRun:
 
     @property
     def ok(self) -> bool:
+        """Whether the call ran and the tool did not report an error."""
         return not (self.outcome.failed or self.outcome.is_error)
 
     @property
     def needs_confirmation(self) -> bool:
+        """Whether the call was held back for the user's confirmation."""
         return self.outcome.needs_confirmation is not None
 
     def event(self) -> ToolCompleted | ToolFailed:
@@ -423,6 +427,7 @@ class ChatService:
         return bounded_summary(summary, self.summary_max_chars, self.summary_max_tokens)
 
     async def aclose(self) -> None:
+        """Close the LLM provider's clients."""
         if self.llm is not None:
             await self.llm.aclose()
 

@@ -25,6 +25,7 @@ def fold(text: str) -> str:
 
 
 def nfc_lower(text: str) -> str:
+    """The text NFC-normalized and lowercased (accents kept)."""
     return unicodedata.normalize("NFC", text).lower()
 
 
@@ -34,10 +35,12 @@ def words(text: str) -> list[str]:
 
 
 def folded_words(text: str) -> list[str]:
+    """The words of the text with accents folded away."""
     return _WORD.findall(fold(text))
 
 
 def has_vietnamese_letters(text: str) -> bool:
+    """Whether the text has a Vietnamese letter (ă, â, đ, ê, ô, ơ, ư or a toned vowel)."""
     return any(char in _VI_LETTERS for char in nfc_lower(text))
 
 

@@ -30,6 +30,7 @@ def warm() -> None:
 
 
 def count_tokens(text: str) -> int:
+    """The text's length in tiktoken tokens (`ENCODING`), the unit of the context budgets."""
     if not text:
         return 0
     return len(_encoding().encode(text, disallowed_special=()))

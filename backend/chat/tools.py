@@ -43,21 +43,27 @@ class ToolOutcome:
 
 
 class ToolBox(Protocol):
-    @property
-    def unavailable_reason(self) -> str | None: ...
+    """What a turn may call (see the module docstring)."""
 
-    def functions(self) -> list[FunctionSpec]: ...
+    @property
+    def unavailable_reason(self) -> str | None:
+        """Why no tool may be called (e.g. a missing scope), or None."""
+
+    def functions(self) -> list[FunctionSpec]:
+        """The functions to offer the model."""
 
     def external_functions(self) -> list[FunctionSpec]:
         """The part of `functions()` that is not the device's (external MCP servers): offered
         on every turn, while the device's wait for a turn about the device."""
         ...
 
-    def device_tool_name(self, llm_name: str) -> str: ...
+    def device_tool_name(self, llm_name: str) -> str:
+        """The tool an LLM function name stands for, for events and logs."""
 
     async def call(
         self, llm_name: str, arguments: dict[str, Any], *, confirmed: bool = False
-    ) -> ToolOutcome: ...
+    ) -> ToolOutcome:
+        """Call the function's tool; failures come back as an error outcome, never raised."""
 
 
 class ToolSource(Protocol):
@@ -65,7 +71,8 @@ class ToolSource(Protocol):
 
     device_id: str
 
-    def tool_list(self, *, include_user_only: bool = True) -> list[Tool]: ...
+    def tool_list(self, *, include_user_only: bool = True) -> list[Tool]:
+        """The device's tools (see `Device.tool_list`)."""
 
     async def call_tool(
         self,
@@ -75,7 +82,8 @@ class ToolSource(Protocol):
         timeout_s: float | None = None,
         confirmed: bool = False,
         actor: str | None = None,
-    ) -> CallResult: ...
+    ) -> CallResult:
+        """Call a device tool (see `Device.call_tool`)."""
 
 
 class DeviceToolBox:
@@ -100,6 +108,7 @@ class DeviceToolBox:
 
     @property
     def device_id(self) -> str:
+        """The id of the device whose tools these are."""
         return self.source.device_id
 
     def refresh(self) -> None:
@@ -115,13 +124,16 @@ class DeviceToolBox:
         ]
 
     def functions(self) -> list[FunctionSpec]:
+        """The device's model-visible tools as functions, refreshed if its tool list changed."""
         self.refresh()
         return list(self._functions)
 
     def external_functions(self) -> list[FunctionSpec]:
+        """None: a device's own tools only."""
         return []  # a device's own tools only
 
     def device_tool_name(self, llm_name: str) -> str:
+        """The device's MCP tool name (the LLM name itself when unknown)."""
         try:
             return self._names.from_llm(llm_name)
         except UnknownToolName:
@@ -130,6 +142,7 @@ class DeviceToolBox:
     async def call(
         self, llm_name: str, arguments: dict[str, Any], *, confirmed: bool = False
     ) -> ToolOutcome:
+        """Call the device tool; unavailability, refusals and failures become error outcomes."""
         if self.unavailable_reason is not None:
             return ToolOutcome(f"error: {self.unavailable_reason}", is_error=True, failed=True)
         try:
@@ -175,15 +188,19 @@ class NoTools:
     unavailable_reason: str | None = None
 
     def functions(self) -> list[FunctionSpec]:
+        """No functions."""
         return []
 
     def external_functions(self) -> list[FunctionSpec]:
+        """No functions."""
         return []
 
     def device_tool_name(self, llm_name: str) -> str:
+        """The name itself."""
         return llm_name
 
     async def call(
         self, llm_name: str, arguments: dict[str, Any], *, confirmed: bool = False
     ) -> ToolOutcome:
+        """An error outcome: there is no function to call."""
         return ToolOutcome(f"error: there is no function {llm_name!r}", is_error=True, failed=True)

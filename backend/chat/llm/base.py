@@ -46,6 +46,8 @@ class ToolCall:
 
 @dataclass(frozen=True, slots=True)
 class Message:
+    """One chat message to a provider, with the tool calls it made or the call it answers."""
+
     role: Role
     content: str = ""
     tool_calls: tuple[ToolCall, ...] = ()
@@ -55,6 +57,8 @@ class Message:
 
 @dataclass(frozen=True, slots=True)
 class TextDelta:
+    """A piece of streamed answer text."""
+
     text: str
 
 
@@ -86,6 +90,8 @@ class TokenCount:
 
 @dataclass(frozen=True, slots=True)
 class Completion:
+    """A whole (non-streamed) answer: text, tool calls, finish reason, token usage."""
+
     text: str
     tool_calls: tuple[ToolCall, ...] = ()
     finish_reason: str | None = None
@@ -145,7 +151,8 @@ class LlmProvider(Protocol):
         """The model names the service offers (sorted). Raises LlmUnavailable / LlmError."""
         ...
 
-    async def aclose(self) -> None: ...
+    async def aclose(self) -> None:
+        """Close the provider's HTTP clients."""
 
 
 @dataclass(slots=True)
@@ -157,6 +164,7 @@ class ToolCallBuilder:
     fragments: list[str] = field(default_factory=list)
 
     def finish(self, fallback_id: str) -> ToolCall:
+        """The streamed call as a `ToolCall` (`fallback_id` when the stream gave none)."""
         return tool_call_from_text(self.id or fallback_id, self.name, "".join(self.fragments))
 
 

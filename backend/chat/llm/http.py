@@ -49,6 +49,7 @@ class HttpProvider:
         )
 
     async def aclose(self) -> None:
+        """Close both HTTP clients."""
         await self._client.aclose()
         await self._fresh.aclose()
 
@@ -74,12 +75,15 @@ class HttpProvider:
 
     @staticmethod
     def wire_message(message: Message) -> dict[str, Any]:
+        """A message in the provider's wire format (each provider has its own)."""
         raise NotImplementedError
 
     def add_options(self, body: dict[str, Any], tools: bool, sampling: Sampling) -> None:
+        """Add the provider's tool and sampling options to a request body."""
         raise NotImplementedError
 
     async def post_json(self, url: str, body: dict[str, Any]) -> Any:
+        """POST a JSON body (with retry), return the JSON answer; raises LlmError."""
         try:
             response = await self._send_with_retry(url, body, stream=False)
             await response.aread()
@@ -160,6 +164,7 @@ def model_names(items: Any, key: str) -> list[str]:
 
 
 def wire_tool(spec: FunctionSpec) -> dict[str, Any]:
+    """A function spec as an OpenAI/Ollama `tools` entry."""
     return {
         "type": "function",
         "function": {

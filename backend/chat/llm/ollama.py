@@ -63,10 +63,13 @@ class _Reply(BaseModel):
 
 
 class OllamaProvider(HttpProvider):
+    """An Ollama server's native `/api/chat`."""
+
     name = "ollama"
 
     @property
     def url(self) -> str:
+        """The `/api/chat` URL."""
         return f"{self.base_url}/api/chat"
 
     async def list_models(self) -> list[str]:
@@ -75,6 +78,7 @@ class OllamaProvider(HttpProvider):
         return model_names(data.get("models") if isinstance(data, dict) else None, "name")
 
     def add_options(self, body: dict[str, Any], tools: bool, sampling: Sampling) -> None:
+        """Sampling goes in Ollama's `options` (`num_predict` for max tokens)."""
         options: dict[str, Any] = {}
         if sampling.max_tokens is not None:
             options["num_predict"] = sampling.max_tokens
@@ -89,6 +93,7 @@ class OllamaProvider(HttpProvider):
 
     @staticmethod
     def wire_message(message: Message) -> dict[str, Any]:
+        """A message as Ollama takes it (a tool result names its function in `tool_name`)."""
         if message.role == "tool":
             wire = {"role": "tool", "content": message.content}
             if message.name:
@@ -110,6 +115,7 @@ class OllamaProvider(HttpProvider):
         tools: Sequence[FunctionSpec] = (),
         sampling: Sampling = ANY_SAMPLING,
     ) -> Completion:
+        """One whole answer from `/api/chat`; raises LlmError."""
         data = await self.post_json(self.url, self.body(messages, model, tools, sampling, False))
         reply = _parse(data)
         message = reply.message or _ReplyMessage()
@@ -123,6 +129,7 @@ class OllamaProvider(HttpProvider):
         tools: Sequence[FunctionSpec] = (),
         sampling: Sampling = ANY_SAMPLING,
     ) -> AsyncIterator[StreamItem]:
+        """Stream from `/api/chat`: text deltas, tool calls, then the end; raises LlmError."""
         calls: list[ToolCall] = []
         body = self.body(messages, model, tools, sampling, True)
         end: StreamEnd | None = None

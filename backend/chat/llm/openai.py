@@ -82,15 +82,19 @@ _SAMPLING_FIELDS = (
 
 
 class OpenAiProvider(HttpProvider):
+    """An OpenAI-compatible `/v1/chat/completions` server."""
+
     name = "openai"
 
     @property
     def url(self) -> str:
+        """The chat completions URL under the base URL (with or without its `/v1`)."""
         base = self.base_url
         return f"{base}/chat/completions" if base.endswith("/v1") else f"{base}/v1/chat/completions"
 
     @property
     def models_url(self) -> str:
+        """The models URL under the base URL (with or without its `/v1`)."""
         base = self.base_url
         return f"{base}/models" if base.endswith("/v1") else f"{base}/v1/models"
 
@@ -100,6 +104,7 @@ class OpenAiProvider(HttpProvider):
         return model_names(data.get("data") if isinstance(data, dict) else None, "id")
 
     def add_options(self, body: dict[str, Any], tools: bool, sampling: Sampling) -> None:
+        """`tool_choice: auto` with tools, usage in streams, the sampling fields that are set."""
         if tools:
             body["tool_choice"] = "auto"
         if body["stream"]:
@@ -113,6 +118,7 @@ class OpenAiProvider(HttpProvider):
 
     @staticmethod
     def wire_message(message: Message) -> dict[str, Any]:
+        """A message in OpenAI's shape (tool results by `tool_call_id`)."""
         if message.role == "tool":
             return {
                 "role": "tool",
@@ -140,6 +146,7 @@ class OpenAiProvider(HttpProvider):
         tools: Sequence[FunctionSpec] = (),
         sampling: Sampling = ANY_SAMPLING,
     ) -> Completion:
+        """One whole answer; raises LlmError, also when the reply has no message."""
         data = await self.post_json(self.url, self.body(messages, model, tools, sampling, False))
         reply = _parse(data)
         if not reply.choices or reply.choices[0].message is None:
@@ -165,6 +172,7 @@ class OpenAiProvider(HttpProvider):
         tools: Sequence[FunctionSpec] = (),
         sampling: Sampling = ANY_SAMPLING,
     ) -> AsyncIterator[StreamItem]:
+        """Stream: text deltas, tool calls assembled from fragments, the end; raises LlmError."""
         builders: dict[int, ToolCallBuilder] = {}
         body = self.body(messages, model, tools, sampling, True)
         done = said = False
