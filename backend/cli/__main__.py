@@ -1,3 +1,5 @@
+"""`python -m backend.cli`: the same command line as `esp32-bridge`."""
+
 from backend.cli.main import main
 
 main()

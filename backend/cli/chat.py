@@ -27,6 +27,7 @@ class ChatPrinter:
         self.conversation_id: str | None = None
 
     def event(self, event: dict[str, Any]) -> None:
+        """Print one stream event."""
         kind = event.get("type")
         if kind == "token":
             text = str(event.get("token", ""))

@@ -59,9 +59,11 @@ class AdminClient:
                 return devices
 
     def device(self, device_id: str) -> dict[str, Any]:
+        """The device's row; raises AdminError."""
         return _object(self._request("GET", f"/api/devices/{quote(device_id, safe='')}"))
 
     def forget(self, device_id: str) -> None:
+        """Forget an offline device; raises AdminError."""
         self._request("DELETE", f"/api/devices/{quote(device_id, safe='')}")
 
     def tools(self, device_id: str, *, include_user_only: bool = True) -> dict[str, Any]:
@@ -79,6 +81,7 @@ class AdminClient:
         *,
         confirm: bool = False,
     ) -> dict[str, Any]:
+        """Call a device tool (with `confirm` for a risky one); raises AdminError."""
         body: dict[str, Any] = {"name": name, "arguments": arguments}
         if timeout_s is not None:
             body["timeout_s"] = timeout_s
@@ -101,25 +104,31 @@ class AdminClient:
         return _object(self._request("POST", "/api/keys", json=body))
 
     def keys(self, *, include_revoked: bool = True) -> list[dict[str, Any]]:
+        """The API keys (revoked ones too unless told otherwise); raises AdminError."""
         params = {"revoked": "true" if include_revoked else "false"}
         listed: list[dict[str, Any]] = _object(self._request("GET", "/api/keys", params))["keys"]
         return listed
 
     def revoke_key(self, key_id: str) -> dict[str, Any]:
+        """Revoke an API key; raises AdminError."""
         return _object(self._request("DELETE", f"/api/keys/{quote(key_id, safe='')}"))
 
     # ---- provisioning, firmware releases, audit (scope admin) ---------------------------------
 
     def get(self, path: str, params: dict[str, str] | None = None) -> dict[str, Any]:
+        """GET an API path, expecting a JSON object; raises AdminError."""
         return _object(self._request("GET", path, params))
 
     def post(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """POST a JSON body, expecting a JSON object; raises AdminError."""
         return _object(self._request("POST", path, json=body or {}))
 
     def put(self, path: str, body: dict[str, Any]) -> Any:
+        """PUT a JSON body; the JSON answer (None for 204); raises AdminError."""
         return self._request("PUT", path, json=body)
 
     def delete(self, path: str) -> Any:
+        """DELETE an API path; the JSON answer (None for 204); raises AdminError."""
         return self._request("DELETE", path)
 
     def upload(self, path: str, file: Path, timeout_s: float = 300.0) -> dict[str, Any]:
@@ -132,6 +141,7 @@ class AdminClient:
         return _object(response.json())
 
     def text(self, path: str) -> str:
+        """GET a path whose answer is text (e.g. a mosquitto password file); raises AdminError."""
         with self._errors():
             response = self._http.get(path)
         if not response.is_success:

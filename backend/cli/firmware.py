@@ -249,7 +249,6 @@ def releases(
     data_dir: DataDirOpt = None,
 ) -> None:
     """Published firmware: board, version, size, SHA-256, downloads since the bridge started."""
-
     with admin_client(server, token, data_dir, None) as admin:
         rows = admin.get("/api/firmware")["releases"]
     if as_json:

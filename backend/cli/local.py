@@ -12,6 +12,7 @@ from backend.runtime import RUNTIME_FILE, read_runtime_file
 
 
 def cli_settings(config: Path | None = None, **overrides: Any) -> Settings:
+    """The settings (file, environment, overrides); a config error exits with status 2."""
     try:
         return load_settings(config, **overrides)
     except ConfigError as exc:
@@ -101,10 +102,12 @@ def local_ota_url(settings: Settings, alternatives: str = SIMULATE_ALTERNATIVES)
 
 
 def device_token(settings: Settings) -> str | None:
+    """The shared device token: the setting, else the data-dir file, else None."""
     return _secret(settings.device_token) or read_token(settings.data_dir, DEVICE_TOKEN_FILE)
 
 
 def admin_token(settings: Settings) -> str | None:
+    """The admin token: the setting, else the data-dir file, else None."""
     return _secret(settings.admin_token) or read_token(settings.data_dir, ADMIN_TOKEN_FILE)
 
 

@@ -303,6 +303,8 @@ def simulate(
 
 @dataclass(frozen=True)
 class VoiceRequest:
+    """What `simulate --say/--speak` asks the simulated devices to say, and how."""
+
     say: str | None
     speak: Path | None
     save: Path | None
@@ -511,4 +513,5 @@ def listen_advice(exc: ListenError) -> str:
 
 
 def main() -> None:
+    """The `esp32-bridge` entry point."""
     app()

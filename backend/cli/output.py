@@ -21,10 +21,12 @@ def fail(message: str, code: int = 1) -> typer.Exit:
 
 
 def warn(message: str) -> None:
+    """Print a warning to stderr."""
     err_console.print(f"[yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
 def say(text: str) -> None:
+    """Print plain text to stdout (no markup, no highlighting)."""
     console.print(text, highlight=False, markup=False, soft_wrap=True)
 
 

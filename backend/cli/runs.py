@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 
 async def run_bridge(settings: Settings) -> None:
+    """Run the bridge in the foreground (`serve`): lock the data dir, start, say where."""
     configure_logging(settings.log_level, settings.log_format)
     raise_open_file_limit()
     with data_dir_lock(settings.data_dir), data_dir_errors(settings.data_dir):

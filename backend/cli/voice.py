@@ -58,6 +58,8 @@ class VoiceLink:
 
 @dataclass(frozen=True)
 class TurnOptions:
+    """How a simulated device speaks a turn: codec, protocol version, listen mode, timeout."""
+
     codec: Codec = "opus"
     protocol_version: int = 1  # WebSocket only: the MQTT hello is always version 3
     mode: Mode = "auto"
