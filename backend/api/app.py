@@ -61,6 +61,8 @@ class ApiError(Exception):
 
 
 class ToolCallRequest(BaseModel):
+    """The body of `POST /api/devices/{id}/tools/call`: tool, arguments, timeout (s), confirm."""
+
     name: str = Field(min_length=1)
     arguments: dict[str, Any] = Field(default_factory=dict)
     timeout_s: float | None = Field(default=None, gt=0, le=600)
@@ -68,18 +70,24 @@ class ToolCallRequest(BaseModel):
 
 
 class ToolCallResponse(BaseModel):
+    """The device's tools/call result (MCP `content`, `isError`) and how long it took in ms."""
+
     content: list[dict[str, Any]]
     isError: bool
     duration_ms: float
 
 
 class DeviceList(BaseModel):
+    """One page of `GET /api/devices`: rows, the cursor of the next page, the total."""
+
     devices: list[dict[str, Any]]
     next_cursor: str | None
     total: int
 
 
 class ToolList(BaseModel):
+    """A device's tools; `cached` when the device is offline and they are the last ones read."""
+
     device_id: str
     state: str
     cached: bool

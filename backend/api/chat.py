@@ -102,6 +102,7 @@ def check_text(value: Any, where: str = "") -> None:
 
 
 def unknown_model(model: str) -> ApiError:
+    """The 404 for a model this bridge does not serve (OpenAI's `model_not_found`)."""
     return ApiError(
         404, "model_not_found", f"no model {model[:80]!r}; this bridge serves {MODEL_ID!r}"
     )
@@ -121,6 +122,8 @@ class StreamRequest(RequestModels):
 
 
 class ModelDefaults(BaseModel):
+    """The provider's configured models: for the chat and for the guardrail."""
+
     chat: str | None
     guardrail: str | None
 
@@ -157,6 +160,7 @@ def check_models_allowed(
 
 
 async def provider_models(chat: ChatService, allowed: frozenset[str] | None = None) -> ChatModels:
+    """The provider's models (only `allowed` ones); a failing one gives `error`, not a raise."""
     llm = chat.llm
     if llm is None:
         return ChatModels(
@@ -241,6 +245,7 @@ def seed_event(event: ChatEvent) -> dict[str, Any]:
 
 
 def sse(data: dict[str, Any] | str) -> bytes:
+    """One Server-Sent Events `data:` frame of JSON (or of a literal such as `[DONE]`)."""
     text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
     return f"data: {text}\n\n".encode()
 

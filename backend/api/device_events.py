@@ -61,6 +61,8 @@ ADMIN_KEY_ID = "admin"  # the admin token's principal: no key to revoke
 
 
 class WhoAmI(BaseModel):
+    """The answer of `GET /api/whoami`: the caller's key, scopes and devices."""
+
     key_id: str
     name: str
     scopes: list[str]
@@ -69,6 +71,7 @@ class WhoAmI(BaseModel):
 
 
 def whoami_of(principal: Principal) -> WhoAmI:
+    """The caller as `GET /api/whoami` shows it (scopes and devices sorted)."""
     return WhoAmI(
         key_id=principal.key_id,
         name=principal.name,
@@ -131,6 +134,7 @@ class DeviceStream:
         self._wake.set()
 
     async def frames(self) -> AsyncIterator[bytes]:
+        """The SSE frames: snapshot, `ready`, then coalesced changes and pings until the end."""
         # Subscribed before the snapshot is read: a change during it is sent after `ready`.
         unsubscribe = self._registry.subscribe(self.on_event)
         try:
@@ -245,6 +249,7 @@ class DeviceStreams:
             stream.close()
 
     def open(self, principal: Principal, *, snapshot_only: bool = False) -> DeviceStream:
+        """A new stream for this caller (already closed if the bridge is stopping)."""
         stream = DeviceStream(
             self._registry,
             principal,
@@ -267,6 +272,7 @@ class DeviceStreams:
             self._open.discard(stream)
 
     def router(self) -> APIRouter:
+        """The routes `GET /api/whoami` and `GET /api/fleet/events`."""
         router = APIRouter()
 
         @router.get(WHOAMI_PATH)

@@ -125,6 +125,7 @@ def openai_status(path: str, status: int, code: str) -> tuple[int, str]:
 
 
 def error_body(status: int, code: str, message: str, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error JSON: `{"error": {message, type, param, code}}`."""
     return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
 
 
@@ -154,6 +155,8 @@ def param_of(location: Sequence[int | str]) -> str | None:
 
 
 class ErrorDetail(BaseModel):
+    """The `error` object of every API error answer (OpenAI's shape)."""
+
     message: str = Field(description="what went wrong, for a person")
     type: str = Field(
         description="OpenAI's error type: invalid_request_error, permission_error, "

@@ -51,6 +51,8 @@ class BodyTooLarge(Exception):
 
 
 class AdminGate:
+    """The ASGI middleware that authenticates and caps every request (see the module docstring)."""
+
     def __init__(
         self,
         app: AsgiApp,
@@ -78,6 +80,7 @@ class AdminGate:
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Authenticate an HTTP request and cap its body, or refuse it before a byte is read."""
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return

@@ -16,6 +16,8 @@ Admin = Annotated[Principal, Depends(needs(Scope.ADMIN))]
 
 
 class KeyCreate(BaseModel):
+    """The body of `POST /api/keys`: name, scopes, optional device ids."""
+
     name: str = Field(min_length=1, max_length=100)  # KeyStore.create checks it too
     scopes: list[str] = Field(
         min_length=1,
@@ -35,6 +37,8 @@ class KeyCreate(BaseModel):
 
 
 class KeyView(BaseModel):
+    """An API key as listed (never its token)."""
+
     id: str
     name: str
     scopes: list[str]
@@ -46,14 +50,19 @@ class KeyView(BaseModel):
 
 
 class CreatedKeyView(KeyView):
+    """A key just created, with its token (shown this once)."""
+
     token: str = Field(description="shown once: the bridge keeps only its hash")
 
 
 class KeyList(BaseModel):
+    """The answer of `GET /api/keys`."""
+
     keys: list[KeyView]
 
 
 def key_view(key: ApiKey) -> dict[str, Any]:
+    """The key as the API shows it, times as ISO-8601."""
     return {
         "id": key.id,
         "name": key.name,
@@ -67,6 +76,7 @@ def key_view(key: ApiKey) -> dict[str, Any]:
 
 
 def keys_router(keys: KeyStore) -> APIRouter:
+    """The admin routes of API keys (`/api/keys`): create, list, revoke."""
     router = APIRouter(prefix="/api/keys", tags=["keys"])
 
     @router.post("", status_code=201, responses=errors(503))

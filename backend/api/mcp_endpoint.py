@@ -155,6 +155,7 @@ def safe_device_ids(device_ids: list[str]) -> dict[str, str]:
 
 
 def forbidden(message: str, scope: KeyScope, principal: Principal) -> MCPError:
+    """The MCP error for a key that lacks `scope`, naming the scope needed and the key's scopes."""
     data = {"required_scope": str(scope), "key_scopes": sorted(principal.scopes)}
     return MCPError(FORBIDDEN, message, data)
 
@@ -242,6 +243,7 @@ class McpEndpoint:
         self._sessions.clear()
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Serve one `/mcp` request, its session bound to the caller's key."""
         principal = principal_of(HTTPConnection(scope))
         # Bind each session to the key that opened it (the SDK compares this identity).
         token = AccessToken(token="", client_id=principal.key_id, scopes=sorted(principal.scopes))

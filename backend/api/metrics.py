@@ -102,12 +102,14 @@ class MetricsListener:
 
     @property
     def url(self) -> str:
+        """The URL of `/metrics` on this listener."""
         assert self._socket is not None, "metrics listener not started"
         port: int = self._socket.getsockname()[1]
         host = f"[{self._host}]" if ":" in self._host else self._host
         return f"http://{host}:{port}{METRICS_PATH}"
 
     async def start(self) -> None:
+        """Bind the listener and serve until `stop`; raises a clear error when the port is taken."""
         self._socket = _bind(self._host, self._port)
         config = uvicorn.Config(self._app, log_config=None, access_log=False, lifespan="off")
         self._server = _Server(config)
@@ -119,6 +121,7 @@ class MetricsListener:
             await asyncio.sleep(0.01)
 
     async def stop(self) -> None:
+        """Stop serving and close the socket."""
         if self._server is not None and self._task is not None:
             self._server.should_exit = True
             await self._task

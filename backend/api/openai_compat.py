@@ -32,6 +32,8 @@ OWNER = "esp32-mcp-bridge"
 
 
 class StreamOptions(BaseModel):
+    """OpenAI's `stream_options`."""
+
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
@@ -39,6 +41,8 @@ class StreamOptions(BaseModel):
 
 
 class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`; only `text` is served (the JSON modes are refused with a 400)."""
+
     model_config = ConfigDict(extra="allow")
 
     type: Literal["text", "json_object", "json_schema"]
@@ -96,6 +100,7 @@ class CompletionRequest(RequestModels):
     device_id: str | None = Field(default=None, description="use this device's tools")
 
     def sampling(self) -> Sampling:
+        """The request's sampling settings (the smaller token limit wins)."""
         limits = [n for n in (self.max_tokens, self.max_completion_tokens) if n is not None]
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return Sampling(
@@ -186,6 +191,7 @@ def _refusals(body: CompletionRequest) -> list[tuple[str, str]]:
 
 
 def usage_json(usage: TurnUsage | None) -> dict[str, int] | None:
+    """OpenAI's `usage` object of a turn, or None when the provider gave none."""
     if usage is None:
         return None
     return {
@@ -205,6 +211,7 @@ class CompletionShape:
         self.conversation_id = conversation_id
 
     def base(self, kind: Literal["chat.completion", "chat.completion.chunk"]) -> dict[str, Any]:
+        """The fields every completion object and chunk shares."""
         data: dict[str, Any] = {
             "id": self.id,
             "object": kind,
@@ -217,6 +224,7 @@ class CompletionShape:
         return data
 
     def whole(self, answer: str, finish: str, usage: TurnUsage | None) -> dict[str, Any]:
+        """A whole `chat.completion` (non-streamed)."""
         return {
             **self.base("chat.completion"),
             "choices": [
@@ -231,8 +239,10 @@ class CompletionShape:
         }
 
     def chunk(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        """One `chat.completion.chunk` with this delta."""
         choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
         return {**self.base("chat.completion.chunk"), "choices": [choice]}
 
     def usage_chunk(self, usage: TurnUsage | None) -> dict[str, Any]:
+        """The last chunk, with no choice and the turn's usage (`include_usage`)."""
         return {**self.base("chat.completion.chunk"), "choices": [], "usage": usage_json(usage)}

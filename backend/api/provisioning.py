@@ -51,15 +51,21 @@ TransportName = Literal["websocket", "mqtt"]
 
 
 class ApproveRequest(BaseModel):
+    """The body of an approval: the pending request's code or device, and the transport to use."""
+
     target: str = Field(min_length=1, max_length=128)
     transport: TransportName | None = None
 
 
 class TransportRequest(BaseModel):
+    """The transport a device is told to use (null: the bridge's default)."""
+
     transport: TransportName | None
 
 
 class EnrollmentRequest(BaseModel):
+    """The body of a new enrollment code: name, uses, lifetime in seconds, transport."""
+
     name: str = Field("enrollment", max_length=100)
     uses: int = Field(1, ge=1, le=1_000_000)
     ttl_s: float | None = Field(3600.0, gt=0, le=366 * 86400)  # at most a year
@@ -67,6 +73,8 @@ class EnrollmentRequest(BaseModel):
 
 
 class SerialKeyRequest(BaseModel):
+    """The HMAC key of a serial number, as 16 to 64 bytes of hex."""
+
     key: str = Field(
         min_length=32,
         max_length=128,
@@ -77,6 +85,8 @@ class SerialKeyRequest(BaseModel):
 
 
 class PublishRequest(BaseModel):
+    """The body of publishing a firmware file already in the releases folder."""
+
     board: str = Field(min_length=1, max_length=64, json_schema_extra={"pattern": BOARD_PATTERN})
     version: str = Field(
         min_length=1, max_length=40, json_schema_extra={"pattern": VERSION_PATTERN}
@@ -90,6 +100,7 @@ class PublishRequest(BaseModel):
 
 
 def provisioning_router(service: Provisioning, audit: AuditLog) -> APIRouter:
+    """Admin routes of provisioning: requests, devices, enrollment codes, serial keys, releases."""
     router = APIRouter()
     store = service.store
 

@@ -48,6 +48,7 @@ def set_enabled(enabled: bool) -> None:
 
 
 def enabled() -> bool:
+    """Whether recording is on (the setting `metrics_enabled`)."""
     return _enabled
 
 
@@ -105,11 +106,15 @@ DEVICE_STATES = ("connecting", "initializing", "ready", "failed")
 
 
 class LiveDevice(Protocol):
-    @property
-    def transport(self) -> str: ...
+    """A live device as the gauge reads it."""
 
     @property
-    def state(self) -> str: ...
+    def transport(self) -> str:
+        """The transport's name (`websocket`, `mqtt`, `browser`)."""
+
+    @property
+    def state(self) -> str:
+        """The device's state value."""
 
 
 class DeviceSource(Protocol):
@@ -118,7 +123,8 @@ class DeviceSource(Protocol):
     def __iter__(self) -> Iterator[LiveDevice]: ...
 
     @property
-    def known_count(self) -> int: ...
+    def known_count(self) -> int:
+        """How many devices are remembered, online or not."""
 
 
 class _DeviceCollector(Collector):
@@ -164,6 +170,7 @@ def watch_devices(source: DeviceSource) -> None:
 
 
 def unwatch_devices(source: DeviceSource) -> None:
+    """Stop counting `source`'s devices (the bridge stopped)."""
     _devices.sources.discard(source)
 
 
@@ -213,11 +220,13 @@ def _pair(transport: str, reason: str, known: tuple[str, ...]) -> tuple[str, str
 
 
 def record_connection_refused(transport: str, reason: str) -> None:
+    """Count a TCP connection dropped at accept time, by transport and reason."""
     if _enabled:
         _connection_refusal[_pair(transport, reason, CONNECTION_REFUSALS)].inc()
 
 
 def record_handshake_refused(transport: str, reason: str) -> None:
+    """Count a device handshake refused, by transport and reason."""
     if _enabled:
         _handshake_refusal[_pair(transport, reason, HANDSHAKE_REFUSALS)].inc()
 
@@ -281,10 +290,12 @@ class LinkMetrics:
         self.text_in, self.text_out, self.audio_in, self.audio_out = _flows[self.transport]
 
     def dropped(self, reason: str) -> None:
+        """Count a frame dropped on this transport, by reason."""
         if _enabled:
             _dropped_child[_pair(self.transport, reason, DROP_REASONS)].inc()
 
     def cut_off(self, reason: str) -> None:
+        """Count a device cut off on this transport, by reason."""
         if _enabled:
             _cut_off_child[_pair(self.transport, reason, CUT_OFF_REASONS)].inc()
 
@@ -340,6 +351,7 @@ def link_metrics(transport: str) -> LinkMetrics:
 
 
 def record_cut_off(transport: str, reason: str) -> None:
+    """Count a device cut off on `transport`, by reason."""
     link_metrics(transport).cut_off(reason)
 
 
@@ -415,6 +427,7 @@ def record_mcp_call(outcome: str, seconds: float) -> None:
 
 
 def record_tool_relist(ok: bool) -> None:
+    """Count a re-list of a device's tools after `list_changed`, as ok or failed."""
     if _enabled:
         _relist_children["ok" if ok else "failed"].inc()
 
@@ -521,9 +534,11 @@ class WriteQueue(Protocol):
     """A write-behind writer as the gauge reads it."""
 
     @property
-    def name(self) -> str: ...
+    def name(self) -> str:
+        """The writer's name (its `writer` label)."""
 
-    def depth(self) -> int: ...
+    def depth(self) -> int:
+        """How many changes wait for the next flush."""
 
 
 class _QueueCollector(Collector):
@@ -560,14 +575,17 @@ _flush_children = {writer: _flush_seconds.labels(writer) for writer in (*WRITERS
 
 
 def watch_write_queue(queue: WriteQueue) -> None:
+    """Report `queue`'s depth in `bridge_db_write_queue_depth` (held weakly)."""
     _queues.queues.add(queue)
 
 
 def unwatch_write_queue(queue: WriteQueue) -> None:
+    """Stop reporting `queue`'s depth."""
     _queues.queues.discard(queue)
 
 
 def record_flush(writer: str, seconds: float) -> None:
+    """Observe one flush of `writer` in `bridge_db_flush_seconds`."""
     if _enabled:
         _pick(_flush_children, writer).observe(seconds)
 
