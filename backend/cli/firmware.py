@@ -200,8 +200,7 @@ def run_host(
         firmware = firmware_source(source)
         device_config = host_config(config, url, token, _local_endpoint(data_dir))
         say(
-            f"running a copy of {firmware} on the MicroPython unix port (fake HAL); "
-            "Ctrl-C stops it"
+            f"running a copy of {firmware} on the MicroPython unix port (fake HAL); Ctrl-C stops it"
         )
 
         def updated(version: str) -> None:
