@@ -36,6 +36,9 @@ async def _garbage(device: VoiceDevice, packets: int) -> None:
         await device.link.send_audio(os.urandom(80))
 
 
+# Serial: in 1 of 4 parallel runs of scripts/test the garbage sender's second turn came back
+# before its answer (a `tts stop` left over from the garbage, it seems) and the device closed.
+@pytest.mark.serial
 async def test_garbage_opus_is_dropped_and_the_device_and_its_neighbour_still_talk(
     bridge_factory,
 ):
