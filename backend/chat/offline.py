@@ -13,9 +13,10 @@ A combined request ("set the volume to 30 and tell me how long I should brush") 
 clauses; device clauses become tool calls and the rest is answered as a question.
 
 A level asked up or down without a value ("turn it up", "giảm âm lượng") moves by
-`LEVEL_STEP` from the level the device's status tool reports (`DEFAULT_LEVEL` when it reports
-none), within the tool's range. A device request no tool of the device serves ("reboot the
-device" where reboot is kept for the user) is answered as such, never refused as off-topic.
+`LEVEL_STEP` from the level the device's status tool reports, within the tool's range; when it
+reports none, the user is asked for a value (from a guessed level, down could mean louder).
+A device request no tool of the device serves ("reboot the device" where reboot is kept for the
+user) is answered as such, never refused as off-topic.
 """
 
 import json
@@ -49,7 +50,7 @@ from backend.common import clip
 
 DEFAULT_THRESHOLD = 0.7
 LEVEL_STEP = 10  # "turn it up": +10, "turn it down": -10
-DEFAULT_LEVEL = 50  # the level a step starts from when the device does not report one
+DEFAULT_LEVEL = 50  # the placeholder a detected step scores with, before the device's level
 _NUMBER = re.compile(r"(?<![\w.])(-?\d{1,4})(?:\s*(?:%|phần trăm|percent|phan tram))?(?![\w])")
 _QUOTED = re.compile(r"[\"'“”‘’`]([A-Za-z][\w-]{0,30})[\"'“”‘’`]")
 _NAME_SPLIT = re.compile(r"[^a-z0-9]+")
@@ -350,10 +351,13 @@ def _moved(step: Step, current: int | None) -> int:
     return level
 
 
-def stepped(intent: Intent, current: int | None) -> Intent:
-    """The intent with its step taken from `current` (the device's level; None: unknown)."""
+def stepped(intent: Intent, current: int | None) -> Intent | None:
+    """The intent with its step taken from `current`, the level the device reports. None when
+    a step has no level to start from: from a guess, "turn it down" could make it louder."""
     if intent.step is None:
         return intent
+    if current is None:
+        return None
     arguments = {**intent.arguments, intent.step.argument: _moved(intent.step, current)}
     return Intent(
         intent.llm_name,

@@ -939,7 +939,11 @@ class ChatService:
                             current = found_item
                         else:
                             yield found_item
-                    intent = stepped(intent, current)
+                    moved = stepped(intent, current)
+                    if moved is None:  # the device does not say where it is: ask for a value
+                        parts.append(rejected_reply(intent, turn.language))
+                        continue
+                    intent = moved
                 async for item in self._run_tool(turn, intent.llm_name, intent.arguments):
                     if not isinstance(item, ToolRun):
                         yield item
