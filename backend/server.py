@@ -26,6 +26,7 @@ from backend.api.device_events import DeviceStreams
 from backend.api.metrics import MetricsListener, metrics_app, metrics_router
 from backend.api.provisioning import provisioning_router
 from backend.auth import Tokens, ensure_tokens
+from backend.common import reachable_host, tcp_listener, url_host
 from backend.config import Settings
 from backend.console import console_routes
 from backend.devices import DeviceRegistry
@@ -219,7 +220,7 @@ class Bridge:
     @property
     def api_url(self) -> str:
         """The API's base URL."""
-        return f"http://{self.settings.http_host}:{self.http_port}"
+        return f"http://{url_host(reachable_host(self.settings.http_host))}:{self.http_port}"
 
     def endpoints(self) -> dict[str, str]:
         """The device endpoints of every started transport, by name."""
@@ -285,7 +286,7 @@ class Bridge:
     async def _start_api(self) -> None:
         host, port = self.settings.http_host, self.settings.http_port
         with listen_errors("the admin API", host, port, "http"):
-            self._api_socket = _bind(host, port)
+            self._api_socket = tcp_listener(host, port)
         config = uvicorn.Config(
             self.app,
             log_config=None,
@@ -337,17 +338,15 @@ class Bridge:
             log.info("bridge stopped")
         self._running = False
 
-    async def serve_forever(self) -> None:
-        """Run until SIGINT/SIGTERM, then stop gracefully."""
-        loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+    async def serve_forever(self, stop: asyncio.Event | None = None) -> None:
+        """Run until `stop` is set (by default: until SIGINT/SIGTERM), then stop gracefully."""
         try:
-            await stop.wait()
+            if stop is not None:
+                await stop.wait()
+            else:
+                with stop_on_signals() as stopped:
+                    await stopped.wait()
         finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
             await self.stop()
 
     async def __aenter__(self) -> "Bridge":
@@ -363,13 +362,16 @@ class Bridge:
         await self.stop()
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # proto must say TCP: asyncio sets TCP_NODELAY on accepted connections only when it does,
-    # and without it every kept-alive API response waited ~40 ms for a delayed ACK (Nagle).
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(1024)
-    sock.setblocking(False)
-    return sock
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[asyncio.Event]:
+    """An event SIGINT and SIGTERM set while the block runs. Installed before a bridge starts,
+    a SIGTERM that arrives as it writes bridge.json stops it gracefully instead of killing it."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        yield stop
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)

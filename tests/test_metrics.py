@@ -20,6 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.exceptions import InvalidStatus
 
 from backend import metrics
+from backend.auth import Tokens
+from backend.errors import ListenError
 from backend.server import Bridge
 from simulator import stock_ota
 from tests.helpers import (
@@ -28,6 +30,7 @@ from tests.helpers import (
     can_bind,
     create_key,
     eventually,
+    make_settings,
     wait_state,
 )
 from tests.stock_device import CLIENT_ID, WireDevice
@@ -467,3 +470,22 @@ def test_dashboard_and_docs_name_only_families_that_exist() -> None:
     assert used == exposed, exposed - used  # every family has a panel
     documented = re.findall(r"^\| `(bridge_[a-z_]+)`", (repo / "docs/metrics.md").read_text(), re.M)
     assert {re.sub(suffixes, "", name) for name in documented} <= exposed
+
+
+async def test_a_taken_metrics_port_names_itself_and_the_bridge_stops_cleanly(
+    tmp_path: Path,
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        bridge = Bridge(
+            make_settings(tmp_path / "data", metrics_port=port),
+            Tokens(admin=ADMIN_TOKEN, device=DEVICE_TOKEN),
+        )
+        with pytest.raises(ListenError) as refused:
+            await bridge.start()
+    assert (refused.value.setting, refused.value.port) == ("metrics", port)
+    assert "address already in use" in str(refused.value)
+    assert bridge.metrics_listener is None or bridge.metrics_listener._socket is None
+    await bridge.stop()  # a second stop after the failed start is harmless

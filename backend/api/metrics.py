@@ -25,6 +25,8 @@ from starlette.routing import Route
 from backend.api.errors import error_body, errors
 from backend.api.gate import PRINCIPAL, AdminGate, AsgiApp, KeyResolver
 from backend.api.scopes import needs
+from backend.common import reachable_host, tcp_listener, url_host
+from backend.errors import listen_errors
 from backend.keys import Principal, Scope
 from backend.metrics import REGISTRY
 
@@ -105,18 +107,18 @@ class MetricsListener:
         """The URL of `/metrics` on this listener."""
         assert self._socket is not None, "metrics listener not started"
         port: int = self._socket.getsockname()[1]
-        host = f"[{self._host}]" if ":" in self._host else self._host
-        return f"http://{host}:{port}{METRICS_PATH}"
+        return f"http://{url_host(reachable_host(self._host))}:{port}{METRICS_PATH}"
 
     async def start(self) -> None:
         """Bind the listener and serve until `stop`; raises a clear error when the port is taken."""
-        self._socket = _bind(self._host, self._port)
+        with listen_errors("metrics", self._host, self._port, "metrics"):
+            self._socket = tcp_listener(self._host, self._port, backlog=128)
         config = uvicorn.Config(self._app, log_config=None, access_log=False, lifespan="off")
         self._server = _Server(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[self._socket]))
         while not self._server.started:
             if self._task.done():
-                await self._task
+                await self.stop()  # the socket closed, the fields cleared: stop() may follow
                 raise RuntimeError("metrics listener stopped during startup")
             await asyncio.sleep(0.01)
 
@@ -124,18 +126,11 @@ class MetricsListener:
         """Stop serving and close the socket."""
         if self._server is not None and self._task is not None:
             self._server.should_exit = True
-            await self._task
+            # A server that died at startup (uvicorn exits with SystemExit) must not keep the
+            # bridge's own stop() from closing everything else.
+            with contextlib.suppress(BaseException):
+                await self._task
         self._server = self._task = None
         if self._socket is not None:
             self._socket.close()
             self._socket = None
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
-    sock.setblocking(False)
-    return sock

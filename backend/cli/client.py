@@ -34,7 +34,8 @@ class AdminClient:
         self.base_url = base_url.rstrip("/")
         self.token_source = token_source
         self.unreachable_hint = unreachable_hint
-        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s)
+        with self._errors():  # a URL httpx cannot parse fails here, before any request
+            self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s)
 
     def __enter__(self) -> "AdminClient":
         return self
@@ -196,6 +197,8 @@ class AdminClient:
             ) from None
         except httpx.TimeoutException:
             raise AdminError(f"the bridge at {self.base_url} did not answer in time") from None
+        except httpx.InvalidURL as exc:  # not an HTTPError: a bad --server or bridge.json URL
+            raise AdminError(f"the bridge URL {self.base_url} is not valid: {exc}") from None
         except httpx.HTTPError as exc:
             raise AdminError(f"request to {self.base_url} failed: {exc}") from None
 
