@@ -51,7 +51,8 @@ def data_dir_lock(data_dir: Path) -> Iterator[None]:
     would let a third process lock a different inode)."""
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(data_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        # O_NOFOLLOW: a bridge.lock symlink must not make us truncate the file it points at.
+        fd = os.open(data_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     except OSError as exc:
         raise data_dir_error(data_dir, exc) from None
     try:
@@ -84,7 +85,11 @@ def write_runtime_file(data_dir: Path, info: dict[str, Any]) -> None:
     """Write `bridge.json` (this process's pid and where it listens) for the CLI to find it."""
     data_dir.mkdir(parents=True, exist_ok=True)
     record = {"pid": os.getpid(), **info}
-    (data_dir / RUNTIME_FILE).write_text(json.dumps(record) + "\n")
+    # Written aside then renamed: a CLI reading meanwhile sees the old file or the new, never
+    # an empty one.
+    staged = data_dir / f".{RUNTIME_FILE}.{os.getpid()}"
+    staged.write_text(json.dumps(record) + "\n")
+    os.replace(staged, data_dir / RUNTIME_FILE)
 
 
 def read_runtime_file(data_dir: Path) -> dict[str, Any] | None:

@@ -218,3 +218,49 @@ async def test_serve_prints_addresses_a_device_can_use(tmp_path):
         assert "ws://127.0.0.1" not in line
     process.send_signal(signal.SIGTERM)
     await asyncio.wait_for(process.communicate(), 15)
+
+
+def has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback here")
+async def test_an_ipv6_admin_listener_writes_a_url_the_cli_can_use(tmp_path):
+    """`http_host = "::1"` wrote `http://::1:PORT` into bridge.json, which httpx cannot parse:
+    every CLI command then died with a traceback."""
+    data_dir = tmp_path / "data"
+    process = await start_cli("serve", data_dir, {"BRIDGE_HTTP_HOST": "::1"})
+    await eventually(lambda: (data_dir / "bridge.json").exists(), timeout_s=30)
+    runtime = json.loads((data_dir / "bridge.json").read_text())
+    assert urlsplit(runtime["api_url"]).hostname == "::1"
+    assert runtime["api_url"].startswith("http://[::1]:")
+    code, out, err = await run_cli("devices", "--json", "--data-dir", str(data_dir))
+    assert code == 0, err
+    assert json.loads(out) == []
+    process.send_signal(signal.SIGTERM)
+    await asyncio.wait_for(process.communicate(), 15)
+
+
+async def test_a_server_url_that_is_not_a_url_is_one_line(tmp_path):
+    code, _, err = await run_cli("devices", "--server", "http://::1:8080", "--token", "x")
+    assert code != 0
+    (line,) = err.strip().splitlines()
+    assert "is not valid" in line and "Traceback" not in err
+
+
+async def test_a_lock_file_symlink_is_refused_and_its_target_left_alone(tmp_path):
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me\n")
+    (data_dir / "bridge.lock").symlink_to(precious)
+    ports = ["--ws-port", "0", "--http-port", "0", "--device-http-port", "0"]
+    code, out, err = await run_cli("serve", "--data-dir", str(data_dir), *ports)
+    assert code == 1, out + err
+    assert err.strip().splitlines()[-1].startswith(f"error: data directory {data_dir}")
+    assert precious.read_text() == "keep me\n"

@@ -65,7 +65,12 @@ def create(
 @keys_app.command("list")
 def list_keys(
     active: Annotated[
-        bool, typer.Option("--active", help="Only active keys (revoked ones are listed too).")
+        bool,
+        typer.Option(
+            "--active/--revoked",  # --revoked (list them too, the default) kept for scripts
+            show_default=False,
+            help="--active: only active keys (by default revoked ones are listed too).",
+        ),
     ] = False,
     as_json: JsonOpt = False,
     server: ServerOpt = None,

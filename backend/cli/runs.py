@@ -28,7 +28,7 @@ from backend.runtime import (
     raise_open_file_limit,
     tune_gc_for_many_devices,
 )
-from backend.server import Bridge
+from backend.server import Bridge, stop_on_signals
 
 if TYPE_CHECKING:
     from backend.cli.voice import VoiceLink
@@ -39,7 +39,11 @@ async def run_bridge(settings: Settings) -> None:
     """Run the bridge in the foreground (`serve`): lock the data dir, start, say where."""
     configure_logging(settings.log_level, settings.log_format)
     raise_open_file_limit()
-    with data_dir_lock(settings.data_dir), data_dir_errors(settings.data_dir):
+    with (
+        stop_on_signals() as stop,
+        data_dir_lock(settings.data_dir),
+        data_dir_errors(settings.data_dir),
+    ):
         bridge = Bridge(settings)
         for path in [*bridge.tokens.created, *bridge.secrets_created]:
             print(f"created secret file {path} (mode 0600)", flush=True)
@@ -58,7 +62,7 @@ async def run_bridge(settings: Settings) -> None:
                 f"{mqtt['mqtt_topic_prefix']}/<device>/up|down|status), udp audio at {mqtt['udp']}",
                 flush=True,
             )
-        await bridge.serve_forever()
+        await bridge.serve_forever(stop)
 
 
 def ready_line(bridge: Bridge) -> str:
