@@ -92,7 +92,7 @@ async def test_api_connections_have_tcp_nodelay():
     import asyncio
     import socket
 
-    from backend.server import _bind
+    from backend.common import tcp_listener
 
     accepted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
 
@@ -102,7 +102,7 @@ async def test_api_connections_have_tcp_nodelay():
             accepted.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
             transport.close()
 
-    listening = _bind("127.0.0.1", 0)
+    listening = tcp_listener("127.0.0.1", 0)
     server = await asyncio.get_running_loop().create_server(Probe, sock=listening)
     try:
         _reader, writer = await asyncio.open_connection(*listening.getsockname())

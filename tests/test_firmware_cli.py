@@ -360,6 +360,9 @@ async def _read_until(stream: asyncio.StreamReader, seen: list[str], marker: str
 
 @_needs("micropython")
 @pytest.mark.micropython
+# Serial: in two parallel runs (and once in a one-at-a-time run under load) this test and the
+# next hung past pytest's 120 s after the device was ready; alone they pass. Cause not found.
+@pytest.mark.serial
 async def test_run_host_joins_the_local_bridge_and_stops_on_ctrl_c(tmp_path: Path) -> None:
     # A bridge that created its own tokens and runtime file in its data dir, as `serve` does.
     settings = Settings.on_loopback(tmp_path / "data")
@@ -382,7 +385,7 @@ async def test_run_host_joins_the_local_bridge_and_stops_on_ctrl_c(tmp_path: Pat
                 "self.audio_speaker.set_volume", "--arg", "volume=40", "--data-dir", data_dir,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             )  # fmt: skip
-            out, err = await call.communicate()
+            out, err = await asyncio.wait_for(call.communicate(), SAFETY_TIMEOUT_S)
             assert (call.returncode, out.decode().strip()) == (0, "true"), err.decode()
             await _read_until(process.stdout, seen, "[hal] volume = 40")
 
@@ -401,6 +404,7 @@ async def test_run_host_joins_the_local_bridge_and_stops_on_ctrl_c(tmp_path: Pat
 
 @_needs("micropython")
 @pytest.mark.micropython
+@pytest.mark.serial  # see the test above
 async def test_run_host_updates_a_temporary_copy_and_runs_it_again(tmp_path: Path) -> None:
     """A bundle the bridge offers is installed into run-host's copy, never into the source
     folder (a checkout got 13 untracked files), and the updated firmware starts again instead
