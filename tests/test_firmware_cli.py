@@ -348,6 +348,13 @@ def test_run_host_rejects_a_url_the_firmware_cannot_use(tmp_path: Path) -> None:
     assert_one_error_line(completed, "TLS not supported")
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    """SIGINT back to its default in the child: a suite started as a background job (`cmd &`
+    in a script) has SIGINT ignored, which run-host inherits, so the test's Ctrl-C did nothing
+    and the test hung until pytest's timeout, while the firmware process lived on."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 async def _read_until(stream: asyncio.StreamReader, seen: list[str], marker: str) -> str:
     """Collect lines into `seen` until one contains `marker`; return that line."""
     async with asyncio.timeout(SAFETY_TIMEOUT_S):
@@ -360,9 +367,6 @@ async def _read_until(stream: asyncio.StreamReader, seen: list[str], marker: str
 
 @_needs("micropython")
 @pytest.mark.micropython
-# Serial: in two parallel runs (and once in a one-at-a-time run under load) this test and the
-# next hung past pytest's 120 s after the device was ready; alone they pass. Cause not found.
-@pytest.mark.serial
 async def test_run_host_joins_the_local_bridge_and_stops_on_ctrl_c(tmp_path: Path) -> None:
     # A bridge that created its own tokens and runtime file in its data dir, as `serve` does.
     settings = Settings.on_loopback(tmp_path / "data")
@@ -371,7 +375,7 @@ async def test_run_host_joins_the_local_bridge_and_stops_on_ctrl_c(tmp_path: Pat
         process = await asyncio.create_subprocess_exec(
             *CLI, "run-host", "--data-dir", data_dir,
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env={**os.environ, "NO_COLOR": "1"},
+            env={**os.environ, "NO_COLOR": "1"}, preexec_fn=_ctrl_c_as_in_a_terminal,
         )  # fmt: skip
         assert process.stdout is not None and process.stderr is not None
         seen: list[str] = []
@@ -404,7 +408,6 @@ async def test_run_host_joins_the_local_bridge_and_stops_on_ctrl_c(tmp_path: Pat
 
 @_needs("micropython")
 @pytest.mark.micropython
-@pytest.mark.serial  # see the test above
 async def test_run_host_updates_a_temporary_copy_and_runs_it_again(tmp_path: Path) -> None:
     """A bundle the bridge offers is installed into run-host's copy, never into the source
     folder (a checkout got 13 untracked files), and the updated firmware starts again instead
@@ -437,7 +440,7 @@ async def test_run_host_updates_a_temporary_copy_and_runs_it_again(tmp_path: Pat
         process = await asyncio.create_subprocess_exec(
             *CLI, "run-host", "--source", str(source), "--config", str(config),
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env={**os.environ, "NO_COLOR": "1"},
+            env={**os.environ, "NO_COLOR": "1"}, preexec_fn=_ctrl_c_as_in_a_terminal,
         )  # fmt: skip
         assert process.stdout is not None
         seen: list[str] = []
