@@ -37,8 +37,9 @@ class ManualClock:
 
 
 def can_bind(address: str) -> bool:
-    """Whether this machine has `address` (another loopback address plays another host)."""
-    with socket.socket() as probe:
+    """Whether this machine has `address` (another loopback address plays another host; an
+    IPv6 one, `::1`, may be missing)."""
+    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as probe:
         try:
             probe.bind((address, 0))
         except OSError:

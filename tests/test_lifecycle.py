@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from backend.runtime import read_runtime_file, remove_runtime_file, write_runtime_file
-from tests.helpers import eventually, run_cli, start_cli
+from tests.helpers import can_bind, eventually, run_cli, start_cli
 from tests.stock_device import CLIENT_ID, WireDevice, hang_and_signal
 
 
@@ -220,16 +220,7 @@ async def test_serve_prints_addresses_a_device_can_use(tmp_path):
     await asyncio.wait_for(process.communicate(), 15)
 
 
-def has_ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as probe:
-            probe.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback here")
+@pytest.mark.skipif(not can_bind("::1"), reason="no IPv6 loopback here")
 async def test_an_ipv6_admin_listener_writes_a_url_the_cli_can_use(tmp_path):
     """`http_host = "::1"` wrote `http://::1:PORT` into bridge.json, which httpx cannot parse:
     every CLI command then died with a traceback."""
