@@ -14,6 +14,7 @@ from backend.server import Bridge
 from simulator import SimulatedDevice
 from simulator.llm_server import FakeLlm
 from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, make_settings, reap_started
+from tests.postgres import PostgresServer, running_postgres
 from tests.stock_device import WireDevice
 
 
@@ -21,6 +22,21 @@ from tests.stock_device import WireDevice
 async def no_leftover_processes() -> AsyncIterator[None]:
     yield
     await reap_started()
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    """One throwaway PostgreSQL per test worker (tests/postgres.py)."""
+    with running_postgres() as server:
+        yield server
+
+
+@pytest.fixture
+def postgres_url(postgres_server: PostgresServer) -> Iterator[str]:
+    """A fresh, empty PostgreSQL database for one test."""
+    url = postgres_server.new_database()
+    yield url
+    postgres_server.drop_database(url)
 
 
 @pytest.fixture
