@@ -179,6 +179,10 @@ class Settings(BaseSettings):
     mqtt_port: int = Field(1883, ge=0, le=65535)
     mqtt_client_id: str = "esp32-mcp-bridge"
     mqtt_topic_prefix: str = "xiaozhi"
+    # Several bridge instances on one external broker (docs/mqtt.md, "Several bridge instances"):
+    # with N > 1 a device's topics are <prefix>/s<shard>/<key>/…, shard = CRC-32(key) mod N, and
+    # each instance subscribes to the shards it owns. 1: <prefix>/<key>/… (one instance).
+    mqtt_shards: int = Field(1, ge=1, le=1024)
     mqtt_keepalive_s: int = Field(60, ge=5, le=65535)
     mqtt_silence_timeout_s: float = Field(360.0, gt=0)
     mqtt_ca_file: Path | None = None  # CA bundle for mqtts:// (default: the system's)
@@ -259,6 +263,13 @@ class Settings(BaseSettings):
             )
         if "searxng" in self.search_providers and not self.search_searxng_url:
             raise ValueError("search_providers lists searxng: set search_searxng_url")
+        return self
+
+    @model_validator(mode="after")
+    def _shards_need_a_broker(self) -> "Settings":
+        """The embedded endpoint is one bridge's own: its topics are never sharded."""
+        if self.mqtt_shards > 1 and self.mqtt_url == "embedded":
+            raise ValueError('mqtt_shards > 1 needs an external broker (mqtt_url "mqtt[s]://…")')
         return self
 
     @field_validator("ws_path", "ota_path")

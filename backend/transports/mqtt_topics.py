@@ -8,6 +8,17 @@ Every device has three topics under a configurable prefix (default `xiaozhi`):
     <prefix>/<device>/status   presence: retained `online`, last will `offline` (or the embedded
                                broker's JSON event on behalf of a device that set no will)
 
+With `mqtt_shards` = N > 1 (several bridge instances on one broker, docs/mqtt.md "Several bridge
+instances") every device topic has one more level, its shard, before the key:
+
+    <prefix>/s<shard>/<device>/up|down|status      shard = CRC-32 of the device key mod N
+
+The shard level is `s` and the shard number in decimal without leading zeros (`s0` … `s1023`).
+It sits at a fixed depth, so it can never be read as a key. Each bridge instance subscribes only
+to the shards it owns (`TopicScheme.shard_filters`). A device may publish on any shard level for
+its own key (a broker's ACL cannot compute the hash), so `parse` refuses a topic whose shard level
+is not its key's: a device cannot appear on a second instance through another shard's topic.
+
 `<device>` is the device key: the Device-Id with `_` for `:` (a MAC `a4:cf:12:34:56:78` becomes
 `a4_cf_12_34_56_78`, as in the stock client id `GID_xxx@@@a4_cf_12_34_56_78@@@<uuid>`). A key is
 one topic level of `[A-Za-z0-9_.-]`, so it can never carry a wildcard (`+`, `#`), a level
@@ -17,6 +28,7 @@ key, and a broker ACL can confine it with one pattern line (`%u` or `${username}
 
 import json
 import re
+import zlib
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -31,6 +43,8 @@ _MAC_KEY = re.compile(r"^[0-9A-Fa-f]{2}(?:_[0-9A-Fa-f]{2}){5}$")
 _MAC_ID = re.compile(r"^[0-9A-Fa-f]{2}(?::[0-9A-Fa-f]{2}){5}$")
 _CLIENT_GROUP = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _CLIENT_UUID = re.compile(r"^[A-Za-z0-9\-]{1,64}$")
+_SHARD_LEVEL = re.compile(r"^s(0|[1-9][0-9]{0,3})$")
+MAX_SHARDS = 1024
 CLIENT_ID_SEPARATOR = "@@@"
 ONLINE = "online"
 OFFLINE = "offline"
@@ -38,6 +52,10 @@ OFFLINE = "offline"
 
 class TopicError(BridgeError):
     """A topic, prefix, device key or client id that the scheme does not accept."""
+
+
+class WrongShard(TopicError):
+    """A well-formed device topic whose shard level is not its device key's shard."""
 
 
 class TopicKind(StrEnum):
@@ -54,6 +72,7 @@ class DeviceTopic:
 
     device_key: str
     kind: TopicKind
+    shard: int = 0
 
     @property
     def device_id(self) -> str:
@@ -90,6 +109,37 @@ def device_id_from_key(key: str) -> str:
     return key
 
 
+def validate_shard_count(shards: int) -> int:
+    """`shards` if it is a shard count the scheme supports (1..MAX_SHARDS); TopicError otherwise."""
+    if isinstance(shards, bool) or not isinstance(shards, int) or not 1 <= shards <= MAX_SHARDS:
+        raise TopicError(f"shard count must be an integer from 1 to {MAX_SHARDS}, not {shards!r}")
+    return shards
+
+
+def shard_of(key: str, shards: int) -> int:
+    """The shard of a device key: CRC-32 (IEEE, as zlib's) of its ASCII bytes, mod `shards`.
+
+    Stable across processes, Python versions and languages (unlike `hash()`). A MAC-shaped key is
+    hashed in lower case, as `device_id_from_key` reads it: its spellings are one device.
+    """
+    validate_shard_count(shards)
+    canonical = key.lower() if _MAC_KEY.match(validate_device_key(key)) else key
+    return zlib.crc32(canonical.encode("ascii")) % shards
+
+
+def shard_level(shard: int) -> str:
+    """The topic level of a shard number: `s7`."""
+    return f"s{shard}"
+
+
+def parse_shard_level(level: str) -> int:
+    """The shard number of a level like `s7`; TopicError for anything else (`s07`, `7`, `s`)."""
+    match = _SHARD_LEVEL.match(level)
+    if match is None:
+        raise TopicError(f"invalid shard level {excerpt(level)!r}")
+    return int(match.group(1))
+
+
 def validate_prefix(prefix: str) -> str:
     """A prefix of one or more plain levels (`xiaozhi`, `site1/xiaozhi`); TopicError otherwise."""
     if not isinstance(prefix, str) or not prefix:
@@ -101,17 +151,36 @@ def validate_prefix(prefix: str) -> str:
 
 
 class TopicScheme:
-    """Builds and parses the per-device topics under one prefix."""
+    """Builds and parses the per-device topics under one prefix, in `shards` shards (1: none)."""
 
-    __slots__ = ("_levels", "prefix")
+    __slots__ = ("_levels", "prefix", "shards")
 
-    def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
+    def __init__(self, prefix: str = DEFAULT_PREFIX, shards: int = 1) -> None:
         self.prefix = validate_prefix(prefix)
+        self.shards = validate_shard_count(shards)
         self._levels = prefix.count("/") + 1
 
+    @property
+    def sharded(self) -> bool:
+        """Whether topics carry a shard level (more than one shard)."""
+        return self.shards > 1
+
+    def shard_of(self, key: str) -> int:
+        """The shard a device key belongs to (always 0 without sharding)."""
+        return shard_of(key, self.shards)
+
+    def device_prefix(self, key: str) -> str:
+        """What comes before a device's key in its topics: `<prefix>`, or `<prefix>/s<shard>`.
+
+        Firmware that builds its topics from a prefix (`topic_prefix`) is given this one."""
+        if not self.sharded:
+            validate_device_key(key)
+            return self.prefix
+        return f"{self.prefix}/{shard_level(self.shard_of(key))}"
+
     def topic(self, key: str, kind: TopicKind) -> str:
-        """`<prefix>/<key>/<kind>`; raises TopicError on an invalid device key."""
-        return f"{self.prefix}/{validate_device_key(key)}/{kind.value}"
+        """`<prefix>[/s<shard>]/<key>/<kind>`; raises TopicError on an invalid device key."""
+        return f"{self.device_prefix(key)}/{key}/{kind.value}"
 
     def up(self, key: str) -> str:
         """The topic the device publishes on."""
@@ -125,28 +194,67 @@ class TopicScheme:
         """The device's presence topic (retained online/offline)."""
         return self.topic(key, TopicKind.STATUS)
 
-    def filter(self, kind: TopicKind) -> str:
-        """The subscription filter for one kind across all devices, e.g. `xiaozhi/+/up`."""
-        return f"{self.prefix}/+/{kind.value}"
+    def filter(self, kind: TopicKind, shard: int | None = None) -> str:
+        """The subscription filter for one kind: across every device (`xiaozhi/+/up`, or
+        `xiaozhi/+/+/up` when sharded), or across one shard's devices (`xiaozhi/s3/+/up`)."""
+        if shard is None:
+            middle = "+/+" if self.sharded else "+"
+        elif self.sharded:
+            middle = f"{shard_level(self._checked_shard(shard))}/+"
+        else:
+            self._checked_shard(shard)  # only shard 0 exists
+            middle = "+"
+        return f"{self.prefix}/{middle}/{kind.value}"
+
+    def shard_filters(self, shard: int) -> list[str]:
+        """What a bridge instance subscribes to for one shard it owns: uplinks, then presence."""
+        return [self.filter(TopicKind.UP, shard), self.filter(TopicKind.STATUS, shard)]
+
+    def _checked_shard(self, shard: int) -> int:
+        if isinstance(shard, bool) or not isinstance(shard, int) or not 0 <= shard < self.shards:
+            raise TopicError(f"shard {shard!r} is not in 0..{self.shards - 1}")
+        return shard
 
     @property
     def all_topics(self) -> str:
         """`<prefix>/#`: everything the bridge's own broker account may touch."""
         return f"{self.prefix}/#"
 
+    def acl_topic(self, kind: TopicKind, username_placeholder: str) -> str:
+        """A broker ACL line's topic for a device's own topic of `kind`, with the broker's
+        placeholder for the login's username (`%u` on Mosquitto, `${username}` on EMQX).
+
+        Sharded, the shard level is `+`: the broker cannot compute it, `parse` checks it."""
+        middle = f"+/{username_placeholder}" if self.sharded else username_placeholder
+        return f"{self.prefix}/{middle}/{kind.value}"
+
     def parse(self, topic: str) -> DeviceTopic:
-        """The device and kind of a concrete topic; TopicError for anything else."""
+        """The device, kind and shard of a concrete topic; TopicError for anything else, and
+        WrongShard for a topic whose shard level is not its key's shard."""
         if not isinstance(topic, str):
             raise TopicError("topic must be a string")
         levels = topic.split("/")
-        if len(levels) != self._levels + 2 or "/".join(levels[: self._levels]) != self.prefix:
+        extra = 1 if self.sharded else 0
+        if (
+            len(levels) != self._levels + 2 + extra
+            or "/".join(levels[: self._levels]) != self.prefix
+        ):
             raise TopicError(f"not a device topic under {self.prefix!r}: {excerpt(topic)!r}")
-        key, kind = levels[self._levels], levels[self._levels + 1]
+        key, kind = levels[self._levels + extra], levels[self._levels + extra + 1]
         validate_device_key(key)
         try:
-            return DeviceTopic(key, TopicKind(kind))
+            parsed_kind = TopicKind(kind)
         except ValueError:
             raise TopicError(f"unknown topic kind {excerpt(kind)!r}") from None
+        if not self.sharded:
+            return DeviceTopic(key, parsed_kind)
+        shard = parse_shard_level(levels[self._levels])
+        expected = self.shard_of(key)
+        if shard != expected:
+            raise WrongShard(
+                f"topic {excerpt(topic)!r} is in shard {shard}, its device key in {expected}"
+            )
+        return DeviceTopic(key, parsed_kind, shard)
 
     def is_own(self, key: str, topic: str, *kinds: TopicKind) -> bool:
         """True when `topic` is exactly one of `kinds` of device `key` (no wildcards, no others)."""
