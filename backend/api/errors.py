@@ -20,6 +20,7 @@ from backend.chat.memory import ConversationNotFound, InvalidConversationId
 from backend.devices.errors import (
     ConfirmationRequired,
     DeviceBusy,
+    DeviceElsewhere,
     DeviceNotReady,
     DeviceOffline,
     DeviceOnline,
@@ -59,6 +60,7 @@ ERROR_TABLE: dict[type[BaseException], tuple[int, str]] = {
     UnknownTool: (404, "unknown_tool"),
     DeviceNotReady: (409, "device_not_ready"),
     DeviceOnline: (409, "device_online"),
+    DeviceElsewhere: (409, "device_elsewhere"),
     InvalidArguments: (422, "invalid_arguments"),
     MessageTooLarge: (413, "message_too_large"),
     InvalidConversationId: (422, "invalid_request"),

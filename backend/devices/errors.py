@@ -58,6 +58,19 @@ class DeviceNotReady(DeviceLayerError):
         self.state = state
 
 
+class DeviceElsewhere(DeviceLayerError):
+    """The device is connected to another bridge instance of the cluster: its tools are called
+    through that instance, but what needs its link here (a conversation) cannot be."""
+
+    def __init__(self, device_id: str, instance: str) -> None:
+        super().__init__(
+            f"device {device_id!r} is connected to bridge instance {instance!r}; "
+            "its conversation is served there"
+        )
+        self.device_id = device_id
+        self.instance = instance
+
+
 class DeviceBusy(DeviceLayerError):
     """The device already has its limit of tool calls in flight; retry later."""
 

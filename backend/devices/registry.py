@@ -16,7 +16,7 @@ import json
 import time
 import weakref
 from bisect import bisect_right
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from types import MappingProxyType
@@ -30,6 +30,7 @@ from backend.devices.conversation import Conversation
 from backend.devices.errors import (
     ConfirmationRequired,
     DeviceBusy,
+    DeviceElsewhere,
     DeviceLayerError,
     DeviceNotReady,
     DeviceOffline,
@@ -93,6 +94,9 @@ class DeviceEvent:
     kind: EventKind
     device_id: str
     detail: dict[str, Any] = field(default_factory=dict)
+    # The bridge instance it happened on when that is another one (a cluster's fleet view);
+    # None for this instance. The catalogue and the audit log store only their own events.
+    origin: str | None = None
 
 
 # ---- tool sets --------------------------------------------------------------------------------
@@ -335,6 +339,7 @@ class Device:
             "tools_read_at": iso_time(record.tools_read_at) if record else None,
             "error": self._error,
             "ota": record.ota_summary() if record else None,
+            **self._registry.placement(self.owner),
         }
 
     async def call_tool(
@@ -365,11 +370,7 @@ class Device:
                 reason = self._registry.confirmation.reason(self.device_id, tool)
                 if reason is not None:
                     raise ConfirmationRequired(self.device_id, name, reason)
-            mcp = self._connection.mcp
-            limit = self._registry.max_pending_calls
-            if mcp.pending_count >= limit:
-                raise DeviceBusy(self.device_id, limit)
-            result = await mcp.call_tool(tool.name, arguments, timeout_s=timeout_s)
+            result = await self._send(tool, arguments, timeout_s, actor)
             outcome = "tool_error" if result.is_error else "ok"
             return result
         except DeviceLayerError as exc:
@@ -386,6 +387,7 @@ class Device:
             self._registry.emit(
                 EventKind.TOOL_CALLED,
                 self.device_id,
+                origin=self.owner,
                 tool=name,
                 outcome=outcome,
                 duration_ms=round(duration_ms, 3),
@@ -394,6 +396,20 @@ class Device:
                 confirmed=confirmed,
                 error=error,
             )
+
+    @property
+    def owner(self) -> str | None:
+        """The other bridge instance this device is connected to; None: connected here."""
+        return None
+
+    async def _send(
+        self, tool: Tool, arguments: dict[str, Any], timeout_s: float | None, actor: str | None
+    ) -> CallResult:
+        mcp = self._connection.mcp
+        limit = self._registry.max_pending_calls
+        if mcp.pending_count >= limit:
+            raise DeviceBusy(self.device_id, limit)
+        return await mcp.call_tool(tool.name, arguments, timeout_s=timeout_s)
 
     def _checked_tool(self, name: str, arguments: dict[str, Any]) -> Tool:
         if self._state is not DeviceState.READY:
@@ -416,6 +432,85 @@ _FAILURES = {
     "DeviceError": "device_error",
     "ProtocolViolation": "protocol_error",
 }
+
+
+# ---- devices connected to another instance of a cluster -------------------------------------
+
+# Sends one validated tools/call to the instance a remote device is connected to:
+# (device, tool name, arguments, timeout_s, actor) -> the device's result, or the same errors a
+# local call raises.
+Forward = Callable[
+    ["RemoteDevice", str, dict[str, Any], float | None, str | None], Awaitable[CallResult]
+]
+
+
+class _Elsewhere:
+    """The `connection` of a remote device: nothing here can use its link."""
+
+    __slots__ = ("_device_id", "_owner")
+
+    def __init__(self, device_id: str, owner: str) -> None:
+        self._device_id = device_id
+        self._owner = owner
+
+    @property
+    def session_id(self) -> str:
+        return ""
+
+    @property
+    def mcp(self) -> McpClient:
+        raise DeviceElsewhere(self._device_id, self._owner)
+
+    @property
+    def conversation(self) -> Conversation:
+        raise DeviceElsewhere(self._device_id, self._owner)
+
+    def disconnect(self, reason: str, code: int) -> None:
+        return None  # its link is on the owner; the owner's lease check closes it
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteReport:
+    """What another instance reported about a device connected to it (a fleet event)."""
+
+    kind: EventKind
+    device_id: str
+    owner: str
+    epoch: int
+    client_id: str | None = None
+    transport: str = "websocket"
+    state: DeviceState = DeviceState.CONNECTING
+    connected_at: float | None = None
+    server_info: Mapping[str, Any] | None = None
+    tools: ToolSet | None = None
+    error: str | None = None
+    reason: str | None = None
+
+
+class RemoteDevice(Device):
+    """A device connected to another bridge instance: listed and called like a local one, its
+    calls forwarded to that instance (`owner`)."""
+
+    __slots__ = ("_forward", "_owner", "epoch")
+
+    def __init__(self, report: RemoteReport, registry: "DeviceRegistry", forward: Forward) -> None:
+        identity = DeviceIdentity(report.device_id, report.client_id, 1, report.transport)
+        super().__init__(identity, _Elsewhere(report.device_id, report.owner), registry)
+        self._owner = report.owner
+        self._forward = forward
+        self.epoch = report.epoch
+        if report.connected_at is not None:
+            self.connected_at = report.connected_at
+
+    @property
+    def owner(self) -> str:
+        """The instance the device is connected to."""
+        return self._owner
+
+    async def _send(
+        self, tool: Tool, arguments: dict[str, Any], timeout_s: float | None, actor: str | None
+    ) -> CallResult:
+        return await self._forward(self, tool.name, arguments, timeout_s, actor)
 
 
 # ---- the registry -----------------------------------------------------------------------------
@@ -442,7 +537,11 @@ class DeviceRegistry:
         # Which tools need an explicit confirmation (secure default: reboot, upgrade, ...).
         self.confirmation = confirmation if confirmation is not None else ConfirmationPolicy()
         self._live: dict[str, Device] = {}
+        self._remote: dict[str, RemoteDevice] = {}  # connected to other instances (a cluster)
         self._known: dict[str, DeviceRecord] = {}
+        # This instance's name in a cluster (set by backend.cluster): summaries then say which
+        # instance each device is connected to. None: a single bridge.
+        self.instance_id: str | None = None
         self._listeners: list[Listener] = []
         self._replacement_lines = LineRate()  # a device replacing its own link in a loop
 
@@ -466,8 +565,9 @@ class DeviceRegistry:
         return self._live.get(device_id)
 
     def require(self, device_id: str) -> Device:
-        """The live device; raises DeviceOffline for a known offline one, else UnknownDevice."""
-        device = self._live.get(device_id)
+        """The live device, here or (in a cluster) on another instance; raises DeviceOffline for
+        a known offline one, else UnknownDevice."""
+        device = self._live.get(device_id) or self._remote.get(device_id)
         if device is not None:
             return device
         record = self._known.get(device_id)
@@ -496,16 +596,22 @@ class DeviceRegistry:
 
     def summary(self, device_id: str) -> dict[str, Any]:
         """The API's view of one device, live or offline; raises UnknownDevice."""
-        device = self._live.get(device_id)
+        device = self._live.get(device_id) or self._remote.get(device_id)
         if device is not None:
             return device.summary()
-        return self.require_record(device_id).summary()
+        return {**self.require_record(device_id).summary(), **self.placement(None, live=False)}
+
+    def placement(self, owner: str | None, *, live: bool = True) -> dict[str, Any]:
+        """The `instance` field of a summary in a cluster (None when offline); nothing alone."""
+        if self.instance_id is None:
+            return {}
+        return {"instance": (owner or self.instance_id) if live else None}
 
     def listing(
         self, *, states: frozenset[DeviceState] | None = None, after: str | None = None, limit: int
     ) -> DevicePage:
         """Devices sorted by id, starting after the cursor `after`, filtered by state."""
-        ids = sorted(self._known.keys() | self._live.keys())
+        ids = sorted(self._known.keys() | self._live.keys() | self._remote.keys())
         if states is not None:
             ids = [device_id for device_id in ids if self._state_of(device_id) in states]
         total = len(ids)
@@ -517,7 +623,7 @@ class DeviceRegistry:
         return DevicePage([self.summary(i) for i in page_ids], next_cursor, total)
 
     def _state_of(self, device_id: str) -> DeviceState:
-        device = self._live.get(device_id)
+        device = self._live.get(device_id) or self._remote.get(device_id)
         return device.state if device is not None else DeviceState.OFFLINE
 
     # ---- transitions: the only writers of device state ---------------------------------------
@@ -541,6 +647,7 @@ class DeviceRegistry:
                 )
             self._go_offline(previous, REPLACED)
             previous.connection.disconnect(REPLACED, NORMAL_CLOSURE)
+        self._remote.pop(identity.device_id, None)  # it moved here from another instance
         device = Device(identity, connection, self)
         self._live[device.device_id] = device
         now = time.time()
@@ -639,7 +746,7 @@ class DeviceRegistry:
 
     def forget(self, device_id: str) -> None:
         """Remove an offline device from memory and (through the event) from the catalogue."""
-        if device_id in self._live:
+        if device_id in self._live or device_id in self._remote:
             raise DeviceOnline(device_id)
         if self._known.pop(device_id, None) is None:
             raise UnknownDevice(device_id)
@@ -663,6 +770,71 @@ class DeviceRegistry:
         self._known[device.device_id] = replace(
             known, server_info=server_info, tools=tools, tools_read_at=time.time()
         )
+
+    # ---- devices of other instances (backend.cluster reports them) ---------------------------
+
+    def remote_devices(self) -> list[RemoteDevice]:
+        """Devices connected to other instances of the cluster (a snapshot)."""
+        return list(self._remote.values())
+
+    def remote_reported(self, report: RemoteReport, forward: Forward) -> None:
+        """Another instance reported a device's state; the event goes out with its `origin`.
+
+        An older claim (lower epoch) than the one known is ignored; a device live here stays
+        here until this instance's lease check closes its link.
+        """
+        current = self._remote.get(report.device_id)
+        if current is not None and report.epoch < current.epoch:
+            return
+        if report.kind is EventKind.DISCONNECTED:
+            if current is not None and current.owner == report.owner:
+                self._drop_remote(current, report.reason or "disconnected")
+            return
+        if current is None or current.owner != report.owner or current.epoch != report.epoch:
+            current = RemoteDevice(report, self, forward)
+            self._remote[report.device_id] = current
+        current._state = report.state
+        current._error = report.error
+        if report.server_info is not None:
+            current._server_info = _shared_info(report.server_info)
+        if report.tools is not None:
+            current._tools = report.tools
+        self._remember_remote(current)
+        detail: dict[str, Any] = {"transport": current.transport}
+        if report.kind in (EventKind.READY, EventKind.TOOLS_CHANGED):
+            detail = {"tool_count": len(current.tools)}
+        elif report.kind is EventKind.FAILED:
+            detail = {"error": report.error}
+        self.emit(report.kind, report.device_id, origin=report.owner, **detail)
+
+    def remote_owner_gone(self, owner: str, reason: str) -> int:
+        """Every device of instance `owner` goes offline here (it left or died); how many."""
+        gone = [device for device in self._remote.values() if device.owner == owner]
+        for device in gone:
+            self._drop_remote(device, reason)
+        return len(gone)
+
+    def _drop_remote(self, device: RemoteDevice, reason: str) -> None:
+        del self._remote[device.device_id]
+        device._state = DeviceState.OFFLINE
+        known = self._known.get(device.device_id)
+        if known is not None and device.device_id not in self._live:
+            self._known[device.device_id] = replace(known, last_seen=time.time())
+        self.emit(EventKind.DISCONNECTED, device.device_id, origin=device.owner, reason=reason)
+
+    def _remember_remote(self, device: RemoteDevice) -> None:
+        now = time.time()
+        known = self._known.get(device.device_id)
+        if known is None:
+            known = DeviceRecord(device.device_id, device.client_id, device.transport, now, now)
+        known = replace(
+            known, client_id=device.client_id, transport=device.transport, last_seen=now
+        )
+        if device.state is DeviceState.READY:
+            known = replace(
+                known, server_info=device.server_info, tools=device.tools, tools_read_at=now
+            )
+        self._known[device.device_id] = known
 
     # ---- events -----------------------------------------------------------------------------
 
@@ -702,10 +874,12 @@ class DeviceRegistry:
             error=error,
         )
 
-    def emit(self, kind: EventKind, device_id: str, **detail: Any) -> None:
+    def emit(
+        self, kind: EventKind, device_id: str, *, origin: str | None = None, **detail: Any
+    ) -> None:
         """Deliver one event to every listener; a failing listener is logged and the others still
-        run."""
-        event = DeviceEvent(kind, device_id, detail)
+        run. `origin`: the other instance it happened on (a cluster's fleet events)."""
+        event = DeviceEvent(kind, device_id, detail, origin)
         for listener in list(self._listeners):
             try:
                 listener(event)
