@@ -139,8 +139,8 @@ class AuditLog:
             await self.flush()
 
     def _on_event(self, event: DeviceEvent) -> None:
-        if event.kind is not EventKind.TOOL_CALLED:
-            return
+        if event.kind is not EventKind.TOOL_CALLED or event.origin is not None:
+            return  # a call forwarded to another instance is audited there
         detail = event.detail
         self._push(
             (

@@ -189,6 +189,8 @@ class DeviceCatalog:
     # ---- events (on the device path: memory only) ---------------------------------------------
 
     def _on_event(self, event: DeviceEvent) -> None:
+        if event.origin is not None:
+            return  # another instance's device: that instance stores it
         kind = event.kind
         if kind is EventKind.TOOL_CALLED or kind is EventKind.VOICE_TURN:
             return  # every tool call: nothing to store, return at once
