@@ -32,7 +32,7 @@ def credentials_record(settings: Any, device_id: str, created: list[Path]) -> di
     from backend.transports.mqtt_setup import device_credentials
 
     credential = device_credentials(settings, created).issue(normalize_device_id(device_id))
-    scheme = TopicScheme(settings.mqtt_topic_prefix)
+    scheme = TopicScheme(settings.mqtt_topic_prefix, settings.mqtt_shards)
     client_uuid = str(uuid.uuid5(uuid.NAMESPACE_URL, f"esp32-mcp-bridge/{credential.username}"))
     return {
         "device_id": credential.device_id,
@@ -43,6 +43,9 @@ def credentials_record(settings: Any, device_id: str, created: list[Path]) -> di
         "subscribe_topic": scheme.down(credential.username),
         "status_topic": scheme.status(credential.username),
         "topic_prefix": scheme.prefix,
+        # What this repository's firmware builds its topics from: `<prefix>/s<shard>` sharded.
+        "device_topic_prefix": scheme.device_prefix(credential.username),
+        "shard": scheme.shard_of(credential.username),
     }
 
 
@@ -66,10 +69,11 @@ def credentials(
     created: list[Path] = []
     try:
         record = credentials_record(settings, device, created)
-        acl = mosquitto_acl(settings.mqtt_topic_prefix, bridge_user)
+        prefix, shards = settings.mqtt_topic_prefix, settings.mqtt_shards
+        acl = mosquitto_acl(prefix, bridge_user, shards=shards)
         password_line = mosquitto_password_file([(record["username"], record["password"])])
-        emqx = emqx_acl(settings.mqtt_topic_prefix, bridge_user)
-        auto_subscribe = emqx_auto_subscribe(settings.mqtt_topic_prefix)
+        emqx = emqx_acl(prefix, bridge_user, shards=shards)
+        auto_subscribe = emqx_auto_subscribe(prefix, shards=shards)
     except BridgeError as exc:
         raise fail(str(exc), 2) from None
     for path in created:
@@ -98,7 +102,7 @@ def credentials(
             "url": "mqtt://<bridge host>:<mqtt port>",
             "username": record["username"],
             "password": record["password"],
-            "topic_prefix": record["topic_prefix"],
+            "topic_prefix": record["device_topic_prefix"],
         },
     }
     sections = [

@@ -151,18 +151,20 @@ def websocket_section(url: str, token: str, version: int = 1) -> dict[str, Any]:
 
 @dataclass(frozen=True, slots=True)
 class MqttAccess:
-    """What a device is told about MQTT: the broker endpoint, topic prefix and keepalive."""
+    """What a device is told about MQTT: the broker endpoint, topic prefix and keepalive; and
+    `shards` (`mqtt_shards`): with more than one, its topics carry its shard."""
 
     endpoint: str
     topic_prefix: str
     keepalive_s: int = 240
+    shards: int = 1
 
 
 def mqtt_section(access: MqttAccess, device_id: str, client_id: str, token: str) -> dict[str, Any]:
     """The stock `mqtt` object (§2.1): username = device key, password = the device's token,
-    publish_topic = its own uplink (the ACL lets it publish nowhere else)."""
+    publish_topic = its own uplink (the ACL lets it publish nowhere else), in its shard."""
     key = device_key(device_id)
-    scheme = TopicScheme(access.topic_prefix)
+    scheme = TopicScheme(access.topic_prefix, access.shards)
     return {
         "endpoint": access.endpoint,
         "client_id": build_client_id(device_id, client_id),

@@ -493,7 +493,9 @@ class Provisioning:
         endpoint = self.settings.ota_mqtt_endpoint or self._mqtt_endpoint(self._hostname(host))
         if endpoint is None:
             return None
-        return proto.MqttAccess(endpoint, self.settings.mqtt_topic_prefix)
+        return proto.MqttAccess(
+            endpoint, self.settings.mqtt_topic_prefix, shards=self.settings.mqtt_shards
+        )
 
     def _websocket_url(self, host: str | None) -> str:
         if self.settings.ota_websocket_url:

@@ -23,6 +23,13 @@ It subscribes to every device's uplink and presence topics (`mqtt_topics`) and k
 - no message larger than `max_message_bytes` is published to a device (`MessageTooLarge`, as on
   WebSocket).
 
+Several bridge instances share one broker by shards (`mqtt_topics`, docs/mqtt.md): with
+`MqttSettings.shards` > 1 the topics carry the device key's shard, and `set_shards` says which
+shards this instance serves (None, the default: all). It subscribes to the filters of shards
+gained, unsubscribes from those lost and closes the links of their devices locally (nothing is
+sent to the device, which stays connected to the broker): the new owner's subscription receives
+the retained `online` and opens the link there.
+
 Audio rides on UDP (`udp.UdpAudioChannel`), opened by the session's hello (`hello_fields`) and
 dropped by `conversation_ended`. The transport reconnects to the broker with exponential backoff
 and jitter, forever, until `stop`.
@@ -33,6 +40,7 @@ import random
 import socket
 import ssl
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
@@ -59,6 +67,7 @@ from backend.transports.mqtt_topics import (
     TopicError,
     TopicKind,
     TopicScheme,
+    WrongShard,
     claimed_device_id,
     claims_another_device,
     device_id_from_key,
@@ -72,6 +81,10 @@ log = structlog.get_logger("transport.mqtt")
 TRANSPORT = "mqtt"
 BROKER_LOST = "broker connection lost"
 SHUTDOWN = "bridge shutting down"
+SHARD_MOVED = "shard moved to another bridge instance"
+# Filters per SUBSCRIBE/UNSUBSCRIBE packet: 1024 shards are 2048 filters, which in one packet
+# could pass a broker's max_packet_size.
+_FILTERS_PER_PACKET = 64
 # What the transport presents to Admission as the device's credential: the broker has already
 # checked the device's own login and confined it to its topics (see `BrokerVouched`).
 BROKER_CREDENTIAL = "mqtt-broker-authenticated"
@@ -141,6 +154,7 @@ class MqttSettings:
     broker_url: str = field(default="mqtt://127.0.0.1:1883", repr=False)  # may hold a password
     client_id: str = "esp32-mcp-bridge"
     topic_prefix: str = DEFAULT_PREFIX
+    shards: int = 1  # `mqtt_shards`: 1 = topics without a shard level
     keepalive_s: int = 60
     # UDP audio: where to bind, and the address devices are told in the hello.
     udp_host: str = "0.0.0.0"
@@ -277,7 +291,7 @@ class MqttTransport:
         self.settings = settings
         self.admission = admission
         self.address = settings.address()
-        self.scheme = TopicScheme(settings.topic_prefix)
+        self.scheme = TopicScheme(settings.topic_prefix, settings.shards)
         self.udp = udp or UdpAudioChannel(
             settings.udp_host, settings.udp_port, max_payload=settings.max_udp_payload
         )
@@ -294,6 +308,9 @@ class MqttTransport:
         self._workers: set[asyncio.Task[None]] = set()
         self._offline_at: dict[str, float] = {}  # device key -> when `offline` came (bounded)
         self._drops = EventBudget(log, "mqtt message dropped")
+        self._owned: frozenset[int] | None = None  # None: every shard
+        self._subscribed: list[str] = []  # filters of the current broker connection
+        self._subscriptions = asyncio.Lock()  # one change of filters at a time
 
     # ---- Transport ------------------------------------------------------------------------------
 
@@ -397,13 +414,10 @@ class MqttTransport:
         while not self._stopping:
             try:
                 async with self._client_for() as client:
-                    await client.subscribe(
-                        [
-                            (self.scheme.filter(TopicKind.UP), 1),
-                            (self.scheme.filter(TopicKind.STATUS), 1),
-                        ]
-                    )
-                    self._client = client
+                    async with self._subscriptions:  # no set_shards halfway through
+                        self._subscribed = []
+                        await self._subscribe(client, self._wanted_filters())
+                        self._client = client
                     self._connected.set()
                     attempt = 0
                     self.count("broker_connects")
@@ -421,6 +435,70 @@ class MqttTransport:
             delay = self._backoff(attempt)
             log.info("reconnecting to mqtt broker", attempt=attempt, delay_s=round(delay, 2))
             await asyncio.sleep(delay)
+
+    # ---- shards ---------------------------------------------------------------------------------
+
+    @property
+    def owned_shards(self) -> frozenset[int] | None:
+        """The shards this instance serves; None = all of them (the default)."""
+        return self._owned
+
+    def owns(self, shard: int) -> bool:
+        """Whether this instance serves the devices of `shard`."""
+        return self._owned is None or shard in self._owned
+
+    async def set_shards(self, shards: Iterable[int] | None) -> None:
+        """Serve exactly these shards (None: all). Links of devices in shards lost close at once
+        (locally: the device stays connected to the broker, and the new owner's subscription
+        gets its retained `online`); subscriptions follow while connected, and a reconnect
+        subscribes to the current set. Works before `start`. MqttConfigError for a shard that
+        is not in 0..shards-1."""
+        owned = None if shards is None else frozenset(shards)
+        for shard in owned or ():
+            if isinstance(shard, bool) or not isinstance(shard, int):
+                raise MqttConfigError(f"shard {shard!r} is not an integer")
+            if not 0 <= shard < self.scheme.shards:
+                raise MqttConfigError(f"shard {shard} is not in 0..{self.scheme.shards - 1}")
+        log.info("mqtt shards set", shards=None if owned is None else sorted(owned))
+        async with self._subscriptions:
+            self._owned = owned
+            self._close_unowned()
+            client = self._client
+            if client is None:  # not connected: the connection loop subscribes to these
+                return
+            try:
+                await self._resubscribe(client)
+            except aiomqtt.MqttError as exc:  # the connection loop will resubscribe
+                self.count("shard_subscribe_failures")
+                log.warning("mqtt shard subscription failed", error=str(exc))
+
+    def _wanted_filters(self) -> list[str]:
+        shards = range(self.scheme.shards) if self._owned is None else sorted(self._owned)
+        return [topic for shard in shards for topic in self.scheme.shard_filters(shard)]
+
+    async def _resubscribe(self, client: aiomqtt.Client) -> None:
+        """Unsubscribe the filters no longer wanted first (their messages are dropped from now
+        on anyway), then subscribe the new ones: no filter overlaps another, so nothing arrives
+        twice."""
+        wanted = self._wanted_filters()
+        lost = [topic for topic in self._subscribed if topic not in wanted]
+        for batch in _batches(lost):
+            await client.unsubscribe(batch, timeout=self.settings.publish_timeout_s)
+            self._subscribed = [topic for topic in self._subscribed if topic not in batch]
+        await self._subscribe(client, [t for t in wanted if t not in self._subscribed])
+
+    async def _subscribe(self, client: aiomqtt.Client, filters: list[str]) -> None:
+        for batch in _batches(filters):
+            await client.subscribe(
+                [(topic, 1) for topic in batch], timeout=self.settings.publish_timeout_s
+            )
+            self._subscribed.extend(batch)
+
+    def _close_unowned(self) -> None:
+        for device in list(self._devices.values()):
+            if not self.owns(self.scheme.shard_of(device.key)):
+                self.count("shard_moved_links")
+                self._close_device(device, SHARD_MOVED, drain=False)
 
     def _backoff(self, attempt: int) -> float:
         """Exponential from reconnect_min_s up to reconnect_max_s, times a random 0.5-1.0."""
@@ -449,8 +527,14 @@ class MqttTransport:
         topic = message.topic.value
         try:
             parsed = self.scheme.parse(topic)
+        except WrongShard as exc:  # a device's own key, under another shard: never served
+            self._drop("wrong_shard", topic=topic[:120], detail=str(exc))
+            return
         except TopicError as exc:
             self._drop("bad_topic", topic=topic[:120], detail=str(exc))
+            return
+        if not self.owns(parsed.shard):  # arrived before the unsubscription took effect
+            self._drop("unowned_shard", device_key=parsed.device_key, shard=parsed.shard)
             return
         payload = message.payload
         if not isinstance(payload, bytes | bytearray):
@@ -672,6 +756,13 @@ class MqttTransport:
                 if not device.presence and now - device.last_seen > timeout:
                     self.count("silence_timeouts")
                     self._close_device(device, f"no message for {timeout:g} s", drain=True)
+
+
+def _batches(filters: list[str]) -> list[list[str]]:
+    return [
+        filters[start : start + _FILTERS_PER_PACKET]
+        for start in range(0, len(filters), _FILTERS_PER_PACKET)
+    ]
 
 
 if TYPE_CHECKING:  # the seam, checked by mypy: these classes satisfy the core's protocols

@@ -11,6 +11,7 @@ prints what one device needs and the broker files an external broker needs.
 
 import os
 import secrets
+from collections.abc import Iterable
 from pathlib import Path
 
 import structlog
@@ -114,6 +115,7 @@ class MqttService:
         self._check_udp()
         self.endpoint: MqttEndpoint | None = None
         self.transport: MqttTransport | None = None
+        self._shards: frozenset[int] | None = None  # what set_shards asked for before start
 
     def _check_udp(self) -> None:
         if not self.settings.udp_public_host and self.settings.udp_host in WILDCARD_HOSTS:
@@ -128,6 +130,7 @@ class MqttService:
             broker_url=broker_url,
             client_id=settings.mqtt_client_id,
             topic_prefix=settings.mqtt_topic_prefix,
+            shards=settings.mqtt_shards,
             keepalive_s=settings.mqtt_keepalive_s,
             udp_host=settings.udp_host,
             udp_port=settings.udp_port,
@@ -168,10 +171,33 @@ class MqttService:
                 self._transport_settings(self.settings.mqtt_url or ""),
                 Admission(BrokerVouched(), self._handshake_limits),
             )
+            await self.transport.set_shards(self._shards)
             await self.transport.start(acceptor)
         except BaseException:
             await self.stop()
             raise
+
+    async def set_shards(self, shards: Iterable[int] | None) -> None:
+        """The shards this instance serves (None: all), before or after `start`: see
+        `MqttTransport.set_shards`. MqttConfigError with the embedded endpoint, whose topics
+        have no shards, and for a shard outside 0..mqtt_shards-1."""
+        if self.embedded:
+            raise MqttConfigError("the embedded MQTT endpoint has no shards")
+        owned = None if shards is None else frozenset(shards)
+        if self.transport is not None:
+            await self.transport.set_shards(owned)
+        else:
+            for shard in owned or ():
+                if not 0 <= shard < self.settings.mqtt_shards:
+                    raise MqttConfigError(
+                        f"shard {shard} is not in 0..{self.settings.mqtt_shards - 1}"
+                    )
+        self._shards = owned
+
+    @property
+    def owned_shards(self) -> frozenset[int] | None:
+        """The shards this instance serves (None: all)."""
+        return self._shards
 
     async def stop(self) -> None:
         """Stop whichever MQTT side is running."""
@@ -215,6 +241,8 @@ class MqttService:
             "mqtt_broker": EMBEDDED if self.embedded else "external",
             "mqtt_topic_prefix": self.settings.mqtt_topic_prefix,
         }
+        if self.settings.mqtt_shards > 1:
+            found["mqtt_shards"] = str(self.settings.mqtt_shards)
         running = self.endpoint or self.transport
         if running is not None:
             found["udp"] = running.endpoints()["udp"]
