@@ -74,6 +74,9 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="BRIDGE_", extra="forbid")
 
     data_dir: Path = Field(default_factory=default_data_dir)
+    # The database (docs/storage.md): unset, the SQLite file in data_dir; a postgresql:// URL, a
+    # PostgreSQL server that several bridges share. Kept out of repr: it may hold a password.
+    database_url: str | None = Field(None, repr=False)
     # Device endpoint (WebSocket). Devices live on the LAN, so it listens on every interface.
     ws_host: str = "0.0.0.0"
     ws_port: int = Field(8000, ge=0, le=65535)
@@ -271,6 +274,20 @@ class Settings(BaseSettings):
         if self.mqtt_shards > 1 and self.mqtt_url == "embedded":
             raise ValueError('mqtt_shards > 1 needs an external broker (mqtt_url "mqtt[s]://…")')
         return self
+
+    @field_validator("database_url")
+    @classmethod
+    def _postgres_url(cls, value: str | None) -> str | None:
+        """Only PostgreSQL URLs; the message never repeats the URL (it may hold a password)."""
+        if value is None or not value.strip():
+            return None
+        scheme = value.strip().partition("://")[0].lower() if "://" in value else ""
+        if scheme not in ("postgresql", "postgres"):
+            raise ValueError(
+                "expected a postgresql://user:password@host:port/database URL "
+                "(unset: the SQLite file in data_dir)"
+            )
+        return value.strip()
 
     @field_validator("ws_path", "ota_path")
     @classmethod

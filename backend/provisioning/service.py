@@ -145,7 +145,8 @@ class Provisioning:
     async def start(self) -> None:
         """Needs the open database: load credentials, activations and releases. The database
         holds serial keys and token hashes, so it is made readable by its owner only."""
-        _owner_only(self._database_path)
+        if self._database_path is not None:  # None: PostgreSQL, no file of ours
+            _owner_only(self._database_path)
         await self.store.load()
         await self.releases.load()
         self.store.start()
