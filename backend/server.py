@@ -22,10 +22,12 @@ import structlog
 import uvicorn
 
 from backend.api import create_app
+from backend.api.cluster import cluster_router
 from backend.api.device_events import DeviceStreams
 from backend.api.metrics import MetricsListener, metrics_app, metrics_router
 from backend.api.provisioning import provisioning_router
 from backend.auth import Tokens, ensure_tokens
+from backend.cluster import CLUSTER_MIGRATIONS, ClusterNode, ClusterOptions
 from backend.common import reachable_host, tcp_listener, url_host
 from backend.config import Settings
 from backend.console import console_routes
@@ -97,8 +99,13 @@ class Bridge:
             ),
         )
         self.conversations = ConversationHub(self.registry)
-        self.database = Database(settings.data_dir / DATABASE_FILE, MIGRATIONS)
+        clustered = CLUSTER_MIGRATIONS if settings.cluster_url is not None else ()
+        self.database = Database(
+            settings.database_url or settings.data_dir / DATABASE_FILE, (*MIGRATIONS, *clustered)
+        )
         self.catalog = DeviceCatalog(self.database, self.registry)
+        # Several instances on one fleet (docs/cluster.md): leases, fleet events, forwarding.
+        self.cluster: ClusterNode | None = None
         self.audit = AuditLog(self.database, self.registry)
         # OTA endpoint, per-device credentials, firmware offers (docs/provisioning.md).
         self.provisioning = Provisioning(
@@ -133,6 +140,13 @@ class Bridge:
         )
         if self.mqtt is not None:
             self.transports.append(self.mqtt)
+        if settings.cluster_url is not None:
+            self.cluster = ClusterNode(
+                ClusterOptions.of(settings),
+                self.registry,
+                self.database,
+                mqtt=self.mqtt,
+            )
         # External MCP servers for the chat (docs/mcp-servers.md), shared by every conversation.
         self.mcp_servers = McpServerHub.from_settings(
             settings.mcp_servers,
@@ -167,6 +181,7 @@ class Bridge:
                 mcp_servers_router(self.mcp_servers),
                 *([metrics_router()] if settings.metrics_enabled else []),
                 *([self.browser.router()] if self.browser is not None else []),
+                *([cluster_router(self.cluster)] if self.cluster is not None else []),
             ],
             routes=[
                 *self.frontends.routes(),
@@ -177,6 +192,7 @@ class Bridge:
             ],
             cors_origins=settings.cors_origins,
             device_streams=self.device_streams,
+            health=self.cluster.health if self.cluster is not None else lambda: None,
         )
         # GET /metrics on a listener of its own too, when metrics_port is set.
         self.metrics_listener: MetricsListener | None = None
@@ -239,10 +255,14 @@ class Bridge:
             await self.mcp_servers.start()
             await self.provisioning.start()
             self.audit.start()
+            if self.cluster is not None:
+                await self.cluster.start()
             for transport in self.transports:
                 await transport.start(self.gateway)
                 self._started.append(transport)
             await self._start_api()
+            if self.cluster is not None:
+                await self.cluster.leases.set_api_url(self.api_url)
             await self.provisioning.start_listener()
             await self._start_metrics()
         except BaseException:
@@ -311,6 +331,8 @@ class Bridge:
         self._stopped = True
         if self._running:
             log.info("bridge stopping", devices=len(self.registry))
+        if self.cluster is not None:
+            await self.cluster.stop()  # leases given up, presence cleared: others drop ours
         self.registry.shutdown(SHUTDOWN)
         await self._stop_metrics()
         await self.provisioning.stop_listener()

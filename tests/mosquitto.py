@@ -64,11 +64,15 @@ class Mosquitto:
         prefix: str = "xiaozhi",
         bridge: BridgeAccount | None = None,
         limits: BrokerLimits | None = None,
+        more_bridges: tuple[BridgeAccount, ...] = (),
     ) -> None:
         self.workdir = workdir
         self.devices = dict(devices)  # device key -> password
         self.prefix = prefix
         self.bridge = bridge or BridgeAccount()
+        # Accounts with the bridge's rights for further instances (a cluster): with
+        # use_username_as_clientid two clients of one account would replace each other.
+        self.more_bridges = more_bridges
         self.limits = limits or BrokerLimits()
         self.port = reserve_port(self)  # held while this object lives: restarts find it free
         self.process: subprocess.Popen[bytes] | None = None
@@ -77,10 +81,17 @@ class Mosquitto:
 
     def _write_files(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        logins = [(self.bridge.username, self.bridge.password), *self.devices.items()]
+        bridges = [self.bridge, *self.more_bridges]
+        logins = [(b.username, b.password) for b in bridges] + list(self.devices.items())
         passwords = write_mosquitto_password_file(self.workdir / "passwords", logins, use_tool=True)
         acl = self.workdir / "acl"
-        acl.write_text(mosquitto_acl(self.prefix, self.bridge.username))
+        acl.write_text(
+            mosquitto_acl(
+                self.prefix,
+                self.bridge.username,
+                more_bridge_usernames=[b.username for b in self.more_bridges],
+            )
+        )
         run_as = pwd.getpwuid(os.getuid()).pw_name if os.getuid() == 0 else None
         self.conf = self.workdir / "mosquitto.conf"
         self.conf.write_text(
@@ -95,7 +106,10 @@ class Mosquitto:
 
     @property
     def bridge_url(self) -> str:
-        return f"mqtt://{self.bridge.username}:{self.bridge.password}@127.0.0.1:{self.port}"
+        return self.url_of(self.bridge)
+
+    def url_of(self, account: BridgeAccount) -> str:
+        return f"mqtt://{account.username}:{account.password}@127.0.0.1:{self.port}"
 
     @property
     def pid(self) -> int:

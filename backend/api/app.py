@@ -113,6 +113,7 @@ def create_app(
     routes: Iterable[BaseRoute] = (),
     cors_origins: Iterable[str] = (),
     device_streams: DeviceStreams | None = None,
+    health: Callable[[], str | None] = lambda: None,
 ) -> FastAPI:
     """The HTTP API; every route but the open ones sits behind `AdminGate`, which resolves
     the admin token and (with `resolve_key`) API keys to principals. With `cors_origins`, a
@@ -133,9 +134,17 @@ def create_app(
         )
     _describe(app)
 
-    @app.get("/healthz")
-    async def healthz() -> dict[str, Any]:
-        return {"status": "ok", "devices": len(registry), "known_devices": registry.known_count}
+    @app.get("/healthz", responses={503: {"description": "draining, or cut off from its database"}})
+    async def healthz(response: Response) -> dict[str, Any]:
+        # A load balancer's check: 503 sends new devices to another instance (docs/cluster.md).
+        problem = health()
+        if problem is not None:
+            response.status_code = 503
+        return {
+            "status": problem or "ok",
+            "devices": len(registry),
+            "known_devices": registry.known_count,
+        }
 
     @app.get("/api/devices")
     async def list_devices(

@@ -77,6 +77,7 @@ class DeviceBusy(DeviceLayerError):
     def __init__(self, device_id: str, limit: int) -> None:
         super().__init__(f"device {device_id!r} already has {limit} calls in flight")
         self.device_id = device_id
+        self.limit = limit
 
 
 class InvalidArguments(DeviceLayerError):

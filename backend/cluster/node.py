@@ -1,0 +1,594 @@
+"""One bridge instance in a cluster: leases for its devices, the fleet view, forwarded calls.
+
+- **Ownership.** Every local device event goes through one ordered outbox: a connect claims the
+  device's lease (a batch of connects is one transaction) before its event is published, a
+  disconnect releases it. Leases are renewed every `lease_renew_s`; a device whose lease another
+  instance took (it reconnected there) has its stale link here closed. If renewals fail for
+  longer than the lease lasts, the instance is *fenced*: it closes its device links and takes no
+  new ones until the database answers again, so no device is ever served by two instances.
+- **Fleet view.** Events of local devices are published to every instance; the reports of other
+  instances' devices go into the registry (`RemoteDevice`), so listings, server-sent events and
+  calls see the whole fleet. An instance that leaves, dies (its will) or stops heartbeating has
+  its devices taken offline everywhere, and calls in flight to it fail at once.
+- **Forwarded calls.** A call to a remote device goes to its owner as an MQTT 5 request (response
+  topic + correlation data, expiry = the deadline); a cancelled caller sends `cancel`.
+- **MQTT shards.** With `mqtt_shards` > 1 the instance keeps a fair share of the shard leases and
+  its MQTT transport subscribes to exactly those.
+"""
+
+import asyncio
+import contextlib
+import math
+import socket
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import structlog
+
+from backend.cluster import wire
+from backend.cluster.fabric import Fabric, FabricUnavailable, Inbound, Topics
+from backend.cluster.leases import InstanceRow, LeaseTable
+from backend.config import Settings
+from backend.devices.errors import DeviceLayerError, DeviceOffline, UnknownDevice
+from backend.devices.registry import (
+    Device,
+    DeviceEvent,
+    DeviceRegistry,
+    EventKind,
+    RemoteDevice,
+)
+from backend.mcp_session import CallResult, DeviceDisconnected, McpError, RequestTimeout
+from backend.mcp_session.models import TimeoutPolicy
+from backend.storage import Database, DatabaseError
+
+log = structlog.get_logger("cluster")
+
+SERVICE_RESTART = 1012  # WebSocket close code: "reconnect, the service is restarting"
+FORWARD_MARGIN_S = 2.0  # the hop to the owner and back, on top of the device's own deadline
+SYNC_CHUNK = 200  # device reports per join-snapshot message
+_FENCE_MARGIN_S = 1.0  # stop serving this long before the last renewed leases expire
+
+
+class ShardedTransport(Protocol):
+    """The MQTT transport's side of shard ownership."""
+
+    async def set_shards(self, shards: Iterable[int] | None) -> None:
+        """Serve exactly these shards (None: all)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterOptions:
+    """The cluster settings of one instance."""
+
+    url: str
+    instance_id: str
+    prefix: str
+    ttl_s: float
+    renew_s: float
+    shards: int
+    timeouts: TimeoutPolicy
+
+    @classmethod
+    def of(cls, settings: Settings) -> "ClusterOptions":
+        """From the bridge's settings (`cluster_url` must be set)."""
+        assert settings.cluster_url is not None
+        return cls(
+            url=settings.cluster_url,
+            instance_id=settings.instance_id or _host_name(),
+            prefix=settings.mqtt_topic_prefix,
+            ttl_s=settings.lease_ttl_s,
+            renew_s=settings.lease_renew_s,
+            shards=settings.mqtt_shards,
+            timeouts=TimeoutPolicy(
+                default_s=settings.call_timeout_s, per_tool=dict(settings.tool_timeouts)
+            ),
+        )
+
+
+def _host_name() -> str:
+    name = "".join(c if c.isalnum() or c in "_.-" else "-" for c in socket.gethostname())
+    return name[:64] or "bridge"
+
+
+class ClusterNode:
+    """This instance's membership: start after the database, stop before it closes."""
+
+    def __init__(
+        self,
+        options: ClusterOptions,
+        registry: DeviceRegistry,
+        database: Database,
+        *,
+        api_url: Callable[[], str | None] = lambda: None,
+        mqtt: ShardedTransport | None = None,
+    ) -> None:
+        self.options = options
+        self.instance_id = options.instance_id
+        self.registry = registry
+        self.leases = LeaseTable(database, options.instance_id, options.ttl_s)
+        self.topics = Topics(options.prefix, options.instance_id)
+        self.fabric = Fabric(
+            options.url,
+            self.topics,
+            on_message=self._on_message,
+            on_connect=self._on_fabric_connect,
+            on_disconnect=self._on_fabric_lost,
+            keepalive_s=max(2, int(options.ttl_s / 2)),
+        )
+        self._api_url = api_url
+        self._mqtt = mqtt if options.shards > 1 else None
+        self._outbox: asyncio.Queue[tuple[DeviceEvent, dict[str, Any] | None]] = asyncio.Queue()
+        self._epochs: dict[str, int] = {}  # local device -> the epoch of its lease
+        self._pending: dict[bytes, tuple[asyncio.Future[dict[str, Any]], str]] = {}
+        self._serving: dict[bytes, asyncio.Task[None]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._unsubscribe: Callable[[], None] | None = None
+        self._renewed_at = time.monotonic()  # the start of the last successful renewal
+        self.fenced = False
+        self.draining = False
+        self.shards: frozenset[int] = frozenset()
+        self.instances: list[InstanceRow] = []
+        self.counters = {"forwarded": 0, "served": 0, "stale_links_closed": 0, "fenced": 0}
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Join (database row), follow the registry, connect to the broker, start renewing."""
+        self.registry.instance_id = self.instance_id
+        await self.leases.join(self._api_url(), time.time())
+        if self._mqtt is not None:
+            await self._mqtt.set_shards(frozenset())  # none until a renewal grants some
+        self._unsubscribe = self.registry.subscribe(self._on_local_event)
+        self._renewed_at = time.monotonic()
+        await self._renew()
+        self._tasks = [
+            asyncio.create_task(self._run_outbox(), name="cluster-outbox"),
+            asyncio.create_task(self._run_renewals(), name="cluster-renewals"),
+        ]
+        self.fabric.start()
+        log.info("cluster instance joined", instance=self.instance_id)
+
+    async def stop(self) -> None:
+        """Leave: give up leases, clear presence, fail forwarded calls still waiting."""
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        for task in list(self._serving.values()):
+            task.cancel()
+        self._fail_pending(None, "bridge instance stopping")
+        await self.fabric.stop()
+        with contextlib.suppress(DatabaseError):
+            await self.leases.leave()
+
+    async def drain(self) -> int:
+        """Take no new devices, tell the connected ones to reconnect (they land on another
+        instance), give up leases and shards. Returns how many devices were told."""
+        self.draining = True
+        with contextlib.suppress(DatabaseError):
+            await self.leases.set_draining(True)
+        told = 0
+        for device in list(self.registry):
+            if self.registry.disconnect(
+                device.device_id, "bridge instance draining: reconnect", SERVICE_RESTART
+            ):
+                told += 1
+        if self._mqtt is not None:
+            self.shards = frozenset()
+            await self._mqtt.set_shards(self.shards)
+        await self._renew()
+        log.info("cluster instance draining", instance=self.instance_id, devices=told)
+        return told
+
+    # ---- local events: claim, publish, release -------------------------------------------------
+
+    def _on_local_event(self, event: DeviceEvent) -> None:
+        if event.origin is not None or event.kind not in wire.FLEET_KINDS:
+            return
+        device = self.registry.get(event.device_id)
+        snapshot = None
+        if device is not None and event.kind is not EventKind.DISCONNECTED:
+            snapshot = wire.device_report(event.kind, device, self.instance_id, 0)
+        self._outbox.put_nowait((event, snapshot))
+
+    async def _run_outbox(self) -> None:
+        while True:
+            batch = [await self._outbox.get()]
+            while not self._outbox.empty() and len(batch) < 1000:
+                batch.append(self._outbox.get_nowait())
+            await self._claim_connects(batch)
+            for event, snapshot in batch:
+                await self._announce(event, snapshot)
+
+    async def _claim_connects(self, batch: list[tuple[DeviceEvent, dict[str, Any] | None]]) -> None:
+        connects: dict[str, str] = {}
+        for event, snapshot in batch:
+            if event.kind is EventKind.CONNECTED and snapshot is not None:
+                connects[event.device_id] = str(snapshot["transport"])
+        if not connects:
+            return
+        refusal = self._refusal()
+        if refusal is None:
+            try:
+                self._epochs.update(await self.leases.claim(connects.items(), time.time()))
+                return
+            except DatabaseError as exc:
+                refusal = f"bridge instance cannot claim devices ({exc}): reconnect"
+        for device_id in connects:
+            self.registry.disconnect(device_id, refusal, SERVICE_RESTART)
+
+    def _refusal(self) -> str | None:
+        if self.draining:
+            return "bridge instance draining: reconnect"
+        if self.fenced:
+            return "bridge instance lost its database: reconnect"
+        return None
+
+    async def _announce(self, event: DeviceEvent, snapshot: dict[str, Any] | None) -> None:
+        device_id = event.device_id
+        if event.kind is EventKind.DISCONNECTED:
+            epoch = self._epochs.pop(device_id, 0)
+            if epoch and self.registry.get(device_id) is None:
+                with contextlib.suppress(DatabaseError):
+                    await self.leases.release(device_id, epoch)
+            message = {
+                "v": wire.VERSION,
+                "kind": EventKind.DISCONNECTED.value,
+                "device_id": device_id,
+                "owner": self.instance_id,
+                "epoch": epoch,
+                "state": "offline",
+                "reason": str(event.detail.get("reason", "")),
+            }
+        else:
+            if snapshot is None or device_id not in self._epochs:
+                return  # refused above, or gone already
+            message = {**snapshot, "epoch": self._epochs[device_id]}
+        with contextlib.suppress(FabricUnavailable):
+            await self.fabric.publish(self.topics.events, wire.dumps(message))
+
+    # ---- renewals -------------------------------------------------------------------------------
+
+    async def _run_renewals(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.renew_s)
+            await self._renew()
+
+    async def _renew(self) -> None:
+        began = time.monotonic()
+        try:
+            renewal = await self.leases.renew(
+                time.time(), self.options.shards, self._shard_target()
+            )
+        except DatabaseError as exc:
+            if not self.fenced:
+                log.warning("lease renewal failed", error=str(exc))
+            if time.monotonic() - self._renewed_at > self.options.ttl_s - _FENCE_MARGIN_S:
+                self._fence()
+            return
+        self._renewed_at = began
+        if self.fenced:
+            self.fenced = False
+            log.info("database reachable again: taking devices", instance=self.instance_id)
+        self.instances = renewal.instances
+        self._close_stale(renewal.devices)
+        self._forget_silent_instances(renewal.instances)
+        if self._mqtt is not None and renewal.shards != self.shards:
+            self.shards = renewal.shards
+            await self._mqtt.set_shards(self.shards)
+            log.info("mqtt shards", instance=self.instance_id, shards=sorted(self.shards))
+
+    def _shard_target(self) -> int | None:
+        if self._mqtt is None:
+            return None
+        if self.draining or self.fenced:
+            return 0
+        now = time.time()
+        alive = [
+            row
+            for row in self.instances
+            if not row.draining and now - row.heartbeat_at < self.options.ttl_s
+        ]
+        others = sum(1 for row in alive if row.instance_id != self.instance_id)
+        return math.ceil(self.options.shards / (others + 1))
+
+    def _close_stale(self, owned: dict[str, int]) -> None:
+        for device_id, epoch in list(self._epochs.items()):
+            if owned.get(device_id) == epoch or self.registry.get(device_id) is None:
+                continue
+            self.counters["stale_links_closed"] += 1
+            self._epochs.pop(device_id, None)
+            self.registry.disconnect(
+                device_id, "the device's lease moved to another bridge instance", 1000
+            )
+
+    def _fence(self) -> None:
+        if self.fenced:
+            return
+        self.fenced = True
+        self.counters["fenced"] += 1
+        log.error(
+            "device leases expired without renewal: closing every device link",
+            instance=self.instance_id,
+            devices=len(self.registry),
+        )
+        for device in list(self.registry):
+            self.registry.disconnect(
+                device.device_id, "bridge instance lost its database: reconnect", SERVICE_RESTART
+            )
+        self._epochs.clear()
+        if self._mqtt is not None:
+            self.shards = frozenset()
+            self._spawn(self._mqtt.set_shards(self.shards))
+
+    def _forget_silent_instances(self, instances: list[InstanceRow]) -> None:
+        now = time.time()
+        silent = {
+            row.instance_id
+            for row in instances
+            if now - row.heartbeat_at > self.options.ttl_s and row.instance_id != self.instance_id
+        }
+        owners = {device.owner for device in self.registry.remote_devices()}
+        for owner in owners & silent:
+            self._owner_gone(owner, f"bridge instance {owner} stopped renewing its leases")
+
+    # ---- the fabric ------------------------------------------------------------------------------
+
+    async def _on_fabric_connect(self) -> None:
+        """After each (re)connect: ask for everyone's devices, and tell ours again (while the
+        broker was away our will took our devices offline on the other instances)."""
+        await self.fabric.publish(self.topics.sync, wire.dumps({"from": self.instance_id}))
+        await self._publish_snapshot(self.topics.events)
+
+    def _on_fabric_lost(self) -> None:
+        self._fail_pending(None, "cluster broker connection lost")
+
+    def _on_message(self, message: Inbound) -> None:
+        if message.channel == "presence":
+            if message.instance and message.instance != self.instance_id and not message.payload:
+                self._owner_gone(message.instance, f"bridge instance {message.instance} left")
+            return
+        try:
+            body = wire.loads(message.payload)
+        except wire.WireError as exc:
+            log.warning("cluster message dropped", channel=message.channel, error=str(exc))
+            return
+        if message.channel == "events":
+            self._on_report(body)
+        elif message.channel == "sync":
+            requester = body.get("from")
+            if isinstance(requester, str) and requester != self.instance_id:
+                self._spawn(self._publish_snapshot(self.topics.reply(requester)))
+        elif message.channel == "rpc":
+            self._on_request(body, message)
+        elif message.channel == "reply":
+            self._on_reply(body, message)
+
+    def _on_report(self, body: dict[str, Any]) -> None:
+        try:
+            report = wire.parse_report(body)
+        except wire.WireError as exc:
+            log.warning("fleet event dropped", error=str(exc))
+            return
+        if report.owner == self.instance_id:
+            return
+        mine = self._epochs.get(report.device_id)
+        if (
+            report.kind is not EventKind.DISCONNECTED
+            and self.registry.get(report.device_id) is not None
+            and mine is not None
+            and report.epoch > mine
+        ):
+            # It reconnected to another instance: the link here is stale.
+            self.counters["stale_links_closed"] += 1
+            self._epochs.pop(report.device_id, None)
+            self.registry.disconnect(
+                report.device_id, f"reconnected to bridge instance {report.owner}", 1000
+            )
+        self.registry.remote_reported(report, self._forward)
+
+    async def _publish_snapshot(self, topic: str) -> None:
+        reports = [
+            wire.device_report(EventKind.CONNECTED, device, self.instance_id, epoch)
+            for device in list(self.registry)
+            if (epoch := self._epochs.get(device.device_id))
+        ]
+        with contextlib.suppress(FabricUnavailable):
+            for start in range(0, len(reports), SYNC_CHUNK):
+                chunk = reports[start : start + SYNC_CHUNK]
+                await self.fabric.publish(topic, wire.dumps({"reports": chunk}))
+
+    def _owner_gone(self, owner: str, reason: str) -> None:
+        dropped = self.registry.remote_owner_gone(owner, reason)
+        failed = self._fail_pending(owner, reason)
+        if dropped or failed:
+            log.info("instance gone", instance=owner, devices=dropped, calls_failed=failed)
+
+    def _fail_pending(self, owner: str | None, reason: str) -> int:
+        failed = 0
+        for future, target in list(self._pending.values()):
+            if (owner is None or target == owner) and not future.done():
+                future.set_exception(DeviceDisconnected(reason))
+                failed += 1
+        return failed
+
+    def _spawn(self, work: Any) -> None:
+        task = asyncio.create_task(work)
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+
+    # ---- forwarded calls: the caller's side -----------------------------------------------------
+
+    async def _forward(
+        self,
+        device: RemoteDevice,
+        tool: str,
+        arguments: dict[str, Any],
+        timeout_s: float | None,
+        actor: str | None,
+    ) -> CallResult:
+        budget = timeout_s if timeout_s is not None else self.options.timeouts.for_tool(tool)
+        wait_s = budget + FORWARD_MARGIN_S
+        correlation = uuid.uuid4().bytes
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._pending[correlation] = (future, device.owner)
+        request = wire.call_request(device.device_id, tool, arguments, timeout_s, actor)
+        self.counters["forwarded"] += 1
+        try:
+            try:
+                await self.fabric.publish(
+                    self.topics.rpc(device.owner),
+                    wire.dumps(request),
+                    response_topic=self.topics.reply(),
+                    correlation=correlation,
+                    expiry_s=math.ceil(wait_s),
+                )
+            except FabricUnavailable as exc:
+                raise DeviceDisconnected(
+                    f"cannot reach bridge instance {device.owner}: {exc}"
+                ) from None
+            try:
+                async with asyncio.timeout(wait_s):
+                    reply = await future
+            except TimeoutError:
+                raise RequestTimeout("tools/call", budget, tool) from None
+        except asyncio.CancelledError:
+            self._spawn(self._cancel(device.owner, correlation))
+            raise
+        finally:
+            self._pending.pop(correlation, None)
+        return wire.parse_reply(reply)
+
+    async def _cancel(self, owner: str, correlation: bytes) -> None:
+        with contextlib.suppress(FabricUnavailable):
+            await self.fabric.publish(
+                self.topics.rpc(owner),
+                wire.dumps({"v": wire.VERSION, "op": "cancel"}),
+                correlation=correlation,
+            )
+
+    def _on_reply(self, body: dict[str, Any], message: Inbound) -> None:
+        reports = body.get("reports")
+        if isinstance(reports, list):  # a join snapshot
+            for report in reports:
+                if isinstance(report, dict):
+                    self._on_report(report)
+            return
+        if message.correlation is None:
+            return
+        pending = self._pending.get(message.correlation)
+        if pending is not None and not pending[0].done():
+            pending[0].set_result(body)
+
+    # ---- forwarded calls: the owner's side ------------------------------------------------------
+
+    def _on_request(self, body: dict[str, Any], message: Inbound) -> None:
+        correlation = message.correlation
+        if correlation is None or message.response_topic is None:
+            log.warning("forwarded request without correlation or response topic dropped")
+            return
+        if body.get("op") == "cancel":
+            task = self._serving.get(correlation)
+            if task is not None:
+                task.cancel()
+            return
+        if body.get("op") != "call" or correlation in self._serving:
+            return  # unknown, or a duplicate delivery (QoS 1)
+        task = asyncio.create_task(self._serve(body, message.response_topic, correlation))
+        self._serving[correlation] = task
+        task.add_done_callback(lambda _t: self._serving.pop(correlation, None))
+
+    async def _serve(self, body: dict[str, Any], reply_to: str, correlation: bytes) -> None:
+        self.counters["served"] += 1
+        try:
+            reply = wire.result_reply(await self._call_local(body))
+        except asyncio.CancelledError:
+            return  # the caller gave up; the device call was cancelled with it
+        except (DeviceLayerError, McpError) as exc:
+            reply = wire.error_reply(exc)
+        except Exception as exc:
+            log.error("forwarded call failed", error=repr(exc))
+            reply = wire.error_reply(DeviceDisconnected(f"error on the owning instance: {exc}"))
+        with contextlib.suppress(FabricUnavailable):
+            await self.fabric.publish(reply_to, wire.dumps(reply), correlation=correlation)
+
+    async def _call_local(self, body: dict[str, Any]) -> CallResult:
+        device_id, tool = body.get("device_id"), body.get("tool")
+        arguments, timeout_s = body.get("arguments"), body.get("timeout_s")
+        actor = body.get("actor")
+        if not isinstance(device_id, str) or not isinstance(tool, str):
+            raise UnknownDevice(str(device_id))
+        if not isinstance(arguments, dict):
+            arguments = {}
+        device: Device | None = self.registry.get(device_id)
+        if device is None:  # it left this instance meanwhile: never forward again (no loops)
+            raise DeviceOffline(device_id)
+        return await device.call_tool(
+            tool,
+            arguments,
+            timeout_s=float(timeout_s) if isinstance(timeout_s, int | float) else None,
+            confirmed=True,  # the caller's instance asked for the confirmation already
+            actor=actor if isinstance(actor, str) else None,
+        )
+
+    def health(self) -> str | None:
+        """Why this instance should get no new devices now, or None (for `/healthz`)."""
+        if self.draining:
+            return "draining"
+        if self.fenced:
+            return "cut off from the database"
+        return None
+
+    # ---- status ---------------------------------------------------------------------------------
+
+    async def status(self) -> dict[str, Any]:
+        """Instances (alive, draining, heartbeat lag, devices), leases and shards, as the
+        database and this instance see them."""
+        now = time.time()
+        instances = await self.leases.instances()
+        leases = await self.leases.leases()
+        by_owner: dict[str, int] = {}
+        expired = 0
+        for lease in leases:
+            if lease.expires_at < now:
+                expired += 1
+            else:
+                by_owner[lease.instance_id] = by_owner.get(lease.instance_id, 0) + 1
+        shards = await self.leases.shard_owners() if self.options.shards > 1 else {}
+        return {
+            "instance": self.instance_id,
+            "fenced": self.fenced,
+            "draining": self.draining,
+            "broker_connected": self.fabric.connected,
+            "lease_ttl_s": self.options.ttl_s,
+            "instances": [
+                {
+                    "instance_id": row.instance_id,
+                    "api_url": row.api_url,
+                    "alive": row.heartbeat_at > 0 and now - row.heartbeat_at < self.options.ttl_s,
+                    "draining": row.draining,
+                    "heartbeat_lag_s": round(now - row.heartbeat_at, 3)
+                    if row.heartbeat_at
+                    else None,
+                    "devices": by_owner.get(row.instance_id, 0),
+                    "shards": sorted(
+                        s
+                        for s, (owner, exp) in shards.items()
+                        if owner == row.instance_id and exp >= now
+                    ),
+                }
+                for row in instances
+            ],
+            "leases": {"live": sum(by_owner.values()), "expired": expired},
+            "fleet": {
+                "local": len(self.registry),
+                "remote": len(self.registry.remote_devices()),
+            },
+            "counters": dict(self.counters),
+        }

@@ -1,0 +1,147 @@
+"""Several bridge instances on one throwaway PostgreSQL and one real Mosquitto (each instance
+with its own broker account), and a layer-4 balancer in front of their WebSocket ports: what
+docs/cluster.md deploys, on loopback."""
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from backend.server import Bridge
+from backend.transports.mqtt_credentials import BridgeAccount
+from tests.helpers import ADMIN_TOKEN, make_settings
+from tests.mosquitto import Mosquitto
+from tests.ports import reserve_port
+
+NAMES = ("a", "b", "c")
+FAST_LEASES = {"lease_ttl_s": 3.0, "lease_renew_s": 0.5}
+
+
+class Balancer:
+    """A TCP balancer like HAProxy's `balance roundrobin` in mode tcp: each new connection goes
+    to the next backend that accepts it; bytes are copied both ways untouched."""
+
+    def __init__(self) -> None:
+        self.backends: list[tuple[str, int]] = []
+        self.port = reserve_port(self)
+        self._server: asyncio.Server | None = None
+        self._turn = itertools.count()
+        self._pipes: set[asyncio.Task[None]] = set()
+        self.connections: dict[tuple[str, int], int] = {}
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(
+            self._accept, "127.0.0.1", self.port, reuse_address=True
+        )
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._pipes):
+            task.cancel()
+        await asyncio.gather(*self._pipes, return_exceptions=True)
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/xiaozhi/v1/"
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for _ in range(len(self.backends)):
+            backend = self.backends[next(self._turn) % len(self.backends)]
+            try:
+                up_reader, up_writer = await asyncio.open_connection(*backend)
+            except OSError:
+                continue
+            self.connections[backend] = self.connections.get(backend, 0) + 1
+            for source, sink in ((reader, up_writer), (up_reader, writer)):
+                task = asyncio.create_task(_pipe(source, sink))
+                self._pipes.add(task)
+                task.add_done_callback(self._pipes.discard)
+            return
+        writer.close()
+
+
+async def _pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+    try:
+        while data := await source.read(65536):
+            sink.write(data)
+            await sink.drain()
+    except (OSError, asyncio.CancelledError):
+        pass
+    finally:
+        with contextlib.suppress(Exception):
+            sink.close()
+
+
+@dataclass
+class Cluster:
+    """Instances by name, started on demand, all stopped at the end."""
+
+    workdir: Path
+    database_url: str
+    broker: Mosquitto
+    accounts: dict[str, BridgeAccount]
+    balancer: Balancer
+    bridges: dict[str, Bridge] = field(default_factory=dict)
+
+    async def start(self, name: str, **overrides: Any) -> Bridge:
+        settings = make_settings(
+            self.workdir / name,
+            database_url=self.database_url,
+            cluster_url=self.broker.url_of(self.accounts[name]),
+            instance_id=name,
+            **{**FAST_LEASES, **overrides},
+        )
+        bridge = Bridge(settings)
+        await bridge.start()
+        assert bridge.cluster is not None
+        await bridge.cluster.fabric.wait_connected(10)
+        self.bridges[name] = bridge
+        self.balancer.backends.append(("127.0.0.1", bridge.websocket.port))
+        return bridge
+
+    async def stop(self, name: str) -> None:
+        bridge = self.bridges.pop(name)
+        self.balancer.backends.remove(("127.0.0.1", bridge.websocket.port))
+        await bridge.stop()
+
+    def api(self, name: str) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            base_url=self.bridges[name].api_url,
+            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+            timeout=30,
+        )
+
+
+@contextlib.asynccontextmanager
+async def running_cluster(workdir: Path, database_url: str) -> AsyncIterator[Cluster]:
+    accounts = {name: BridgeAccount(f"bridge-{name}") for name in NAMES}
+    broker = Mosquitto(workdir / "broker", {}, more_bridges=tuple(accounts.values()))
+    await broker.start()
+    balancer = Balancer()
+    await balancer.start()
+    cluster = Cluster(workdir, database_url, broker, accounts, balancer)
+    try:
+        yield cluster
+    finally:
+        for name in list(cluster.bridges):
+            with contextlib.suppress(Exception):
+                await cluster.stop(name)
+        await balancer.stop()
+        await broker.stop()
+
+
+async def until(check: Callable[[], Any], timeout_s: float = 10.0, what: str = "") -> Any:
+    """Poll until `check()` is truthy; return it. Fails with `what` after `timeout_s`."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            while not (value := check()):  # noqa: ASYNC110 - state spread over instances
+                await asyncio.sleep(0.02)
+            return value
+    except TimeoutError:
+        raise AssertionError(f"timed out waiting for {what or check}") from None

@@ -1,0 +1,211 @@
+"""Three bridge instances on one PostgreSQL and one Mosquitto: leases, the fleet view, forwarded
+calls with the same results and errors as local ones, stale links, drain, an instance leaving.
+
+The instances run in this process (each a real `Bridge` with its own listeners, database pool
+and broker connection); tests/test_cluster_processes.py kills real processes."""
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from backend.devices.registry import DeviceState, RemoteDevice
+from simulator import SimulatedDevice
+from tests.cluster_helpers import Cluster, running_cluster, until
+from tests.helpers import DEVICE_TOKEN
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path, postgres_url: str) -> AsyncIterator[Cluster]:
+    async with running_cluster(tmp_path, postgres_url) as running:
+        yield running
+
+
+@pytest.fixture
+async def devices() -> AsyncIterator[list[SimulatedDevice]]:
+    started: list[SimulatedDevice] = []
+    yield started
+    for device in started:
+        with contextlib.suppress(Exception):
+            await device.stop()
+
+
+def start_device(
+    started: list[SimulatedDevice], url: str, index: int, **kwargs: object
+) -> SimulatedDevice:
+    device = SimulatedDevice(url, DEVICE_TOKEN, index=index, reconnect_min_s=0.2, **kwargs)  # type: ignore[arg-type]
+    started.append(device)
+    device.start()
+    return device
+
+
+def state_on(cluster: Cluster, name: str, device_id: str) -> str | None:
+    found = cluster.bridges[name].registry._live.get(device_id) or cluster.bridges[
+        name
+    ].registry._remote.get(device_id)
+    return None if found is None else found.state.value
+
+
+async def test_a_call_through_any_instance_reaches_a_device_on_another(
+    cluster: Cluster, devices: list[SimulatedDevice]
+) -> None:
+    a, _b, c = [await cluster.start(name) for name in "abc"]
+    device = start_device(devices, c.ws_url, 1)
+    await c.registry.wait_for_state(device.device_id)
+    for name in "ab":
+        await until(
+            lambda n=name: state_on(cluster, n, device.device_id) == "ready",
+            what=f"the device ready in {name}'s fleet view",
+        )
+    remote = a.registry.require(device.device_id)
+    assert isinstance(remote, RemoteDevice) and remote.owner == "c"
+    assert len(remote.tools) == len(c.registry.require(device.device_id).tools)
+
+    async with cluster.api("a") as api:
+        listed = (await api.get("/api/devices")).json()["devices"]
+        assert [(d["device_id"], d["state"], d["instance"]) for d in listed] == [
+            (device.device_id, "ready", "c")
+        ]
+        reply = await api.post(
+            f"/api/devices/{device.device_id}/tools/call",
+            json={"name": "self.audio_speaker.set_volume", "arguments": {"volume": 37}},
+        )
+    assert reply.status_code == 200, reply.text
+    assert device.hal.volume == 37  # the real firmware on the device changed
+    assert cluster.bridges["c"].cluster.counters["served"] == 1  # type: ignore[union-attr]
+    assert cluster.bridges["a"].cluster.counters["forwarded"] == 1  # type: ignore[union-attr]
+
+
+async def test_forwarded_errors_are_the_local_ones(
+    cluster: Cluster, devices: list[SimulatedDevice]
+) -> None:
+    a = await cluster.start("a")
+    b = await cluster.start("b")
+    device = start_device(devices, b.ws_url, 2, extra_tools=2)
+    await b.registry.wait_for_state(device.device_id)
+    await until(lambda: state_on(cluster, "a", device.device_id) == "ready")
+    url = f"/api/devices/{device.device_id}/tools/call"
+    cases = [
+        # caught on the caller's instance (validation) or on the owner's (the device's deadline)
+        ({"name": "self.audio_speaker.set_volum", "arguments": {"volume": 1}}, 404),
+        ({"name": "self.audio_speaker.set_volume", "arguments": {"volume": "loud"}}, 422),
+        ({"name": "self.reboot"}, 428),
+        ({"name": "sim.synthetic_000", "arguments": {"value": 1, "delay_ms": 3000},
+          "timeout_s": 0.3}, 504),
+        ({"name": "sim.synthetic_000", "arguments": {"value": 1}}, 200),
+    ]  # fmt: skip
+    async with cluster.api("a") as via_a, cluster.api("b") as via_b:
+        for body, status in cases:
+            forwarded = await via_a.post(url, json=body)
+            local = await via_b.post(url, json=body)
+            assert (forwarded.status_code, local.status_code) == (status, status), body
+            if status == 200:
+                assert forwarded.json()["content"] == local.json()["content"]
+                continue
+            assert forwarded.json()["error"] == local.json()["error"], body
+
+
+async def test_a_device_that_reconnects_elsewhere_moves_and_its_stale_link_closes(
+    cluster: Cluster, devices: list[SimulatedDevice]
+) -> None:
+    a = await cluster.start("a")
+    b = await cluster.start("b")
+    first = start_device(devices, a.ws_url, 3)
+    await a.registry.wait_for_state(first.device_id)
+    epoch_a = a.cluster._epochs[first.device_id]  # type: ignore[union-attr]
+    # The same device id connects to b while its link to a is still open (a half-open link, or
+    # the device rebooted): b takes the lease, a closes its link.
+    second = start_device(devices, b.ws_url, 3)
+    await b.registry.wait_for_state(second.device_id)
+    await until(lambda: a.registry.get(first.device_id) is None, what="a closed its stale link")
+    assert b.cluster._epochs[second.device_id] > epoch_a  # type: ignore[union-attr]
+    await until(lambda: state_on(cluster, "a", first.device_id) == "ready")
+    leases = await b.cluster.leases.leases()  # type: ignore[union-attr]
+    assert [(lease.device_id, lease.instance_id) for lease in leases] == [(first.device_id, "b")]
+
+
+async def test_an_instance_that_leaves_takes_its_devices_out_of_every_fleet_view(
+    cluster: Cluster, devices: list[SimulatedDevice]
+) -> None:
+    a = await cluster.start("a")
+    b = await cluster.start("b")
+    device = start_device(devices, b.ws_url, 4)
+    await b.registry.wait_for_state(device.device_id)
+    await until(lambda: state_on(cluster, "a", device.device_id) == "ready")
+    await cluster.stop("b")
+    await until(lambda: state_on(cluster, "a", device.device_id) is None, what="offline on a")
+    summary = a.registry.summary(device.device_id)
+    assert summary["state"] == "offline" and summary["instance"] is None
+    assert await a.cluster.leases.leases() == []  # type: ignore[union-attr]
+
+
+async def test_a_late_instance_learns_the_fleet_at_join(
+    cluster: Cluster, devices: list[SimulatedDevice]
+) -> None:
+    a = await cluster.start("a")
+    ids = []
+    for index in range(5, 10):
+        device = start_device(devices, a.ws_url, index)
+        ids.append(device.device_id)
+    for device_id in ids:
+        await a.registry.wait_for_state(device_id)
+    c = await cluster.start("c")
+    await until(
+        lambda: sorted(d.device_id for d in c.registry.remote_devices()) == sorted(ids),
+        what="c's fleet view after its join",
+    )
+    async with cluster.api("c") as api:
+        page = (await api.get("/api/devices", params={"state": "ready"})).json()
+    assert page["total"] == 5 and {d["instance"] for d in page["devices"]} == {"a"}
+
+
+async def test_drain_sends_devices_to_another_instance(
+    cluster: Cluster, devices: list[SimulatedDevice]
+) -> None:
+    a = await cluster.start("a")
+    b = await cluster.start("b")
+    lb = cluster.balancer
+    ids = [start_device(devices, lb.url, index).device_id for index in range(10, 16)]
+    await until(lambda: all(state_on(cluster, "a", i) == "ready" for i in ids), what="all ready")
+    async with cluster.api("a") as api:
+        drained = await api.post("/api/cluster/drain")
+        health = await api.get("/healthz")
+    assert drained.status_code == 200
+    assert health.status_code == 503 and health.json()["status"] == "draining"
+    await until(
+        lambda: all(
+            b.registry.get(i) is not None and b.registry.get(i).state is DeviceState.READY  # type: ignore[union-attr]
+            for i in ids
+        ),
+        timeout_s=20,
+        what="every device ready on b",
+    )
+    assert len(a.registry) == 0
+    async with cluster.api("b") as api:
+        status = (await api.get("/api/cluster")).json()
+    rows = {row["instance_id"]: row for row in status["instances"]}
+    assert rows["a"]["draining"] and rows["a"]["devices"] == 0
+    assert rows["b"]["devices"] == len(ids) and rows["b"]["alive"]
+
+
+async def test_in_flight_forwarded_calls_fail_at_once_when_the_owner_leaves(
+    cluster: Cluster, devices: list[SimulatedDevice]
+) -> None:
+    a = await cluster.start("a")
+    b = await cluster.start("b")
+    device = start_device(devices, b.ws_url, 20, extra_tools=1)
+    await b.registry.wait_for_state(device.device_id)
+    await until(lambda: state_on(cluster, "a", device.device_id) == "ready")
+    remote = a.registry.require(device.device_id)
+    call = asyncio.create_task(
+        remote.call_tool("sim.synthetic_000", {"value": 1, "delay_ms": 20000}, timeout_s=30)
+    )
+    await until(lambda: b.cluster._serving, what="the call reached b")  # type: ignore[union-attr]
+    await cluster.stop("b")
+    async with asyncio.timeout(5):  # not the call's 30 s
+        with pytest.raises(Exception) as raised:
+            await call
+    assert type(raised.value).__name__ == "DeviceDisconnected"
+    assert "b" in str(raised.value)
