@@ -194,6 +194,12 @@ class Settings(BaseSettings):
     udp_host: str = "0.0.0.0"
     udp_port: int = Field(8884, ge=0, le=65535)
     udp_public_host: str | None = None  # the UDP address devices are told in the hello
+    # ---- several instances on one fleet (docs/cluster.md): set cluster_url (the broker the
+    # instances talk over, with this instance's own account) and a PostgreSQL database_url.
+    cluster_url: str | None = Field(None, repr=False)  # mqtt[s]://user:password@host:port
+    instance_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.\-]{1,64}$")  # default: host name
+    lease_ttl_s: float = Field(6.0, ge=1.0, le=300.0)  # a dead instance's devices expire after
+    lease_renew_s: float = Field(2.0, gt=0)  # how often leases are renewed (ttl/3 or less)
     # ---- external MCP servers the chat may use (docs/mcp-servers.md): [[mcp_servers]] tables,
     # each a stdio command or a Streamable HTTP url; an API key needs the scope mcp:<name>.
     mcp_servers: list[McpServerSettings] = Field(default_factory=list)
@@ -273,6 +279,18 @@ class Settings(BaseSettings):
         """The embedded endpoint is one bridge's own: its topics are never sharded."""
         if self.mqtt_shards > 1 and self.mqtt_url == "embedded":
             raise ValueError('mqtt_shards > 1 needs an external broker (mqtt_url "mqtt[s]://…")')
+        return self
+
+    @model_validator(mode="after")
+    def _cluster_needs_postgres(self) -> "Settings":
+        if self.cluster_url is None:
+            return self
+        if self.database_url is None:
+            raise ValueError(
+                "cluster_url needs a PostgreSQL database_url that every instance shares"
+            )
+        if self.lease_renew_s * 2 >= self.lease_ttl_s:
+            raise ValueError("lease_renew_s must be under half of lease_ttl_s")
         return self
 
     @field_validator("database_url")

@@ -81,7 +81,7 @@ async def test_a_call_through_any_instance_reaches_a_device_on_another(
 async def test_forwarded_errors_are_the_local_ones(
     cluster: Cluster, devices: list[SimulatedDevice]
 ) -> None:
-    a = await cluster.start("a")
+    await cluster.start("a")
     b = await cluster.start("b")
     device = start_device(devices, b.ws_url, 2, extra_tools=2)
     await b.registry.wait_for_state(device.device_id)
