@@ -23,3 +23,15 @@ def database_target(request: pytest.FixtureRequest, tmp_path: Path) -> Path | st
         pytest.skip("PostgreSQL is not installed (scripts/test installs it)")
     url: str = request.getfixturevalue("postgres_url")
     return url
+
+
+@pytest.fixture(params=ENGINES)
+def bridge_database_url(request: pytest.FixtureRequest) -> str | None:
+    """The `database_url` setting of a bridge under test: None (SQLite in its data dir) or a
+    fresh PostgreSQL database."""
+    if request.param == "sqlite":
+        return None
+    if not postgres_available():
+        pytest.skip("PostgreSQL is not installed (scripts/test installs it)")
+    url: str = request.getfixturevalue("postgres_url")
+    return url

@@ -15,10 +15,13 @@ from backend.auth import Tokens
 from backend.devices import DeviceState
 from backend.devices.catalog import DeviceCatalog
 from backend.server import Bridge
-from backend.storage import DatabaseError
+from backend.storage import Database, DatabaseError
 from backend.storage.database import DATABASE_FILE
 from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, eventually, make_settings, run_cli
 from tests.stock_device import STATUS_TOOL, VOLUME_TOOL, WireDevice, stock_tools
+from tests.storage_helpers import bridge_database_url
+
+__all__ = ["bridge_database_url"]  # the fixture: the catalogue's tests run on both engines
 
 TOKENS = Tokens(admin=ADMIN_TOKEN, device=DEVICE_TOKEN)
 
@@ -37,15 +40,18 @@ async def connect_ready(bridge: Bridge, device: WireDevice) -> None:
     await bridge.registry.wait_for_state(device.device_id)
 
 
-async def test_a_device_seen_before_a_restart_is_listed_offline_with_its_tools(tmp_path):
+async def test_a_device_seen_before_a_restart_is_listed_offline_with_its_tools(
+    tmp_path, bridge_database_url
+):
     data_dir = tmp_path / "data"
-    async with new_bridge(data_dir) as bridge:
+    async with new_bridge(data_dir, database_url=bridge_database_url) as bridge:
         device = WireDevice(bridge.ws_url, DEVICE_TOKEN, tools=stock_tools())
         await connect_ready(bridge, device)
         await device.close()
         await eventually(lambda: bridge.registry.get(device.device_id) is None)
 
-    async with new_bridge(data_dir) as restarted, admin(restarted) as api:
+    restarted_bridge = new_bridge(data_dir, database_url=bridge_database_url)
+    async with restarted_bridge as restarted, admin(restarted) as api:
         listing = (await api.get("/api/devices")).json()
         assert [d["device_id"] for d in listing["devices"]] == [device.device_id]
         summary = listing["devices"][0]
@@ -104,9 +110,9 @@ async def test_cli_lists_offline_devices_and_says_tools_are_cached(tmp_path):
         await online.close()
 
 
-async def test_a_changed_tool_list_replaces_the_cached_one(tmp_path):
+async def test_a_changed_tool_list_replaces_the_cached_one(tmp_path, bridge_database_url):
     data_dir = tmp_path / "data"
-    async with new_bridge(data_dir) as bridge:
+    async with new_bridge(data_dir, database_url=bridge_database_url) as bridge:
         device = WireDevice(bridge.ws_url, DEVICE_TOKEN, tools=[STATUS_TOOL])
         await connect_ready(bridge, device)
         await device.close()
@@ -116,14 +122,19 @@ async def test_a_changed_tool_list_replaces_the_cached_one(tmp_path):
         await device.close()
         await eventually(lambda: bridge.registry.get(device.device_id) is None)
 
-    async with new_bridge(data_dir) as restarted:
+    async with new_bridge(data_dir, database_url=bridge_database_url) as restarted:
         record = restarted.registry.require_record(device.device_id)
         assert [tool.name for tool in record.tools.tools] == [
             STATUS_TOOL["name"],
             VOLUME_TOOL["name"],
         ]
-    with sqlite3.connect(data_dir / DATABASE_FILE) as db:
-        assert db.execute("SELECT COUNT(*) FROM tool_lists").fetchone()[0] == 1  # old one gone
+    stored = Database(bridge_database_url or data_dir / DATABASE_FILE)
+    await stored.open()
+    try:
+        count = await stored.fetchone("SELECT COUNT(*) FROM tool_lists")
+        assert count is not None and count[0] == 1  # the old list is gone
+    finally:
+        await stored.close()
 
 
 async def test_forgetting_needs_an_offline_device(bridge, api, wire_devices):
@@ -140,9 +151,9 @@ async def test_forgetting_needs_an_offline_device(bridge, api, wire_devices):
 
 
 @pytest.mark.slow
-async def test_a_reconnect_storm_writes_each_device_at_most_once(tmp_path):
+async def test_a_reconnect_storm_writes_each_device_at_most_once(tmp_path, bridge_database_url):
     count = 1000
-    async with new_bridge(tmp_path / "data") as bridge:
+    async with new_bridge(tmp_path / "data", database_url=bridge_database_url) as bridge:
         ids = [f"a4:cf:00:00:{i // 256:02x}:{i % 256:02x}" for i in range(count)]
         first = [WireDevice(bridge.ws_url, DEVICE_TOKEN, device_id) for device_id in ids]
         await asyncio.gather(*(device.connect() for device in first))

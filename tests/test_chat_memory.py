@@ -1,4 +1,4 @@
-"""Conversation memory on the bridge's SQLite database."""
+"""Conversation memory on the bridge's database (SQLite and PostgreSQL)."""
 
 import asyncio
 import os
@@ -13,13 +13,16 @@ from backend.chat import CHAT_MIGRATIONS, ConversationNotFound, SqliteMemoryStor
 from backend.chat.memory import InvalidConversationId
 from backend.storage import Database
 from tests.chat_crash_child import QUESTIONS
+from tests.storage_helpers import database_target
+
+__all__ = ["database_target"]  # the fixture: the store tests run on SQLite and PostgreSQL
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
-async def db(tmp_path: Path) -> AsyncIterator[Database]:
-    database = Database(tmp_path / "bridge.sqlite3", CHAT_MIGRATIONS)
+async def db(database_target: Path | str) -> AsyncIterator[Database]:
+    database = Database(database_target, CHAT_MIGRATIONS)
     await database.open()
     yield database
     await database.close()
@@ -61,8 +64,8 @@ async def test_list_delete_and_errors(db: Database) -> None:
         await store.get_or_create("x" * 500)
 
 
-async def test_device_conversation_survives_reopening(tmp_path: Path) -> None:
-    path = tmp_path / "bridge.sqlite3"
+async def test_device_conversation_survives_reopening(database_target: Path | str) -> None:
+    path = database_target
     first = Database(path, CHAT_MIGRATIONS)
     await first.open()
     store = SqliteMemoryStore(first)

@@ -14,6 +14,9 @@ import pytest
 from backend.server import Bridge
 from tests.helpers import ADMIN_TOKEN, run_cli
 from tests.stock_device import CLIENT_ID
+from tests.storage_helpers import bridge_database_url
+
+__all__ = ["bridge_database_url"]  # the fixture: releases are stored on both engines
 
 BOARD = "bread-compact-wifi"
 MAC = "a4:cf:12:34:56:78"
@@ -32,10 +35,12 @@ def body(board: str = BOARD, version: str = "2.4.2") -> dict[str, Any]:
 
 
 @pytest.fixture
-async def bridge(bridge_factory: Callable[..., Any]) -> Bridge:
+async def bridge(bridge_factory: Callable[..., Any], bridge_database_url: str | None) -> Bridge:
     # Shared mode: every device gets the test token straight away, so these tests are about
     # firmware offers only (provisioning has its own tests).
-    started: Bridge = await bridge_factory(firmware_max_attempts=2)
+    started: Bridge = await bridge_factory(
+        firmware_max_attempts=2, database_url=bridge_database_url
+    )
     return started
 
 
@@ -158,12 +163,16 @@ async def test_publishing_refuses_what_stock_firmware_cannot_compare(
 
 
 async def test_releases_survive_a_restart(
-    bridge_factory: Callable[..., Any], tmp_path: Path, image: Path, http: httpx.AsyncClient
+    bridge_factory: Callable[..., Any],
+    tmp_path: Path,
+    image: Path,
+    http: httpx.AsyncClient,
+    bridge_database_url: str | None,
 ) -> None:
     from backend.auth import Tokens
     from tests.helpers import DEVICE_TOKEN, make_settings
 
-    settings = make_settings(tmp_path / "kept")
+    settings = make_settings(tmp_path / "kept", database_url=bridge_database_url)
     async with Bridge(settings, Tokens(ADMIN_TOKEN, DEVICE_TOKEN)) as bridge:
         # A file already inside the firmware folder is published by its name there.
         folder = bridge.provisioning.releases.directory

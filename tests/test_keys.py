@@ -8,11 +8,14 @@ import pytest
 from backend.keys import KEYS_MIGRATIONS, InvalidKey, KeyStore, Scope, UnknownKey
 from backend.keys.store import admin_principal, hash_token
 from backend.storage import Database
+from tests.storage_helpers import database_target
+
+__all__ = ["database_target"]  # the fixture: every test here runs on SQLite and PostgreSQL
 
 
 @pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[KeyStore]:
-    db = Database(tmp_path / "bridge.sqlite3", KEYS_MIGRATIONS)
+async def store(database_target: Path | str) -> AsyncIterator[KeyStore]:
+    db = Database(database_target, KEYS_MIGRATIONS)
     await db.open()
     yield KeyStore(db)
     await db.close()

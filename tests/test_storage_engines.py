@@ -277,3 +277,44 @@ async def test_a_stopped_server_is_a_database_error_and_the_next_run_after_resta
             assert [r["name"] for r in rows] == ["before"]
         finally:
             await db.close()
+
+
+async def test_provisioning_rows_are_replaced_by_key_on_both_engines(
+    database_target: Path | str,
+) -> None:
+    from dataclasses import replace
+
+    from backend.provisioning.records import PendingActivation, Provisioned
+    from backend.provisioning.tables import (
+        PROVISIONING_MIGRATIONS,
+        pending_from_row,
+        pending_row,
+        provisioned_from_row,
+        upsert_device,
+        write_grant,
+        write_pending,
+    )
+
+    db = Database(database_target, PROVISIONING_MIGRATIONS)
+    await db.open()
+    try:
+        device = Provisioned(
+            "a4:cf:00:00:00:01", "c1", None, "approved", 1, "h1", "websocket", 100.5, "admin"
+        )
+        pending = PendingActivation(
+            "123456", device.device_id, "c1", None, "ch", "10.0.0.2", {"board": "x"}, 1.0, 2.0
+        )
+        await db.run(lambda c: write_pending(c, [pending_row(pending)], set()))
+        later = replace(pending, last_seen=3.25, hmac_verified=True)
+        await db.run(lambda c: write_pending(c, [pending_row(later)], set()))
+        rows = await db.fetchall("SELECT * FROM activation_requests")
+        assert [pending_from_row(r) for r in rows] == [later]
+
+        await db.run(lambda c: upsert_device(c, device))
+        revoked = replace(device, status="revoked", generation=2, revoked_at=200.0, revoked_by="x")
+        await db.run(lambda c: write_grant(c, revoked, [pending.code]))
+        rows = await db.fetchall("SELECT * FROM provisioned_devices")
+        assert [provisioned_from_row(r) for r in rows] == [revoked]
+        assert await db.fetchall("SELECT * FROM activation_requests") == []
+    finally:
+        await db.close()

@@ -1,22 +1,22 @@
 """Conversation memory: every message kept, a rolling summary, one current conversation per
 device.
 
-`MemoryStore` is the interface (a PostgreSQL store can follow); `SqliteMemoryStore` keeps it in
-the bridge's one SQLite database (`backend.storage.Database`) with `CHAT_MIGRATIONS`. A turn
+`MemoryStore` is the interface; `SqliteMemoryStore` keeps it in the bridge's database
+(`backend.storage.Database`: the SQLite file, or PostgreSQL, with the same SQL) with
+`CHAT_MIGRATIONS`. A turn
 writes its user and assistant messages in one transaction (`append_pair`), so a crash mid-turn
 leaves either both or neither; the summary is updated afterwards in its own transaction.
 """
 
 import json
 import re
-import sqlite3
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal, Protocol
 
 from backend.errors import BridgeError
-from backend.storage import Database, Migration
+from backend.storage import Connection, Database, Migration, Row
 
 MessageRole = Literal["user", "assistant"]
 
@@ -37,7 +37,7 @@ CHAT_MIGRATIONS = [
         CREATE INDEX chat_conversations_by_device ON chat_conversations (device_id, updated_at);
         CREATE INDEX chat_conversations_by_update ON chat_conversations (updated_at);
         CREATE TABLE chat_messages (
-            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            id {serial_pk},
             conversation_id TEXT NOT NULL
                 REFERENCES chat_conversations (id) ON DELETE CASCADE,
             role TEXT NOT NULL CHECK (role IN ('user', 'assistant')),
@@ -172,10 +172,10 @@ def check_conversation_id(conversation_id: str) -> str:
     return text
 
 
-def _current_of_device(c: sqlite3.Connection, device_id: str) -> str | None:
+def _current_of_device(c: Connection, device_id: str) -> str | None:
     row = c.execute(
         "SELECT id FROM chat_conversations WHERE device_id = ?"
-        " ORDER BY updated_at DESC, rowid DESC LIMIT 1",
+        " ORDER BY updated_at DESC, id DESC LIMIT 1",
         (device_id,),
     ).fetchone()
     return str(row["id"]) if row else None
@@ -195,7 +195,7 @@ class SqliteMemoryStore:
         return await self.db.run(lambda c: self._get_or_create(c, wanted, device_id))
 
     def _get_or_create(
-        self, c: sqlite3.Connection, conversation_id: str | None, device_id: str | None
+        self, c: Connection, conversation_id: str | None, device_id: str | None
     ) -> Conversation:
         if conversation_id is not None:
             found = _fetch(c, conversation_id)
@@ -215,7 +215,7 @@ class SqliteMemoryStore:
     async def conversation_for_device(self, device_id: str) -> Conversation:
         """See `MemoryStore.conversation_for_device`."""
 
-        def work(c: sqlite3.Connection) -> Conversation:
+        def work(c: Connection) -> Conversation:
             return self._get_or_create(c, _current_of_device(c, device_id), device_id)
 
         return await self.db.run(work)
@@ -223,7 +223,7 @@ class SqliteMemoryStore:
     async def device_conversation_id(self, device_id: str) -> str:
         """See `MemoryStore.device_conversation_id`."""
 
-        def work(c: sqlite3.Connection) -> str:
+        def work(c: Connection) -> str:
             return _current_of_device(c, device_id) or uuid.uuid4().hex
 
         return await self.db.run(work)
@@ -231,7 +231,7 @@ class SqliteMemoryStore:
     async def get(self, conversation_id: str, *, with_messages: bool = False) -> Conversation:
         """See `MemoryStore.get`; raises ConversationNotFound."""
 
-        def work(c: sqlite3.Connection) -> Conversation:
+        def work(c: Connection) -> Conversation:
             found = _fetch(c, conversation_id)
             if found is None:
                 raise ConversationNotFound(conversation_id)
@@ -268,7 +268,7 @@ class SqliteMemoryStore:
         """See `MemoryStore.append_pair`: both messages in one transaction."""
         meta = json.dumps(metadata or {}, ensure_ascii=False, default=str)
 
-        def work(c: sqlite3.Connection) -> None:
+        def work(c: Connection) -> None:
             first = now()
             second = max(now(), first)
             changed = c.execute(
@@ -305,11 +305,11 @@ class SqliteMemoryStore:
         offset = max(0, offset)
         where, args = ("WHERE device_id = ?", [device_id]) if device_id else ("", [])
 
-        def work(c: sqlite3.Connection) -> ConversationPage:
+        def work(c: Connection) -> ConversationPage:
             total = c.execute(f"SELECT COUNT(*) FROM chat_conversations {where}", args).fetchone()
             rows = c.execute(
                 f"SELECT {_COLUMNS} FROM chat_conversations {where}"
-                " ORDER BY updated_at DESC, rowid DESC LIMIT ? OFFSET ?",
+                " ORDER BY updated_at DESC, id DESC LIMIT ? OFFSET ?",
                 [*args, limit, offset],
             ).fetchall()
             return ConversationPage([_conversation(row) for row in rows], int(total[0]))
@@ -327,14 +327,14 @@ class SqliteMemoryStore:
 _COLUMNS = "id, device_id, title, summary, created_at, updated_at, message_count"
 
 
-def _fetch(c: sqlite3.Connection, conversation_id: str) -> Conversation | None:
+def _fetch(c: Connection, conversation_id: str) -> Conversation | None:
     row = c.execute(
         f"SELECT {_COLUMNS} FROM chat_conversations WHERE id = ?", (conversation_id,)
     ).fetchone()
     return _conversation(row) if row is not None else None
 
 
-def _conversation(row: sqlite3.Row) -> Conversation:
+def _conversation(row: Row) -> Conversation:
     return Conversation(
         id=row["id"],
         device_id=row["device_id"],
@@ -359,7 +359,7 @@ def _with_messages(found: Conversation, messages: tuple[StoredMessage, ...]) -> 
     )
 
 
-def _message(row: sqlite3.Row) -> StoredMessage:
+def _message(row: Row) -> StoredMessage:
     try:
         metadata = json.loads(row["metadata"])
     except ValueError:

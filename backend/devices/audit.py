@@ -16,7 +16,6 @@ ones are counted as `dropped` rather than kept.
 import contextlib
 import hashlib
 import json
-import sqlite3
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +24,7 @@ import structlog
 
 from backend.common import iso_time
 from backend.devices.registry import DeviceEvent, DeviceRegistry, EventKind
-from backend.storage import Database, DatabaseError, Migration, WriteBehind
+from backend.storage import Connection, Database, DatabaseError, Migration, WriteBehind
 
 log = structlog.get_logger("audit")
 
@@ -35,8 +34,8 @@ AUDIT_MIGRATIONS = (
         1,
         """
         CREATE TABLE audit_log (
-            id INTEGER PRIMARY KEY AUTOINCREMENT,
-            at REAL NOT NULL,
+            id {serial_pk},
+            at {real} NOT NULL,
             actor TEXT,
             device_id TEXT NOT NULL,
             tool TEXT NOT NULL,
@@ -44,7 +43,7 @@ AUDIT_MIGRATIONS = (
             outcome TEXT NOT NULL,
             error TEXT,
             confirmed INTEGER NOT NULL,
-            duration_ms REAL NOT NULL
+            duration_ms {real} NOT NULL
         );
         CREATE INDEX audit_log_device ON audit_log (device_id, id);
         """,
@@ -252,7 +251,7 @@ def _digested(row: tuple[Any, ...]) -> tuple[Any, ...]:
     return (*row[:4], _Digest(arguments_digest(arguments)), *row[5:])
 
 
-def _insert(c: sqlite3.Connection, rows: list[tuple[Any, ...]]) -> None:
+def _insert(c: Connection, rows: list[tuple[Any, ...]]) -> None:
     c.executemany(
         "INSERT INTO audit_log (at, actor, device_id, tool, arguments_sha256, outcome, error,"
         " confirmed, duration_ms, bytes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",

@@ -1,10 +1,10 @@
 """The persistent device catalogue: every device ever seen, with its last tool list.
 
-The registry owns device state; the catalogue follows its events and keeps the SQLite database in
-step, so devices are still listed (offline, with cached tools) after they disconnect and after a
-restart. Writes never happen on the device path: an event only marks a device dirty, and a
-writer task flushes all dirty devices in one transaction at most every `flush_interval_s`. A
-device row is written only when something worth keeping changed (new device, identity, server
+The registry owns device state; the catalogue follows its events and keeps the database (SQLite
+or PostgreSQL) in step, so devices are still listed (offline, with cached tools) after they
+disconnect and after a restart. Writes never happen on the device path: an event only marks a
+device dirty, and a writer task flushes all dirty devices in one transaction at most every
+`flush_interval_s`. A device row is written only when something worth keeping changed (new device, identity, server
 info, tool list, going offline), and a tool list only when its digest is new, so a reconnect
 storm of a thousand devices costs at most a thousand row writes, batched. Every `heartbeat_s` the
 devices online at that moment have their `last_seen` refreshed in the next batched flush (one
@@ -14,7 +14,6 @@ connected. Stored `last_seen` never moves backwards.
 """
 
 import json
-import sqlite3
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -29,7 +28,7 @@ from backend.devices.registry import (
     ToolSet,
 )
 from backend.mcp_session.models import parse_tools
-from backend.storage import Database, DatabaseError, Migration, WriteBehind
+from backend.storage import Connection, Database, DatabaseError, Migration, Row, WriteBehind
 
 log = structlog.get_logger("devices.catalog")
 
@@ -41,7 +40,7 @@ DEVICE_MIGRATIONS = (
         CREATE TABLE tool_lists (
             digest TEXT PRIMARY KEY,
             tools TEXT NOT NULL,
-            created_at REAL NOT NULL
+            created_at {real} NOT NULL
         );
         CREATE TABLE devices (
             device_id TEXT PRIMARY KEY,
@@ -52,9 +51,9 @@ DEVICE_MIGRATIONS = (
             server_info TEXT,
             tools_digest TEXT REFERENCES tool_lists (digest),
             tool_count INTEGER NOT NULL DEFAULT 0,
-            tools_read_at REAL,
-            first_seen REAL NOT NULL,
-            last_seen REAL NOT NULL
+            tools_read_at {real},
+            first_seen {real} NOT NULL,
+            last_seen {real} NOT NULL
         );
         """,
     ),
@@ -64,7 +63,7 @@ DEVICE_MIGRATIONS = (
         2,
         """
         ALTER TABLE devices ADD COLUMN ota TEXT;
-        ALTER TABLE devices ADD COLUMN ota_at REAL;
+        ALTER TABLE devices ADD COLUMN ota_at {real};
         """,
     ),
 )
@@ -78,7 +77,8 @@ ON CONFLICT (device_id) DO UPDATE SET
     firmware = excluded.firmware, server_info = excluded.server_info,
     tools_digest = excluded.tools_digest, tool_count = excluded.tool_count,
     tools_read_at = excluded.tools_read_at,
-    last_seen = MAX(devices.last_seen, excluded.last_seen),
+    last_seen = CASE WHEN excluded.last_seen > devices.last_seen
+                     THEN excluded.last_seen ELSE devices.last_seen END,
     ota = excluded.ota, ota_at = excluded.ota_at
 """
 # A heartbeat's `last_seen` for a live device whose row needs no other change.
@@ -233,8 +233,8 @@ class DeviceCatalog:
 
 
 def _read_all(
-    connection: sqlite3.Connection,
-) -> tuple[list[sqlite3.Row], list[tuple[str, str]]]:
+    connection: Connection,
+) -> tuple[list[Row], list[tuple[str, str]]]:
     devices = connection.execute("SELECT * FROM devices").fetchall()
     tool_lists = [
         (row["digest"], row["tools"]) for row in connection.execute("SELECT * FROM tool_lists")
@@ -242,7 +242,7 @@ def _read_all(
     return devices, tool_lists
 
 
-def _record(row: sqlite3.Row, tool_sets: dict[str, ToolSet]) -> DeviceRecord:
+def _record(row: Row, tool_sets: dict[str, ToolSet]) -> DeviceRecord:
     server_info = json.loads(row["server_info"]) if row["server_info"] else None
     ota = json.loads(row["ota"]) if row["ota"] else None
     digest = row["tools_digest"]
@@ -261,7 +261,7 @@ def _record(row: sqlite3.Row, tool_sets: dict[str, ToolSet]) -> DeviceRecord:
 
 
 def _write(
-    connection: sqlite3.Connection,
+    connection: Connection,
     rows: Iterable[tuple[Any, ...]],
     touched: Iterable[tuple[float, str, float]],
     tool_sets: dict[str, ToolSet],
@@ -271,7 +271,8 @@ def _write(
     digests of the tool lists stored afterwards."""
     now = time.time()
     connection.executemany(
-        "INSERT OR IGNORE INTO tool_lists (digest, tools, created_at) VALUES (?, ?, ?)",
+        "INSERT INTO tool_lists (digest, tools, created_at) VALUES (?, ?, ?)"
+        " ON CONFLICT (digest) DO NOTHING",
         [
             (digest, json.dumps(tools.to_wire(), ensure_ascii=False, separators=(",", ":")), now)
             for digest, tools in tool_sets.items()

@@ -26,7 +26,6 @@ import hmac
 import json
 import re
 import secrets
-import sqlite3
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ from enum import StrEnum
 import structlog
 
 from backend.errors import BridgeError
-from backend.storage import Database, Migration
+from backend.storage import Connection, Database, Migration, Row
 
 KEYS_MIGRATIONS = [
     Migration(
@@ -421,7 +420,7 @@ class KeyStore:
     async def revoke(self, key_id: str) -> ApiKey:
         """Revoke a key at once (a second revoke keeps the first time); raises UnknownKey."""
 
-        def work(c: sqlite3.Connection) -> ApiKey:
+        def work(c: Connection) -> ApiKey:
             c.execute(
                 "UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
                 (_now().isoformat(), key_id),
@@ -452,7 +451,7 @@ class KeyStore:
         key_id = _key_id(token)
         presented = hash_token(token)
 
-        def work(c: sqlite3.Connection) -> Principal:
+        def work(c: Connection) -> Principal:
             row = c.execute(
                 "SELECT id, name, token_hash, scopes, device_ids, revoked_at"
                 " FROM api_keys WHERE id = ?",
@@ -517,7 +516,7 @@ def _devices(text: str | None) -> frozenset[str] | None:
     return frozenset(json.loads(text)) if text is not None else None
 
 
-def _key(row: sqlite3.Row) -> ApiKey:
+def _key(row: Row) -> ApiKey:
     def moment(value: str | None) -> datetime | None:
         return datetime.fromisoformat(value) if value else None
 

@@ -24,7 +24,6 @@ import hashlib
 import os
 import re
 import shutil
-import sqlite3
 import stat
 import time
 from collections.abc import AsyncIterable
@@ -37,7 +36,7 @@ import structlog
 from backend.common import iso_time
 from backend.provisioning.errors import InvalidRelease, UnknownRelease
 from backend.provisioning.ota import is_newer, parse_version, valid_version
-from backend.storage import Database, Migration
+from backend.storage import Connection, Database, Migration
 
 log = structlog.get_logger("firmware")
 
@@ -52,7 +51,7 @@ FIRMWARE_MIGRATIONS = (
             file TEXT NOT NULL,
             size INTEGER NOT NULL,
             sha256 TEXT NOT NULL,
-            published_at REAL NOT NULL,
+            published_at {real} NOT NULL,
             PRIMARY KEY (board, version)
         );
         """,
@@ -286,7 +285,7 @@ class FirmwareReleases:
             board, version, str(stored.relative_to(self.directory)), size, digest, time.time()
         )
 
-        def write(c: sqlite3.Connection) -> None:
+        def write(c: Connection) -> None:
             c.execute(
                 "INSERT INTO firmware_releases (board, version, file, size, sha256, published_at)"
                 " VALUES (?, ?, ?, ?, ?, ?)",

@@ -26,7 +26,6 @@ import contextlib
 import hashlib
 import hmac
 import secrets
-import sqlite3
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
@@ -61,7 +60,7 @@ from backend.provisioning.tables import (
     write_pending,
 )
 from backend.provisioning.tokens import bare_token, derive_token, hmac_sha256_hex, token_hash
-from backend.storage import Database, DatabaseError, WriteBehind
+from backend.storage import Connection, Database, DatabaseError, Row, WriteBehind
 from backend.transports.mqtt_topics import TopicError, device_key
 
 log = structlog.get_logger("provisioning")
@@ -116,7 +115,7 @@ class ProvisioningStore:
     async def load(self) -> None:
         """Read devices, pending requests, serial keys and enrollment codes into memory."""
 
-        def read(c: sqlite3.Connection) -> tuple[list[sqlite3.Row], ...]:
+        def read(c: Connection) -> tuple[list[Row], ...]:
             return (
                 c.execute("SELECT * FROM provisioned_devices").fetchall(),
                 c.execute("SELECT * FROM activation_requests").fetchall(),

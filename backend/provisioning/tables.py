@@ -2,12 +2,11 @@
 the rows of the records, written and read on the database's thread."""
 
 import json
-import sqlite3
 from collections.abc import Iterable
 from typing import Any
 
 from backend.provisioning.records import Enrollment, PendingActivation, Provisioned
-from backend.storage import Migration
+from backend.storage import Connection, Migration, Row
 
 PROVISIONING_MIGRATIONS = (
     Migration(
@@ -22,9 +21,9 @@ PROVISIONING_MIGRATIONS = (
             generation INTEGER NOT NULL,
             token_hash TEXT,
             transport TEXT,
-            approved_at REAL NOT NULL,
+            approved_at {real} NOT NULL,
             approved_by TEXT NOT NULL,
-            revoked_at REAL,
+            revoked_at {real},
             revoked_by TEXT
         );
         CREATE TABLE activation_requests (
@@ -36,13 +35,13 @@ PROVISIONING_MIGRATIONS = (
             hmac_verified INTEGER NOT NULL DEFAULT 0,
             remote TEXT,
             info TEXT,
-            created_at REAL NOT NULL,
-            last_seen REAL NOT NULL
+            created_at {real} NOT NULL,
+            last_seen {real} NOT NULL
         );
         CREATE TABLE serial_keys (
             serial_number TEXT PRIMARY KEY,
             hmac_key TEXT NOT NULL,
-            created_at REAL NOT NULL
+            created_at {real} NOT NULL
         );
         CREATE TABLE enrollment_codes (
             id TEXT PRIMARY KEY,
@@ -50,9 +49,9 @@ PROVISIONING_MIGRATIONS = (
             code_hash TEXT NOT NULL UNIQUE,
             uses_left INTEGER NOT NULL,
             transport TEXT,
-            expires_at REAL,
-            created_at REAL NOT NULL,
-            revoked_at REAL
+            expires_at {real},
+            created_at {real} NOT NULL,
+            revoked_at {real}
         );
         """,
     ),
@@ -64,11 +63,32 @@ _DEVICE_COLUMNS = (
 )
 
 
-def upsert_device(c: sqlite3.Connection, device: Provisioned) -> None:
+def _upsert(table: str, columns: str, key: str) -> str:
+    """`INSERT ... ON CONFLICT (key) DO UPDATE` of every other column: the portable form of
+    sqlite's `INSERT OR REPLACE` (nothing references these rows, so replacing and updating a
+    row are the same)."""
+    names = [name.strip() for name in columns.split(",")]
+    updates = ", ".join(f"{name} = excluded.{name}" for name in names if name != key)
+    marks = ", ".join("?" for _ in names)
+    return (
+        f"INSERT INTO {table} ({columns}) VALUES ({marks})"
+        f" ON CONFLICT ({key}) DO UPDATE SET {updates}"
+    )
+
+
+_UPSERT_DEVICE = _upsert("provisioned_devices", _DEVICE_COLUMNS, "device_id")
+_UPSERT_PENDING = _upsert(
+    "activation_requests",
+    "code, device_id, client_id, serial_number, challenge, hmac_verified, remote, info,"
+    " created_at, last_seen",
+    "code",
+)
+
+
+def upsert_device(c: Connection, device: Provisioned) -> None:
     """Write a device's row, replacing the one it had."""
     c.execute(
-        f"INSERT OR REPLACE INTO provisioned_devices ({_DEVICE_COLUMNS})"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        _UPSERT_DEVICE,
         (
             device.device_id,
             device.client_id,
@@ -85,22 +105,17 @@ def upsert_device(c: sqlite3.Connection, device: Provisioned) -> None:
     )
 
 
-def write_grant(c: sqlite3.Connection, device: Provisioned, codes: Iterable[str]) -> None:
+def write_grant(c: Connection, device: Provisioned, codes: Iterable[str]) -> None:
     """An approval in one transaction: the device's row, and its pending requests gone."""
     upsert_device(c, device)
     c.executemany("DELETE FROM activation_requests WHERE code = ?", [(code,) for code in codes])
 
 
-def write_pending(c: sqlite3.Connection, rows: list[tuple[Any, ...]], dropped: set[str]) -> None:
+def write_pending(c: Connection, rows: list[tuple[Any, ...]], dropped: set[str]) -> None:
     """The pending activations that changed (`rows`) and those that went (`dropped` codes)."""
     if dropped:
         c.executemany("DELETE FROM activation_requests WHERE code = ?", [(d,) for d in dropped])
-    c.executemany(
-        "INSERT OR REPLACE INTO activation_requests (code, device_id, client_id, serial_number,"
-        " challenge, hmac_verified, remote, info, created_at, last_seen)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        rows,
-    )
+    c.executemany(_UPSERT_PENDING, rows)
 
 
 def pending_row(p: PendingActivation) -> tuple[Any, ...]:
@@ -119,7 +134,7 @@ def pending_row(p: PendingActivation) -> tuple[Any, ...]:
     )
 
 
-def provisioned_from_row(row: sqlite3.Row) -> Provisioned:
+def provisioned_from_row(row: Row) -> Provisioned:
     """A `provisioned_devices` row as its record."""
     return Provisioned(
         device_id=row["device_id"],
@@ -136,7 +151,7 @@ def provisioned_from_row(row: sqlite3.Row) -> Provisioned:
     )
 
 
-def pending_from_row(row: sqlite3.Row) -> PendingActivation:
+def pending_from_row(row: Row) -> PendingActivation:
     """An `activation_requests` row as its record (an `info` that is not an object reads as {})."""
     info = json.loads(row["info"]) if row["info"] else {}
     return PendingActivation(
@@ -153,7 +168,7 @@ def pending_from_row(row: sqlite3.Row) -> PendingActivation:
     )
 
 
-def enrollment_from_row(row: sqlite3.Row) -> Enrollment:
+def enrollment_from_row(row: Row) -> Enrollment:
     """An `enrollment_codes` row as its record."""
     return Enrollment(
         id=row["id"],
