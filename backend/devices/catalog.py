@@ -1,16 +1,16 @@
 """The persistent device catalogue: every device ever seen, with its last tool list.
 
-The registry owns device state; the catalogue follows its events and keeps the database (SQLite
-or PostgreSQL) in step, so devices are still listed (offline, with cached tools) after they
-disconnect and after a restart. Writes never happen on the device path: an event only marks a
-device dirty, and a writer task flushes all dirty devices in one transaction at most every
-`flush_interval_s`. A device row is written only when something worth keeping changed (new device, identity, server
-info, tool list, going offline), and a tool list only when its digest is new, so a reconnect
-storm of a thousand devices costs at most a thousand row writes, batched. Every `heartbeat_s` the
-devices online at that moment have their `last_seen` refreshed in the next batched flush (one
-write per device, folded into its row write when it has one anyway), so after a crash a device
-that was online is shown as last seen at most one heartbeat before the crash, not when it
-connected. Stored `last_seen` never moves backwards.
+The registry owns device state; the catalogue follows its events and keeps the database (SQLite or
+PostgreSQL) in step, so devices are still listed (offline, with cached tools) after they disconnect
+and after a restart. Writes never happen on the device path: an event only marks a device dirty,
+and a writer task flushes all dirty devices in one transaction at most every `flush_interval_s`. A
+device row is written only when something worth keeping changed (new device, identity, server info,
+tool list, going offline), and a tool list only when its digest is new, so a reconnect storm of a
+thousand devices costs at most a thousand row writes, batched. Every `heartbeat_s` the devices
+online at that moment have their `last_seen` refreshed in the next batched flush (one write per
+device, folded into its row write when it has one anyway), so after a crash a device that was
+online is shown as last seen at most one heartbeat before the crash, not when it connected. Stored
+`last_seen` never moves backwards.
 """
 
 import json
