@@ -6,8 +6,10 @@ from pathlib import Path
 import pytest
 
 from backend.keys import KEYS_MIGRATIONS, InvalidKey, KeyStore, Scope, UnknownKey
-from backend.keys.store import admin_principal, hash_token
+from backend.keys.store import KEY_REFRESH_S, admin_principal, hash_token
 from backend.storage import Database
+from tests.helpers import eventually
+from tests.postgres import postgres_available
 from tests.storage_helpers import database_target
 
 __all__ = ["database_target"]  # the fixture: every test here runs on SQLite and PostgreSQL
@@ -97,3 +99,60 @@ async def test_invalid_input(store: KeyStore) -> None:
         await store.create("k", [])
     with pytest.raises(ValueError):
         await store.create("  ", ["chat:use"])
+
+
+@pytest.mark.skipif(not postgres_available(), reason="PostgreSQL not installed")
+async def test_a_key_revoked_on_one_instance_is_refused_on_another(postgres_url: str) -> None:
+    first_db = Database(postgres_url, KEYS_MIGRATIONS)
+    second_db = Database(postgres_url, KEYS_MIGRATIONS)
+    await first_db.open()
+    await second_db.open()
+    first = KeyStore(first_db)
+    strict = KeyStore(second_db, refresh_s=0)  # authenticate reads the database every time
+    assert first.refresh_s == KEY_REFRESH_S  # shared database: the default refreshes
+    try:
+        await first.load()
+        await strict.load()
+        created = await first.create("shared", ["chat:use"])
+        # Created on the first instance, known on the second at its next authenticate.
+        assert (await strict.authenticate(created.token)).key_id == created.key.id
+        await first.revoke(created.key.id)
+        with pytest.raises(InvalidKey):
+            await strict.authenticate(created.token)
+        with pytest.raises(InvalidKey):
+            await first.authenticate(created.token)
+    finally:
+        await first.aclose()
+        await strict.aclose()
+        await first_db.close()
+        await second_db.close()
+
+
+@pytest.mark.skipif(not postgres_available(), reason="PostgreSQL not installed")
+async def test_the_in_memory_index_follows_other_instances_within_the_refresh(
+    postgres_url: str,
+) -> None:
+    first_db = Database(postgres_url, KEYS_MIGRATIONS)
+    second_db = Database(postgres_url, KEYS_MIGRATIONS)
+    await first_db.open()
+    await second_db.open()
+    first = KeyStore(first_db)
+    second = KeyStore(second_db, refresh_s=0.05)
+    try:
+        await first.load()
+        await second.load()
+        created = await first.create("shared", ["devices:read"])
+        await eventually(lambda: second.resolve(created.token) is not None)
+        await first.revoke(created.key.id)
+        await eventually(lambda: second.resolve(created.token) is None)
+        assert second.active(created.key.id) is None
+    finally:
+        await first.aclose()
+        await second.aclose()
+        await first_db.close()
+        await second_db.close()
+
+
+async def test_the_bridges_own_sqlite_file_is_not_refreshed(tmp_path: Path) -> None:
+    db = Database(tmp_path / "bridge.sqlite3", KEYS_MIGRATIONS)
+    assert KeyStore(db).refresh_s is None

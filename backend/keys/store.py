@@ -17,6 +17,12 @@ The running bridge checks keys without touching the database: `load()` reads the
 into an in-memory index (key id → hash and principal) that `create` and `revoke` keep current,
 and `resolve(token)` is a dictionary lookup plus one constant-time comparison. `last_used_at` is
 written at most once a minute per key, off the request path, and on `aclose()`.
+
+On a database other bridges share (PostgreSQL, docs/storage.md) another instance may create or
+revoke a key, so the index is read again every `refresh_s` (KEY_REFRESH_S, 2 s): by a task, and
+by `authenticate` before it answers from an index older than that. A key revoked on one instance
+is refused on every other within `refresh_s` (`refresh_s=0`: `authenticate` reads the database
+every time).
 """
 
 import asyncio
@@ -59,6 +65,7 @@ KEYS_MIGRATIONS = [
 TOKEN_PREFIX = "esk_"
 _ID_HEX = 12
 TOUCH_INTERVAL_S = 60.0
+KEY_REFRESH_S = 2.0  # on a shared database: how stale the key index may get
 
 log = structlog.get_logger("keys")
 
@@ -267,10 +274,24 @@ class _Indexed:
 class KeyStore:
     """Keys in the bridge database; open it with KEYS_MIGRATIONS."""
 
-    def __init__(self, db: Database, *, touch_interval_s: float = TOUCH_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        db: Database,
+        *,
+        touch_interval_s: float = TOUCH_INTERVAL_S,
+        refresh_s: float | None = None,
+    ) -> None:
+        """`refresh_s`: how often the index is read again; by default KEY_REFRESH_S on a shared
+        database (PostgreSQL) and never on the bridge's own SQLite file."""
         self.db = db
         self.touch_interval_s = touch_interval_s
+        self.refresh_s = (
+            refresh_s if refresh_s is not None else KEY_REFRESH_S if db.shared else None
+        )
         self._index: dict[str, _Indexed] | None = None
+        self._loaded_at = float("-inf")
+        self._lock = asyncio.Lock()  # a reload never drops a key created while it read
+        self._refresher: asyncio.Task[None] | None = None
         self._writes: set[asyncio.Task[None]] = set()
 
     @property
@@ -279,19 +300,48 @@ class KeyStore:
         return self._index is not None
 
     async def load(self) -> None:
-        """Read every active key into the in-memory index that `resolve` uses."""
-        rows = await self.db.fetchall(
-            "SELECT id, name, token_hash, scopes, device_ids, last_used_at"
-            " FROM api_keys WHERE revoked_at IS NULL"
-        )
+        """Read every active key into the in-memory index that `resolve` uses (and, on a shared
+        database, start reading it again every `refresh_s`)."""
+        async with self._lock:
+            began = time.monotonic()
+            rows = await self.db.fetchall(
+                "SELECT id, name, token_hash, scopes, device_ids, last_used_at"
+                " FROM api_keys WHERE revoked_at IS NULL"
+            )
+            self._index = self._indexed(rows)
+            self._loaded_at = began
+        if self.refresh_s is not None and self._refresher is None:
+            self._refresher = asyncio.get_running_loop().create_task(
+                self._refresh_forever(self.refresh_s), name="key-index-refresh"
+            )
+
+    def _indexed(self, rows: list[Row]) -> dict[str, _Indexed]:
+        """The index of `rows`; a key already indexed keeps its use not written yet."""
+        old = self._index or {}
         index: dict[str, _Indexed] = {}
         for row in rows:
+            kept = old.get(row["id"])
+            if kept is not None and kept.token_hash == row["token_hash"]:
+                index[row["id"]] = kept
+                continue
             used = datetime.fromisoformat(row["last_used_at"]) if row["last_used_at"] else None
             principal = Principal(
                 row["id"], row["name"], _scopes(row["scopes"]), _devices(row["device_ids"])
             )
             index[row["id"]] = _Indexed(row["token_hash"], principal, used, used)
-        self._index = index
+        return index
+
+    async def _refresh_forever(self, every_s: float) -> None:
+        while True:
+            await asyncio.sleep(max(every_s, 0.1))
+            try:
+                await self.load()
+            except BridgeError as exc:  # the database is away: keep the index, try again
+                log.warning("could not refresh the API key index", error=str(exc))
+
+    async def _refresh_if_stale(self) -> None:
+        if self.refresh_s is not None and time.monotonic() - self._loaded_at >= self.refresh_s:
+            await self.load()
 
     def active(self, key_id: str) -> Principal | None:
         """The principal of the active key `key_id` (in memory), None once it is revoked."""
@@ -315,7 +365,13 @@ class KeyStore:
         return entry.principal
 
     async def aclose(self) -> None:
-        """Write the last-use times still only in memory, and wait for pending writes."""
+        """Stop refreshing; write the last-use times still only in memory, and wait for
+        pending writes."""
+        refresher, self._refresher = self._refresher, None
+        if refresher is not None:
+            refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await refresher
         if self._writes:
             await asyncio.gather(*list(self._writes), return_exceptions=True)
         if self._index is None or not self.db.is_open:
@@ -370,22 +426,23 @@ class KeyStore:
         key_id = secrets.token_hex(_ID_HEX // 2)
         token = f"{TOKEN_PREFIX}{key_id}_{secrets.token_urlsafe(32)}"
         created = _now()
-        await self.db.execute(
-            "INSERT INTO api_keys (id, name, token_hash, scopes, device_ids, created_at)"
-            " VALUES (?, ?, ?, ?, ?, ?)",
-            (
-                key_id,
-                name,
-                hash_token(token),
-                json.dumps(sorted(scope_set)),
-                json.dumps(sorted(devices)) if devices is not None else None,
-                created.isoformat(),
-            ),
-        )
+        async with self._lock:
+            await self.db.execute(
+                "INSERT INTO api_keys (id, name, token_hash, scopes, device_ids, created_at)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (
+                    key_id,
+                    name,
+                    hash_token(token),
+                    json.dumps(sorted(scope_set)),
+                    json.dumps(sorted(devices)) if devices is not None else None,
+                    created.isoformat(),
+                ),
+            )
+            if self._index is not None:
+                principal = Principal(key_id, name, scope_set, devices)
+                self._index[key_id] = _Indexed(hash_token(token), principal)
         key = ApiKey(key_id, name, scope_set, devices, created, None, None)
-        if self._index is not None:
-            principal = Principal(key_id, name, scope_set, devices)
-            self._index[key_id] = _Indexed(hash_token(token), principal)
         log.info("api key created", key_id=key_id, scopes=sorted(scope_set))
         return CreatedKey(key, token)
 
@@ -434,15 +491,17 @@ class KeyStore:
                 raise UnknownKey(key_id)
             return _key(row)
 
-        revoked = await self.db.run(work)
-        if self._index is not None and self._index.pop(key_id, None) is not None:
-            log.info("api key revoked", key_id=key_id)
+        async with self._lock:
+            revoked = await self.db.run(work)
+            if self._index is not None and self._index.pop(key_id, None) is not None:
+                log.info("api key revoked", key_id=key_id)
         return revoked
 
     async def authenticate(self, token: str) -> Principal:
         """The principal of a valid, unrevoked token; InvalidKey otherwise. Uses the in-memory
         index once `load()` ran, else reads the database."""
         if self._index is not None:
+            await self._refresh_if_stale()
             principal = self.resolve(token)
             if principal is None:
                 raise InvalidKey()
