@@ -13,7 +13,9 @@ import pytest
 
 from backend.config import ConfigError, load_settings
 from backend.storage import Database, DatabaseError, Migration
+from backend.storage.database import DATABASE_FILE
 from backend.storage.dialect import describe_url, expand_tokens, to_pyformat
+from tests.helpers import create_key
 from tests.postgres import PostgresServer, postgres_available, running_postgres
 from tests.storage_helpers import database_target
 
@@ -318,3 +320,26 @@ async def test_provisioning_rows_are_replaced_by_key_on_both_engines(
         assert await db.fetchall("SELECT * FROM activation_requests") == []
     finally:
         await db.close()
+
+
+@needs_postgres
+async def test_two_bridges_on_one_postgresql_see_each_others_devices_keys_and_conversations(
+    postgres_url: str, bridge_factory, simulated_devices
+) -> None:
+    first = await bridge_factory(database_url=postgres_url)
+    assert first.database.shared and first.database.path is None
+    device = await simulated_devices(first)
+    await first.catalog.flush()
+    token = await create_key(first, "chat:use")
+    memory = first.frontends.memory
+    conversation = await memory.conversation_for_device(device.device_id)
+    await memory.append_pair(conversation.id, "bật đèn 100%?", "Đã bật đèn.")
+
+    second = await bridge_factory(database_url=postgres_url)
+    record = second.registry.record(device.device_id)
+    assert record is not None and record.transport == "websocket" and len(record.tools) > 0
+    assert (await second.frontends.keys.authenticate(token)).has("chat:use")
+    seen = await second.frontends.memory.get(conversation.id, with_messages=True)
+    assert seen.device_id == device.device_id
+    assert [m.content for m in seen.messages] == ["bật đèn 100%?", "Đã bật đèn."]
+    assert not (second.settings.data_dir / DATABASE_FILE).exists()  # no SQLite file made
