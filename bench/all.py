@@ -28,6 +28,7 @@ BENCHMARKS = (
     "voice",
     "console_page",
     "console_devices",
+    "db_writes",
     "firmware_memory",
 )
 

@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = [
     "tool_call", "sdk_compare", "hello_ready", "fleet", "disconnect", "chat", "udp", "mqtt", "fuzz",
     "ota", "vision", "mcp_servers", "mcp_dialin", "voice", "console_page",
-    "console_devices", "metrics_overhead",
+    "console_devices", "metrics_overhead", "db_writes",
 ]  # fmt: skip
 
 
