@@ -22,12 +22,12 @@ import structlog
 import uvicorn
 
 from backend.api import create_app
-from backend.api.cluster import cluster_router
 from backend.api.device_events import DeviceStreams
 from backend.api.metrics import MetricsListener, metrics_app, metrics_router
 from backend.api.provisioning import provisioning_router
 from backend.auth import Tokens, ensure_tokens
 from backend.cluster import CLUSTER_MIGRATIONS, ClusterNode, ClusterOptions
+from backend.cluster.routes import cluster_router
 from backend.common import reachable_host, tcp_listener, url_host
 from backend.config import Settings
 from backend.console import console_routes

@@ -90,13 +90,14 @@ class Cluster:
     bridges: dict[str, Bridge] = field(default_factory=dict)
 
     async def start(self, name: str, **overrides: Any) -> Bridge:
-        settings = make_settings(
-            self.workdir / name,
-            database_url=self.database_url,
-            cluster_url=self.broker.url_of(self.accounts[name]),
-            instance_id=name,
-            **{**FAST_LEASES, **overrides},
-        )
+        values: dict[str, Any] = {
+            "database_url": self.database_url,
+            "cluster_url": self.broker.url_of(self.accounts[name]),
+            "instance_id": name,
+            **FAST_LEASES,
+            **overrides,
+        }
+        settings = make_settings(self.workdir / name, **values)
         bridge = Bridge(settings)
         await bridge.start()
         assert bridge.cluster is not None
@@ -145,3 +146,79 @@ async def until(check: Callable[[], Any], timeout_s: float = 10.0, what: str = "
             return value
     except TimeoutError:
         raise AssertionError(f"timed out waiting for {what or check}") from None
+
+
+class Partition:
+    """A TCP proxy between one instance and a service (PostgreSQL on its Unix socket, or the
+    broker), which a test cuts: `refuse` closes every connection and refuses new ones (a stopped
+    service); `blackhole` keeps the connections but forwards nothing (traffic dropped)."""
+
+    def __init__(self, unix_path: str | None = None, port: int | None = None) -> None:
+        self.unix_path = unix_path
+        self.target_port = port
+        self.port = reserve_port(self)
+        self.mode: str | None = None
+        self._server: asyncio.Server | None = None
+        self._links: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
+        self._pipes: set[asyncio.Task[None]] = set()
+        self._flowing = asyncio.Event()
+        self._flowing.set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(
+            self._accept, "127.0.0.1", self.port, reuse_address=True
+        )
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        self._flowing.set()
+        for task in list(self._pipes):
+            task.cancel()
+        await asyncio.gather(*self._pipes, return_exceptions=True)
+
+    def cut(self, mode: str) -> None:
+        self.mode = mode
+        if mode == "blackhole":
+            self._flowing.clear()
+            return
+        for client, upstream in list(self._links):
+            for writer in (client, upstream):
+                with contextlib.suppress(Exception):
+                    writer.transport.abort()
+        self._links.clear()
+
+    def heal(self) -> None:
+        self.mode = None
+        self._flowing.set()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.mode == "refuse":
+            writer.transport.abort()
+            return
+        try:
+            if self.unix_path is not None:
+                up_reader, up_writer = await asyncio.open_unix_connection(self.unix_path)
+            else:
+                up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            writer.transport.abort()
+            return
+        link = (writer, up_writer)
+        self._links.add(link)
+        for source, sink in ((reader, up_writer), (up_reader, writer)):
+            task = asyncio.create_task(self._pipe(source, sink))
+            self._pipes.add(task)
+            task.add_done_callback(self._pipes.discard)
+
+    async def _pipe(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        try:
+            while data := await source.read(65536):
+                await self._flowing.wait()  # a black hole holds the bytes, sends nothing
+                sink.write(data)
+                await sink.drain()
+        except (OSError, asyncio.CancelledError):
+            pass
+        finally:
+            with contextlib.suppress(Exception):
+                sink.close()

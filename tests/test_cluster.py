@@ -13,8 +13,9 @@ import pytest
 
 from backend.devices.registry import DeviceState, RemoteDevice
 from simulator import SimulatedDevice
-from tests.cluster_helpers import Cluster, running_cluster, until
+from tests.cluster_helpers import Cluster, Partition, running_cluster, until
 from tests.helpers import DEVICE_TOKEN
+from tests.postgres import PostgresServer
 
 
 @pytest.fixture
@@ -209,3 +210,92 @@ async def test_in_flight_forwarded_calls_fail_at_once_when_the_owner_leaves(
             await call
     assert type(raised.value).__name__ == "DeviceDisconnected"
     assert "b" in str(raised.value)
+
+
+# ---- partitions ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["refuse", "blackhole"])
+async def test_an_instance_cut_off_from_postgres_lets_its_devices_go_and_none_is_owned_twice(
+    cluster: Cluster,
+    devices: list[SimulatedDevice],
+    postgres_server: PostgresServer,
+    postgres_url: str,
+    mode: str,
+) -> None:
+    database = postgres_url.split("@/", 1)[1].split("?", 1)[0]
+    proxy = Partition(unix_path=f"{postgres_server.socket_dir}/.s.PGSQL.5432")
+    await proxy.start()
+    try:
+        a = await cluster.start("a")
+        b = await cluster.start(
+            "b", database_url=f"postgresql://bridge@127.0.0.1:{proxy.port}/{database}"
+        )
+        ids = [start_device(devices, cluster.balancer.url, i).device_id for i in range(30, 38)]
+        await until(lambda: all(state_on(cluster, "a", i) == "ready" for i in ids), what="ready")
+        assert len(b.registry) > 0  # the balancer gave b its share
+        overlaps: list[set[str]] = []
+
+        async def sample() -> None:
+            while True:
+                overlaps.append(set(a.registry._live) & set(b.registry._live))
+                await asyncio.sleep(0.01)
+
+        sampler = asyncio.create_task(sample())
+        proxy.cut(mode)
+        await until(
+            lambda: all(a.registry.get(i) is not None and state_on(cluster, "a", i) == "ready"
+                        for i in ids),
+            timeout_s=30,
+            what="every device ready on a",
+        )  # fmt: skip
+        sampler.cancel()
+        assert b.cluster is not None and b.cluster.fenced and len(b.registry) == 0
+        assert not any(overlaps), "a device was live on both instances"
+        async with cluster.api("b") as api:
+            health = await api.get("/healthz")
+        assert health.status_code == 503 and "database" in health.json()["status"]
+        proxy.heal()
+        await until(lambda: not b.cluster.fenced, timeout_s=15, what="b unfenced")  # type: ignore[union-attr]
+        leases = await a.cluster.leases.leases()  # type: ignore[union-attr]
+        assert sorted(lease.device_id for lease in leases) == sorted(ids)
+        assert {lease.instance_id for lease in leases} == {"a"}
+    finally:
+        proxy.heal()
+        await proxy.stop()
+
+
+async def test_an_instance_cut_off_from_the_broker_keeps_its_devices_and_rejoins_the_view(
+    cluster: Cluster, devices: list[SimulatedDevice]
+) -> None:
+    proxy = Partition(port=cluster.broker.port)
+    await proxy.start()
+    try:
+        await cluster.start("a")
+        account = cluster.accounts["b"]
+        b = await cluster.start(
+            "b", cluster_url=f"mqtt://{account.username}:{account.password}@127.0.0.1:{proxy.port}"
+        )
+        device = start_device(devices, b.ws_url, 40)
+        await b.registry.wait_for_state(device.device_id)
+        await until(lambda: state_on(cluster, "a", device.device_id) == "ready")
+        proxy.cut("refuse")
+        # The broker publishes b's will: a takes b's devices out of its view; b still serves them.
+        await until(lambda: state_on(cluster, "a", device.device_id) is None, what="offline on a")
+        async with cluster.api("a") as via_a, cluster.api("b") as via_b:
+            body = {"name": "self.audio_speaker.set_volume", "arguments": {"volume": 11}}
+            url = f"/api/devices/{device.device_id}/tools/call"
+            refused = await via_a.post(url, json=body)
+            served = await via_b.post(url, json=body)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "device_offline"
+        assert served.status_code == 200 and device.hal.volume == 11
+        assert b.cluster is not None and not b.cluster.fenced  # its leases are still renewed
+        proxy.heal()
+        await until(lambda: state_on(cluster, "a", device.device_id) == "ready", timeout_s=15,
+                    what="back in a's view after the broker returns")  # fmt: skip
+        async with cluster.api("a") as via_a:
+            body["arguments"] = {"volume": 12}
+            assert (await via_a.post(url, json=body)).status_code == 200
+        assert device.hal.volume == 12
+    finally:
+        await proxy.stop()

@@ -129,6 +129,7 @@ class ClusterNode:
         self._renewed_at = time.monotonic()  # the start of the last successful renewal
         self.fenced = False
         self.draining = False
+        self._stopping = False
         self.shards: frozenset[int] = frozenset()
         self.instances: list[InstanceRow] = []
         self.counters = {"forwarded": 0, "served": 0, "stale_links_closed": 0, "fenced": 0}
@@ -156,9 +157,13 @@ class ClusterNode:
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
+        self._stopping = True
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:
+            # A cancel that lands as a database deadline expires can come out as TimeoutError
+            # (Python 3.11's asyncio.timeout): the loops also stop on `_stopping`.
+            await asyncio.wait(self._tasks, timeout=self._db_deadline_s + 1)
         self._tasks = []
         for task in list(self._serving.values()):
             task.cancel()
@@ -191,6 +196,14 @@ class ClusterNode:
     def _on_local_event(self, event: DeviceEvent) -> None:
         if event.origin is not None or event.kind not in wire.FLEET_KINDS:
             return
+        refusal = self._refusal()
+        if event.kind is EventKind.CONNECTED and refusal is not None:
+            # Draining or fenced: the device must go elsewhere now, not after a claim that
+            # would wait for an unreachable database. (After the connect returns: not inside it.)
+            asyncio.get_running_loop().call_soon(
+                self.registry.disconnect, event.device_id, refusal, SERVICE_RESTART
+            )
+            return
         device = self.registry.get(event.device_id)
         snapshot = None
         if device is not None and event.kind is not EventKind.DISCONNECTED:
@@ -216,10 +229,12 @@ class ClusterNode:
         refusal = self._refusal()
         if refusal is None:
             try:
-                self._epochs.update(await self.leases.claim(connects.items(), time.time()))
+                async with asyncio.timeout(self._db_deadline_s):
+                    claimed = await self.leases.claim(connects.items(), time.time())
+                self._epochs.update(claimed)
                 return
-            except DatabaseError as exc:
-                refusal = f"bridge instance cannot claim devices ({exc}): reconnect"
+            except (DatabaseError, TimeoutError) as exc:
+                refusal = f"bridge instance cannot claim devices ({exc or 'no answer'}): reconnect"
         for device_id in connects:
             self.registry.disconnect(device_id, refusal, SERVICE_RESTART)
 
@@ -234,9 +249,8 @@ class ClusterNode:
         device_id = event.device_id
         if event.kind is EventKind.DISCONNECTED:
             epoch = self._epochs.pop(device_id, 0)
-            if epoch and self.registry.get(device_id) is None:
-                with contextlib.suppress(DatabaseError):
-                    await self.leases.release(device_id, epoch)
+            if epoch and not self.fenced and self.registry.get(device_id) is None:
+                self._spawn(self._release(device_id, epoch))  # never holds up the outbox
             message = {
                 "v": wire.VERSION,
                 "kind": EventKind.DISCONNECTED.value,
@@ -253,22 +267,30 @@ class ClusterNode:
         with contextlib.suppress(FabricUnavailable):
             await self.fabric.publish(self.topics.events, wire.dumps(message))
 
+    async def _release(self, device_id: str, epoch: int) -> None:
+        with contextlib.suppress(DatabaseError, TimeoutError):
+            async with asyncio.timeout(self._db_deadline_s):
+                await self.leases.release(device_id, epoch)
+
     # ---- renewals -------------------------------------------------------------------------------
 
     async def _run_renewals(self) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self.options.renew_s)
             await self._renew()
 
     async def _renew(self) -> None:
         began = time.monotonic()
         try:
-            renewal = await self.leases.renew(
-                time.time(), self.options.shards, self._shard_target()
-            )
-        except DatabaseError as exc:
+            # A database that stops answering (traffic dropped, not refused) must not hold the
+            # renewal past the point where the leases expire.
+            async with asyncio.timeout(self._db_deadline_s):
+                renewal = await self.leases.renew(
+                    time.time(), self.options.shards, self._shard_target()
+                )
+        except (DatabaseError, TimeoutError) as exc:
             if not self.fenced:
-                log.warning("lease renewal failed", error=str(exc))
+                log.warning("lease renewal failed", error=str(exc) or "no answer in time")
             if time.monotonic() - self._renewed_at > self.options.ttl_s - _FENCE_MARGIN_S:
                 self._fence()
             return
@@ -283,6 +305,10 @@ class ClusterNode:
             self.shards = renewal.shards
             await self._mqtt.set_shards(self.shards)
             log.info("mqtt shards", instance=self.instance_id, shards=sorted(self.shards))
+
+    @property
+    def _db_deadline_s(self) -> float:
+        return max(0.5, self.options.ttl_s / 3)
 
     def _shard_target(self) -> int | None:
         if self._mqtt is None:
@@ -359,8 +385,8 @@ class ClusterNode:
         except wire.WireError as exc:
             log.warning("cluster message dropped", channel=message.channel, error=str(exc))
             return
-        if message.channel == "events":
-            self._on_report(body)
+        if message.channel == "events" or (message.channel == "reply" and "reports" in body):
+            self._on_reports(body)
         elif message.channel == "sync":
             requester = body.get("from")
             if isinstance(requester, str) and requester != self.instance_id:
@@ -369,6 +395,17 @@ class ClusterNode:
             self._on_request(body, message)
         elif message.channel == "reply":
             self._on_reply(body, message)
+
+    def _on_reports(self, body: dict[str, Any]) -> None:
+        """One report, or a snapshot: `{"reports": [...]}` (a join, or a return after the broker
+        was away)."""
+        reports = body.get("reports")
+        if reports is None:
+            self._on_report(body)
+        elif isinstance(reports, list):
+            for report in reports:
+                if isinstance(report, dict):
+                    self._on_report(report)
 
     def _on_report(self, body: dict[str, Any]) -> None:
         try:
@@ -474,12 +511,6 @@ class ClusterNode:
             )
 
     def _on_reply(self, body: dict[str, Any], message: Inbound) -> None:
-        reports = body.get("reports")
-        if isinstance(reports, list):  # a join snapshot
-            for report in reports:
-                if isinstance(report, dict):
-                    self._on_report(report)
-            return
         if message.correlation is None:
             return
         pending = self._pending.get(message.correlation)

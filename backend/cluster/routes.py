@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends
 
 from backend.api.errors import errors
 from backend.api.scopes import needs
-from backend.cluster import ClusterNode
+from backend.cluster.node import ClusterNode
 from backend.keys import Principal, Scope
 
 Reader = Annotated[Principal, Depends(needs(Scope.DEVICES_READ))]
