@@ -384,10 +384,10 @@ class Device:
             failure = _FAILURES.get(error or "", "other")
             record_mcp_call(failure if outcome == "error" else outcome, seconds)
             duration_ms = seconds * 1000
-            self._registry.emit(
+            self._registry.emit_from(
+                self.owner,
                 EventKind.TOOL_CALLED,
                 self.device_id,
-                origin=self.owner,
                 tool=name,
                 outcome=outcome,
                 duration_ms=round(duration_ms, 3),
@@ -805,7 +805,7 @@ class DeviceRegistry:
             detail = {"tool_count": len(current.tools)}
         elif report.kind is EventKind.FAILED:
             detail = {"error": report.error}
-        self.emit(report.kind, report.device_id, origin=report.owner, **detail)
+        self.emit_from(report.owner, report.kind, report.device_id, **detail)
 
     def remote_owner_gone(self, owner: str, reason: str) -> int:
         """Every device of instance `owner` goes offline here (it left or died); how many."""
@@ -820,7 +820,7 @@ class DeviceRegistry:
         known = self._known.get(device.device_id)
         if known is not None and device.device_id not in self._live:
             self._known[device.device_id] = replace(known, last_seen=time.time())
-        self.emit(EventKind.DISCONNECTED, device.device_id, origin=device.owner, reason=reason)
+        self.emit_from(device.owner, EventKind.DISCONNECTED, device.device_id, reason=reason)
 
     def _remember_remote(self, device: RemoteDevice) -> None:
         now = time.time()
@@ -874,11 +874,13 @@ class DeviceRegistry:
             error=error,
         )
 
-    def emit(
-        self, kind: EventKind, device_id: str, *, origin: str | None = None, **detail: Any
-    ) -> None:
-        """Deliver one event to every listener; a failing listener is logged and the others still
-        run. `origin`: the other instance it happened on (a cluster's fleet events)."""
+    def emit(self, kind: EventKind, device_id: str, **detail: Any) -> None:
+        """Deliver one event of this instance to every listener; a failing listener is logged
+        and the others still run."""
+        self.emit_from(None, kind, device_id, **detail)
+
+    def emit_from(self, origin: str | None, kind: EventKind, device_id: str, **detail: Any) -> None:
+        """Deliver one event that happened on instance `origin` (None: this one)."""
         event = DeviceEvent(kind, device_id, detail, origin)
         for listener in list(self._listeners):
             try:
