@@ -9,12 +9,14 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import openai
 import pytest
 
 from backend.devices.registry import DeviceState, RemoteDevice
 from simulator import SimulatedDevice
+from simulator.llm_server import FakeCall, FakeLlm, Reply
 from tests.cluster_helpers import Cluster, Partition, running_cluster, until
-from tests.helpers import DEVICE_TOKEN
+from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN
 from tests.postgres import PostgresServer
 
 
@@ -299,3 +301,43 @@ async def test_an_instance_cut_off_from_the_broker_keeps_its_devices_and_rejoins
         assert device.hal.volume == 12
     finally:
         await proxy.stop()
+
+
+# ---- the chat on one instance, the device on another ------------------------------------------
+
+
+async def test_a_chat_turn_on_a_uses_a_device_on_c_through_the_openai_client(
+    cluster: Cluster, devices: list[SimulatedDevice], fake_llm: FakeLlm
+) -> None:
+    llm = {"llm_provider": "openai", "llm_base_url": fake_llm.url}
+    a = await cluster.start("a", **llm)
+    await cluster.start("b", **llm)
+    c = await cluster.start("c", **llm)
+    device = start_device(devices, c.ws_url, 50)
+    await c.registry.wait_for_state(device.device_id)
+    await until(lambda: state_on(cluster, "a", device.device_id) == "ready")
+    fake_llm.script(
+        "chat",
+        Reply(calls=[FakeCall("self_audio_speaker_set_volume", {"volume": 23})]),
+        Reply("The volume is now 23."),
+    )
+    client = openai.AsyncOpenAI(base_url=a.api_url + "/v1", api_key=ADMIN_TOKEN)
+    try:
+        completion = await client.chat.completions.create(
+            model="dental-duckduckgo",
+            messages=[{"role": "user", "content": "Set the volume to 23"}],
+            extra_body={"device_id": device.device_id},
+        )
+    finally:
+        await client.close()
+    assert completion.choices[0].message.content == "The volume is now 23."
+    assert device.hal.get_volume() == 23  # the firmware on the device connected to c
+    assert c.cluster is not None and c.cluster.counters["served"] == 1
+    # The model was offered the device's tools on a, read from c's fleet event.
+    offered = {t["function"]["name"] for t in fake_llm.of_kind("chat")[0].body["tools"]}
+    assert "self_audio_speaker_set_volume" in offered
+    # The owner audits the call once; the caller's instance does not write a second row.
+    await c.audit.flush()
+    await a.audit.flush()
+    rows = await a.database.fetchall("SELECT actor, tool, outcome FROM audit_log")
+    assert [(row[1], row[2]) for row in rows] == [("self.audio_speaker.set_volume", "ok")]
