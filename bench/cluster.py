@@ -1,0 +1,587 @@
+"""Benchmark: the cluster's scale-out figures (issue #21) on this machine.
+
+Real `esp32-bridge serve` processes configured through BRIDGE_* env, one throwaway PostgreSQL,
+one Mosquitto (an account per instance) and a layer-4 round-robin balancer in front of their
+WebSocket ports. The harness is the tests' own, imported from `tests.` rather than copied:
+`tests.cluster_processes` (ServeInstance, instance_env), `tests.cluster_helpers` (Balancer),
+`tests.postgres` (running_postgres) and `tests.mosquitto` (Mosquitto).
+
+1. Devices ready with 1, 2 and 3 instances: a fleet of simulated devices (the firmware code,
+   `python -m bench.peers fleet`, a process of its own) connects through the balancer; time from
+   the fleet's start to every device listed ready by instance a (`GET /api/devices?state=ready`
+   lists the whole fleet); rate in total and per instance; scaling efficiency
+   rate(N) / (N x rate(1)). CPU seconds of the bridges (and of the fleet, broker and PostgreSQL)
+   per device ready, from psutil: flat if the cluster adds no per-device work.
+2. Forwarded vs local call: two instances, one device (its own process) on b; the volume tool
+   called through b's API (local) and a's API (forwarded over the broker), interleaved in
+   rounds; then the same in-process on `registry.require(id).call_tool(...)` of two in-process
+   Bridges (no HTTP on either side).
+3. Failover after kill -9: three instances, devices behind the balancer; SIGKILL of the instance
+   holding the most devices, time until all of them are ready on the others (another instance's
+   listing); the killed one restarts on its old data directory between trials.
+"""
+
+import asyncio
+import contextlib
+import statistics
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from backend.transports.mqtt_credentials import BridgeAccount
+from bench.common import (
+    VOLUME_TOOL,
+    PathResult,
+    Plan,
+    bench_main,
+    interleaved,
+    ms,
+    peer,
+    quiet_logging,
+    raise_open_files,
+    ratio,
+    table,
+    verdict,
+)
+from bench.report import environment
+from simulator import SimulatedDevice
+from tests.cluster_helpers import Balancer
+from tests.cluster_processes import ADMIN_TOKEN, DEVICE_TOKEN, ServeInstance, instance_env
+from tests.mosquitto import Mosquitto
+from tests.postgres import PostgresServer, running_postgres
+
+NAME = "cluster"
+NAMES = ("a", "b", "c")
+LEASE = {"lease_ttl_s": 6, "lease_renew_s": 2}  # the defaults, stated explicitly
+RECONNECT_MIN_S = 1.0  # the firmware's default first reconnect pause (jittered +-20 %)
+LINEAR_WITHIN = 0.15
+FORWARD_RATIO_GOAL = 2.0
+FAILOVER_GOAL_S = 10.0
+POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much of each measurement a run does."""
+
+    instance_counts: tuple[int, ...]
+    fleet: int
+    plan: Plan
+    failover_instances: int
+    failover_devices: int
+    failover_trials: int
+
+
+FULL = Sizes((1, 2, 3), 1000, Plan(warmup=30, rounds=10, block=40), 3, 30, 5)
+QUICK = Sizes((1, 2), 60, Plan(warmup=5, rounds=2, block=10), 2, 8, 1)
+
+
+# ---- the parts: database, broker, instances -------------------------------------------------
+
+
+@dataclass
+class Infra:
+    """One PostgreSQL server (a fresh database per measurement) and one broker."""
+
+    workdir: Path
+    postgres: PostgresServer
+    broker: Mosquitto
+    accounts: dict[str, BridgeAccount]
+
+
+@contextlib.asynccontextmanager
+async def infrastructure() -> AsyncIterator[Infra]:
+    accounts = {name: BridgeAccount(f"bridge-{name}") for name in NAMES}
+    with tempfile.TemporaryDirectory(prefix="bench-cluster-") as root, running_postgres() as pg:
+        workdir = Path(root)
+        broker = Mosquitto(workdir / "broker", {}, more_bridges=tuple(accounts.values()))
+        await broker.start()
+        try:
+            yield Infra(workdir, pg, broker, accounts)
+        finally:
+            await broker.stop()
+
+
+@dataclass
+class Fleetless:
+    """Running instances on a fresh database, with a balancer in front of them."""
+
+    instances: dict[str, ServeInstance]
+    balancer: Balancer
+
+
+@contextlib.asynccontextmanager
+async def running_instances(infra: Infra, count: int, tag: str) -> AsyncIterator[Fleetless]:
+    database_url = infra.postgres.new_database()
+    balancer = Balancer()
+    await balancer.start()
+    instances = {
+        name: ServeInstance(
+            name,
+            infra.workdir / tag / name,
+            instance_env(name, database_url, infra.broker.url_of(infra.accounts[name]), **LEASE),
+        )
+        for name in NAMES[:count]
+    }
+    try:
+        for instance in instances.values():
+            await instance.start()
+            balancer.backends.append(("127.0.0.1", instance.ws_port))
+        await wait_all_alive(list(instances.values()))
+        yield Fleetless(instances, balancer)
+    finally:
+        for instance in instances.values():
+            with contextlib.suppress(Exception):
+                await instance.stop()
+        await balancer.stop()
+        infra.postgres.drop_database(database_url)
+
+
+def api(instance: ServeInstance) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        base_url=instance.api_url, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30
+    )
+
+
+async def poll(check: Any, timeout_s: float, what: str) -> None:
+    """Await `check()` every POLL_S until truthy (errors count as not yet)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
+            if await check():
+                return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} within {timeout_s:g} s")
+        await asyncio.sleep(POLL_S)
+
+
+async def wait_all_alive(instances: list[ServeInstance], timeout_s: float = 30) -> None:
+    """Until every instance sees every other one alive (joins done before anything is timed)."""
+    names = {instance.name for instance in instances}
+
+    async def alive_everywhere() -> bool:
+        for instance in instances:
+            async with api(instance) as http:
+                status = (await http.get("/api/cluster")).json()
+            alive = {i["instance_id"] for i in status["instances"] if i["alive"]}
+            if not names <= alive:
+                return False
+        return True
+
+    await poll(alive_everywhere, timeout_s, "cluster of " + ",".join(sorted(names)))
+
+
+async def listing(http: httpx.AsyncClient) -> list[dict[str, Any]]:
+    devices: list[dict[str, Any]] = (await http.get("/api/devices")).json()["devices"]
+    return devices
+
+
+# ---- CPU ------------------------------------------------------------------------------------
+
+
+def cpu_s(pid: int) -> float:
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)
+
+
+def postgres_cpu_s(server: PostgresServer) -> float:
+    """The postmaster, its live backends, and the backends it has already reaped."""
+    pid = int((server.data / "postmaster.pid").read_text().split()[0])
+    main = psutil.Process(pid)
+    times = main.cpu_times()
+    total = times.user + times.system + times.children_user + times.children_system
+    for child in main.children():
+        with contextlib.suppress(psutil.Error):
+            child_times = child.cpu_times()
+            total += child_times.user + child_times.system
+    return float(total)
+
+
+# ---- 1. devices ready with 1, 2, 3 instances ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReadyRun:
+    instances: int
+    devices: int
+    seconds: float
+    spread: dict[str, int]
+    cpu: dict[str, float]  # CPU seconds during the run: bridges, fleet, broker, postgres
+
+    @property
+    def rate(self) -> float:
+        return self.devices / self.seconds
+
+    def per_device_ms(self, part: str) -> float:
+        return self.cpu[part] * 1000 / self.devices
+
+
+async def ready_run(infra: Infra, count: int, devices: int) -> ReadyRun:
+    async with running_instances(infra, count, f"ready{count}") as running:
+        instances = list(running.instances.values())
+        first = instances[0]
+        bridges_before = sum(cpu_s(instance.pid) for instance in instances)
+        broker_before, pg_before = cpu_s(infra.broker.pid), postgres_cpu_s(infra.postgres)
+        async with (
+            api(first) as http,
+            peer(
+                "fleet", "--url", running.balancer.url, "--count", devices,
+                "--token", DEVICE_TOKEN,
+            ) as fleet,
+        ):  # fmt: skip
+            started = await fleet.read(timeout_s=60)
+            fleet_before = cpu_s(fleet.pid)
+
+            async def all_ready() -> bool:
+                page = await http.get("/api/devices", params={"state": "ready", "limit": 1})
+                return int(page.json()["total"]) == devices
+
+            await poll(all_ready, 300, f"{devices} devices ready")
+            ready_at = time.monotonic_ns()
+            cpu = {
+                "bridges": sum(cpu_s(instance.pid) for instance in instances) - bridges_before,
+                "fleet": cpu_s(fleet.pid) - fleet_before,
+                "broker": cpu_s(infra.broker.pid) - broker_before,
+                "postgres": postgres_cpu_s(infra.postgres) - pg_before,
+            }
+            rows = await listing_all(http, devices)
+    spread = {name: sum(1 for r in rows if r["instance"] == name) for name in running.instances}
+    seconds = (ready_at - started["started_at"]) / 1e9
+    return ReadyRun(count, devices, seconds, spread, cpu)
+
+
+async def listing_all(http: httpx.AsyncClient, devices: int) -> list[dict[str, Any]]:
+    page = (await http.get("/api/devices", params={"limit": max(devices, 1)})).json()
+    rows: list[dict[str, Any]] = page["devices"]
+    return rows
+
+
+# ---- 2. forwarded vs local call -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CallRun:
+    http: dict[str, PathResult]
+    in_process: dict[str, PathResult] | None
+
+
+async def call_run(infra: Infra, plan: Plan) -> CallRun:
+    async with running_instances(infra, 2, "calls") as running:
+        a, b = running.instances["a"], running.instances["b"]
+        ws_url = str(b.runtime["ws_url"])
+        async with (
+            peer("device", "--url", ws_url, "--token", DEVICE_TOKEN) as device,
+            api(a) as via_a,
+            api(b) as via_b,
+        ):
+            device_id = (await device.read(timeout_s=60))["device_ids"][0]
+
+            async def ready_on_a() -> bool:
+                rows = await listing(via_a)
+                return any(
+                    r["device_id"] == device_id and r["state"] == "ready" and r["instance"] == "b"
+                    for r in rows
+                )
+
+            await poll(ready_on_a, 30, "the device ready on b in a's view")
+
+            def caller(http: httpx.AsyncClient) -> Any:
+                async def call(index: int) -> None:
+                    reply = await http.post(
+                        f"/api/devices/{device_id}/tools/call",
+                        json={"name": VOLUME_TOOL, "arguments": {"volume": index % 100}},
+                    )
+                    if reply.status_code != 200:
+                        raise RuntimeError(f"call failed: {reply.status_code} {reply.text}")
+
+                return call
+
+            paths = {"local (b's API)": caller(via_b), "forwarded (a's API → b)": caller(via_a)}
+            http_results = await interleaved(paths, plan)
+    in_process = await in_process_run(infra, plan)
+    return CallRun(http_results, in_process)
+
+
+async def in_process_run(infra: Infra, plan: Plan) -> dict[str, PathResult]:
+    """Two in-process Bridges (tests.cluster_helpers.Cluster) and an in-process device on b:
+    `registry.require(id).call_tool` on b (local) and on a (forwarded)."""
+    from tests.cluster_helpers import Cluster
+    from tests.helpers import DEVICE_TOKEN as TEST_DEVICE_TOKEN
+
+    database_url = infra.postgres.new_database()
+    balancer = Balancer()
+    cluster = Cluster(
+        infra.workdir / "inproc", database_url, infra.broker, infra.accounts, balancer
+    )
+    device: SimulatedDevice | None = None
+    try:
+        a = await cluster.start("a", **LEASE)
+        b = await cluster.start("b", **LEASE)
+        device = SimulatedDevice(b.ws_url, TEST_DEVICE_TOKEN, index=7)
+        device.start()
+        await b.registry.wait_for_state(device.device_id, _ready_state(), 30)
+        await poll_sync(lambda: device is not None and _is_remote_ready(a, device.device_id), 30)
+
+        def caller(bridge: Any) -> Any:
+            async def call(index: int) -> None:
+                assert device is not None
+                target = bridge.registry.require(device.device_id)
+                await target.call_tool(VOLUME_TOOL, {"volume": index % 100})
+
+            return call
+
+        paths = {"local (b's registry)": caller(b), "forwarded (a's registry → b)": caller(a)}
+        return await interleaved(paths, plan)
+    finally:
+        if device is not None:
+            await device.stop()
+        for name in list(cluster.bridges):
+            with contextlib.suppress(Exception):
+                await cluster.stop(name)
+        infra.postgres.drop_database(database_url)
+
+
+def _ready_state() -> Any:
+    from backend.devices import DeviceState
+
+    return DeviceState.READY
+
+
+def _is_remote_ready(bridge: Any, device_id: str) -> bool:
+    with contextlib.suppress(Exception):
+        return bool(bridge.registry.require(device_id).state is _ready_state())
+    return False
+
+
+async def poll_sync(check: Any, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the device never showed up as ready on a")
+        await asyncio.sleep(POLL_S)
+
+
+# ---- 3. failover after kill -9 ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Trial:
+    killed: str
+    moved: int
+    seconds: float
+
+
+async def failover_run(infra: Infra, sizes: Sizes) -> list[Trial]:
+    count = sizes.failover_instances
+    async with running_instances(infra, count, "failover") as running:
+        devices = [
+            SimulatedDevice(
+                running.balancer.url, DEVICE_TOKEN, index=500 + i, reconnect_min_s=RECONNECT_MIN_S
+            )
+            for i in range(sizes.failover_devices)
+        ]
+        for device in devices:
+            device.start()
+        try:
+            return [
+                await one_failover(running, sizes.failover_devices)
+                for _ in range(sizes.failover_trials)
+            ]
+        finally:
+            for device in devices:
+                with contextlib.suppress(Exception):
+                    await device.stop()
+
+
+async def one_failover(running: Fleetless, total: int) -> Trial:
+    instances = running.instances
+    first = next(iter(instances.values()))
+    async with api(first) as http:
+
+        async def all_ready() -> bool:
+            rows = await listing(http)
+            return sum(1 for r in rows if r["state"] == "ready") == total
+
+        await poll(all_ready, 60, "every device ready before the kill")
+        rows = await listing(http)
+    counts = {name: sum(1 for r in rows if r["instance"] == name) for name in instances}
+    victim_name = max(counts, key=lambda name: counts[name])
+    victim = instances[victim_name]
+    moving = {r["device_id"] for r in rows if r["instance"] == victim_name}
+    witness = next(i for name, i in instances.items() if name != victim_name)
+    async with api(witness) as http:
+
+        async def moved() -> bool:
+            rows = await listing(http)
+            done = {
+                r["device_id"]
+                for r in rows
+                if r["state"] == "ready" and r["instance"] not in (None, victim_name)
+            }
+            return moving <= done
+
+        killed_at = time.monotonic()
+        await victim.kill()
+        await poll(moved, 60, f"{victim_name}'s devices ready elsewhere")
+        seconds = time.monotonic() - killed_at
+    # Back on its old data directory, on a new port the balancer is told about.
+    index = list(instances).index(victim_name)
+    await victim.start()
+    running.balancer.backends[index] = ("127.0.0.1", victim.ws_port)
+    await wait_all_alive(list(instances.values()))
+    return Trial(victim_name, len(moving), seconds)
+
+
+# ---- run and report --------------------------------------------------------------------------
+
+
+async def run(quick: bool) -> str:
+    quiet_logging()
+    sizes = QUICK if quick else FULL
+    raise_open_files(4 * sizes.fleet + 1024)
+    async with infrastructure() as infra:
+        ready = [await ready_run(infra, n, sizes.fleet) for n in sizes.instance_counts]
+        calls = await call_run(infra, sizes.plan)
+        trials = await failover_run(infra, sizes)
+    return render(sizes, ready, calls, trials, quick)
+
+
+def efficiency(run_n: ReadyRun, base: ReadyRun) -> float:
+    return run_n.rate / (run_n.instances * base.rate)
+
+
+def render(
+    sizes: Sizes, ready: list[ReadyRun], calls: CallRun, trials: list[Trial], quick: bool
+) -> str:
+    note = " — **quick run** (the goals apply to the full run)" if quick else ""
+    base = ready[0]
+    return f"""## Cluster: scale-out, forwarded calls, failover (issue #21)
+
+{environment()}{note}.
+
+Everything runs on this one machine: N `esp32-bridge serve` processes (cluster mode, PostgreSQL
+`database_url`, each with its own Mosquitto account), one PostgreSQL (fsync off, a Unix socket),
+one Mosquitto, a Python layer-4 round-robin balancer (`tests/cluster_helpers.Balancer`, like
+HAProxy mode tcp) and the simulated devices share {_cores()} CPU cores. Leases:
+lease_ttl_s = {LEASE["lease_ttl_s"]}, lease_renew_s = {LEASE["lease_renew_s"]} (the defaults).
+
+{render_ready(ready, base)}
+
+{render_calls(sizes, calls)}
+
+{render_failover(sizes, trials)}
+"""
+
+
+def _cores() -> int:
+    return psutil.cpu_count() or 0
+
+
+def render_ready(ready: list[ReadyRun], base: ReadyRun) -> str:
+    headers = [
+        "instances", "devices", "seconds to all ready", "ready / s", "ready / s per instance",
+        "efficiency vs 1", "devices per instance", "bridges' CPU ms / device",
+        "fleet CPU ms / device", "broker + PostgreSQL CPU ms / device",
+    ]  # fmt: skip
+    rows = [
+        [
+            run.instances,
+            run.devices,
+            f"{run.seconds:.2f}",
+            f"{run.rate:.0f}",
+            f"{run.rate / run.instances:.0f}",
+            f"{efficiency(run, base):.2f}",
+            " / ".join(str(n) for n in run.spread.values()),
+            f"{run.per_device_ms('bridges'):.2f}",
+            f"{run.per_device_ms('fleet'):.2f}",
+            f"{run.per_device_ms('broker') + run.per_device_ms('postgres'):.2f}",
+        ]
+        for run in ready
+    ]
+    worst = min(efficiency(run, base) for run in ready[1:]) if len(ready) > 1 else 1.0
+    cpu_growth = max(run.per_device_ms("bridges") for run in ready) / base.per_device_ms("bridges")
+    return f"""### 1. Devices ready with {", ".join(str(r.instances) for r in ready)} instances
+
+{base.devices} simulated devices (the firmware code, stock tools; `bench.peers fleet`, one
+process) connect through the balancer; time from the fleet's start to instance a listing all of
+them ready (`GET /api/devices?state=ready`, polled every {POLL_S * 1000:.0f} ms; a's view is the
+whole fleet's). Efficiency = rate(N) / (N × rate(1)). CPU: psutil, user + system seconds of each
+process from the fleet's start to all ready, divided by the devices.
+
+{table(headers, rows)}
+
+Goal (issue #21): devices ready per instance linear within {LINEAR_WITHIN:.0%}: \
+{verdict(worst >= 1 - LINEAR_WITHIN)} (worst efficiency {worst:.2f}). On {_cores()} cores the
+fleet process, the bridges, the broker and PostgreSQL compete for the same CPU, so wall-clock
+throughput cannot grow with N here; the CPU column says whether the cluster adds per-device
+work: the bridges' CPU per device ready with N instances is at most {cpu_growth:.2f}× that of
+one instance."""
+
+
+def render_calls(sizes: Sizes, calls: CallRun) -> str:
+    blocks = [("HTTP API", calls.http)]
+    if calls.in_process is not None:
+        blocks.append(("in process, `registry.require(id).call_tool`", calls.in_process))
+    rows = []
+    ratios = []
+    for label, results in blocks:
+        (local_name, local), (forward_name, forward) = results.items()
+        for name, result in ((local_name, local), (forward_name, forward)):
+            rows.append([label, name, ms(result.stats.p50), ms(result.stats.p99)])
+        ratios.append(forward.stats.p50 / local.stats.p50)
+        rows.append(
+            [label, "ratio forwarded / local", ratio(forward.stats.p50, local.stats.p50),
+             ratio(forward.stats.p99, local.stats.p99)]
+        )  # fmt: skip
+    plan = sizes.plan
+    http_ratio = ratios[0]
+    return f"""### 2. Forwarded call vs local call
+
+Two instances, one simulated device (its own process) connected to b. `{VOLUME_TOOL}` called
+through b's API (local) and through a's API (validated on a, forwarded over the broker to b,
+the reply back the same way), interleaved: {plan.warmup} warm-up calls each, then
+{plan.rounds} rounds of {plan.block} calls per path, rotating which goes first. Then the same on
+two in-process Bridges (one event loop with the device and the measuring code) without HTTP.
+
+{table(["level", "path", "p50 ms", "p99 ms"], rows)}
+
+Goal (issue #21): forwarded call p50 at most {FORWARD_RATIO_GOAL:g}× the local one (HTTP API):
+{verdict(http_ratio <= FORWARD_RATIO_GOAL)} ({http_ratio:.2f}×)."""
+
+
+def render_failover(sizes: Sizes, trials: list[Trial]) -> str:
+    rows = [
+        [i + 1, trial.killed, trial.moved, f"{trial.seconds:.2f}"] for i, trial in enumerate(trials)
+    ]
+    times = [trial.seconds for trial in trials]
+    p50, worst = statistics.median(times), max(times)
+    rows.append(["p50 / max", "", "", f"{p50:.2f} / {worst:.2f}"])
+    return f"""### 3. Failover after kill -9
+
+{sizes.failover_instances} instances, {sizes.failover_devices} simulated devices (in the
+measuring process) behind the balancer, reconnect_min_s = {RECONNECT_MIN_S:g} (the firmware's
+default; its first pause is jittered ±20 %). Each trial SIGKILLs the instance holding the most
+devices and times, from the kill, until another instance lists all of them ready on the
+survivors; the killed one then restarts on its old data directory and rejoins. A device's new
+connection claims its lease at once (a claim bumps the epoch and always wins), so the bound is
+the device's reconnect pause plus its hello and tools/list, not lease expiry
+({LEASE["lease_ttl_s"]} s).
+
+{table(["trial", "killed", "devices moved", "seconds"], rows)}
+
+Goal (issue #21): the killed instance's devices ready elsewhere within {FAILOVER_GOAL_S:g} s:
+{verdict(worst <= FAILOVER_GOAL_S)} (max {worst:.2f} s over {len(trials)} trial(s))."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    bench_main(NAME, __doc__ or NAME, run, argv)
+
+
+if __name__ == "__main__":
+    main()
