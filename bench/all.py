@@ -29,6 +29,7 @@ BENCHMARKS = (
     "console_page",
     "console_devices",
     "db_writes",
+    "cluster",
     "firmware_memory",
 )
 
