@@ -181,7 +181,7 @@ class Bridge:
                 mcp_servers_router(self.mcp_servers),
                 *([metrics_router()] if settings.metrics_enabled else []),
                 *([self.browser.router()] if self.browser is not None else []),
-                *([cluster_router(self.cluster)] if self.cluster is not None else []),
+                cluster_router(self.cluster),
             ],
             routes=[
                 *self.frontends.routes(),

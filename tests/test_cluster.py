@@ -6,6 +6,7 @@ and broker connection); tests/test_cluster_processes.py kills real processes."""
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -13,10 +14,11 @@ import openai
 import pytest
 
 from backend.devices.registry import DeviceState, RemoteDevice
+from backend.server import Bridge
 from simulator import SimulatedDevice
 from simulator.llm_server import FakeCall, FakeLlm, Reply
 from tests.cluster_helpers import Cluster, Partition, running_cluster, until
-from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN
+from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, run_cli
 from tests.postgres import PostgresServer
 
 
@@ -176,7 +178,7 @@ async def test_drain_sends_devices_to_another_instance(
         drained = await api.post("/api/cluster/drain")
         health = await api.get("/healthz")
     assert drained.status_code == 200
-    assert health.status_code == 503 and health.json()["status"] == "draining"
+    assert health.status_code == 503 and health.json()["error"]["message"] == "draining"
     await until(
         lambda: all(
             b.registry.get(i) is not None and b.registry.get(i).state is DeviceState.READY  # type: ignore[union-attr]
@@ -256,7 +258,7 @@ async def test_an_instance_cut_off_from_postgres_lets_its_devices_go_and_none_is
         assert not any(overlaps), "a device was live on both instances"
         async with cluster.api("b") as api:
             health = await api.get("/healthz")
-        assert health.status_code == 503 and "database" in health.json()["status"]
+        assert health.status_code == 503 and "database" in health.json()["error"]["message"]
         proxy.heal()
         await until(lambda: not b.cluster.fenced, timeout_s=15, what="b unfenced")  # type: ignore[union-attr]
         leases = await a.cluster.leases.leases()  # type: ignore[union-attr]
@@ -341,3 +343,46 @@ async def test_a_chat_turn_on_a_uses_a_device_on_c_through_the_openai_client(
     await a.audit.flush()
     rows = await a.database.fetchall("SELECT actor, tool, outcome FROM audit_log")
     assert [(row[1], row[2]) for row in rows] == [("self.audio_speaker.set_volume", "ok")]
+
+
+# ---- operations -------------------------------------------------------------------------------
+
+
+async def test_cluster_status_and_drain_from_the_cli(
+    cluster: Cluster, devices: list[SimulatedDevice]
+) -> None:
+    a = await cluster.start("a")
+    b = await cluster.start("b")
+    device = start_device(devices, b.ws_url, 60)
+    await b.registry.wait_for_state(device.device_id)
+    await until(lambda: state_on(cluster, "a", device.device_id) == "ready")
+    login = ["--server", a.api_url, "--token", ADMIN_TOKEN]
+    code, out, err = await run_cli("cluster", "status", *login)
+    assert code == 0, err
+    cells = {
+        line.split("│")[1].strip(): [cell.strip() for cell in line.split("│")[2:-1]]
+        for line in out.splitlines()
+        if line.startswith("│")
+    }
+    assert cells["a (this)"][:4] == ["yes", "", cells["a (this)"][2], "0"]
+    assert cells["b"][0] == "yes" and cells["b"][3] == "1" and cells["b"][5] == b.api_url
+    assert "1 on the others" in out
+    code, out, err = await run_cli("cluster", "status", "--json", *login)
+    status = json.loads(out)
+    assert {i["instance_id"]: i["devices"] for i in status["instances"]} == {"a": 0, "b": 1}
+    code, out, err = await run_cli(
+        "cluster", "drain", "--server", b.api_url, "--token", ADMIN_TOKEN
+    )
+    assert code == 0 and "instance b draining: 1 devices told to reconnect" in out, out + err
+    await until(lambda: b.registry.get(device.device_id) is None, what="b dropped the device")
+    status = json.loads((await run_cli("cluster", "status", "--json", *login))[1])
+    assert {i["instance_id"]: i["draining"] for i in status["instances"]} == {"a": False, "b": True}
+
+
+async def test_a_single_bridge_says_it_is_not_in_a_cluster(bridge: Bridge) -> None:
+    login = ["--server", bridge.api_url, "--token", ADMIN_TOKEN]
+    code, out, _err = await run_cli("cluster", "status", *login)
+    assert code == 0 and "not in a cluster" in out
+    code, out, err = await run_cli("cluster", "drain", *login)
+    assert code == 1 and "not in a cluster" in out + err
+    assert bridge.registry.instance_id is None

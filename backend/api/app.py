@@ -134,17 +134,14 @@ def create_app(
         )
     _describe(app)
 
-    @app.get("/healthz", responses={503: {"description": "draining, or cut off from its database"}})
-    async def healthz(response: Response) -> dict[str, Any]:
-        # A load balancer's check: 503 sends new devices to another instance (docs/cluster.md).
+    @app.get("/healthz", responses=errors(503), response_model=None)
+    async def healthz() -> dict[str, Any] | JSONResponse:
+        # A load balancer's check: a 503 (draining, or a cluster instance cut off from its
+        # database) sends new devices to another instance (docs/cluster.md).
         problem = health()
         if problem is not None:
-            response.status_code = 503
-        return {
-            "status": problem or "ok",
-            "devices": len(registry),
-            "known_devices": registry.known_count,
-        }
+            return JSONResponse(error_body(503, "unavailable", problem), status_code=503)
+        return {"status": "ok", "devices": len(registry), "known_devices": registry.known_count}
 
     @app.get("/api/devices")
     async def list_devices(

@@ -17,6 +17,7 @@ import typer
 from backend.cli import output
 from backend.cli.audit import audit as audit_command
 from backend.cli.chat import chat as chat_command
+from backend.cli.cluster import cluster_app
 from backend.cli.devices import devices_app
 from backend.cli.firmware import firmware_app
 from backend.cli.keys import keys_app
@@ -444,6 +445,7 @@ app.command("chat")(chat_command)
 app.add_typer(keys_app, name="keys")
 app.add_typer(devices_app, name="devices")
 app.add_typer(mcp_app, name="mcp")
+app.add_typer(cluster_app, name="cluster")
 app.command("audit")(audit_command)
 
 

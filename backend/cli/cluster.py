@@ -1,0 +1,82 @@
+"""`esp32-bridge cluster status|drain`: the instances serving one fleet (docs/cluster.md)."""
+
+from typing import Any
+
+import typer
+
+from backend.cli.options import (
+    ConfigOpt,
+    DataDirOpt,
+    JsonOpt,
+    ServerOpt,
+    TokenOpt,
+    admin_client,
+)
+from backend.cli.output import console, listing, print_json, say
+
+cluster_app = typer.Typer(
+    help="Several bridge instances on one fleet: who is alive, who owns what (docs/cluster.md).",
+    no_args_is_help=True,
+)
+
+
+@cluster_app.command("status")
+def status(
+    as_json: JsonOpt = False,
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+    data_dir: DataDirOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Instances (alive, draining, heartbeat lag, devices, MQTT shards) and leases."""
+    with admin_client(server, token, data_dir, config) as admin:
+        answer = admin.get("/api/cluster")
+    if as_json:
+        print_json(answer)
+        return
+    if not answer.get("enabled"):
+        say("this bridge is not in a cluster (cluster_url is not set): one instance")
+        return
+    table = listing(
+        "instance", "alive", "draining", "lag_s", "devices", "shards", "api", ids=("instance",)
+    )
+    for row in answer["instances"]:
+        table.add_row(*_row(row, answer["instance"]))
+    console.print(table)
+    leases, fleet = answer["leases"], answer["fleet"]
+    say(
+        f"leases: {leases['live']} live, {leases['expired']} expired (ttl {answer['lease_ttl_s']:g}"
+        f" s); this instance ({answer['instance']}): {fleet['local']} devices here, "
+        f"{fleet['remote']} on the others"
+        + ("; FENCED (database unreachable)" if answer["fenced"] else "")
+        + ("" if answer["broker_connected"] else "; cluster broker NOT connected")
+    )
+
+
+def _row(row: dict[str, Any], me: str) -> list[str]:
+    lag = row["heartbeat_lag_s"]
+    shards = row["shards"]
+    return [
+        row["instance_id"] + (" (this)" if row["instance_id"] == me else ""),
+        "yes" if row["alive"] else "no",
+        "yes" if row["draining"] else "",
+        "" if lag is None else f"{lag:.1f}",
+        str(row["devices"]),
+        ",".join(map(str, shards)) if shards else "",
+        row["api_url"] or "",
+    ]
+
+
+@cluster_app.command("drain")
+def drain(
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+    data_dir: DataDirOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Drain this instance: it takes no new devices and tells its devices to reconnect (they
+    land on another instance); /healthz answers 503 so a load balancer stops sending any."""
+    with admin_client(server, token, data_dir, config) as admin:
+        answer = admin.post("/api/cluster/drain")
+    told = answer["devices_told"]
+    say(f"instance {answer['instance']} draining: {told} devices told to reconnect")
