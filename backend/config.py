@@ -91,6 +91,10 @@ class Settings(BaseSettings):
     # "device": per-device tokens from OTA activation (docs/provisioning.md); "shared": every
     # device uses device_token (development); "off": no device check. true/false mean device/off.
     device_auth: DeviceAuth = "device"
+    # The secret every device token derives from (docs/provisioning.md); unset: the file
+    # device-credentials.secret in data_dir (0600, created by `serve`). A cluster needs it, the
+    # same on every instance, so that each derives the same tokens.
+    device_secret: SecretStr | None = None
     # Limits and timeouts.
     max_message_bytes: int = Field(65536, ge=1024)
     max_queue: int = Field(16, ge=1)
@@ -293,6 +297,27 @@ class Settings(BaseSettings):
             raise ValueError("lease_renew_s must be under half of lease_ttl_s")
         return self
 
+    @model_validator(mode="after")
+    def _cluster_shares_secrets(self) -> "Settings":
+        """Tokens and broker passwords are derived from a secret: every instance needs the same
+        one, not a file of its own in its data dir."""
+        if self.cluster_url is None:
+            return self
+        if self.device_auth == "device" and not _is_set(self.device_secret):
+            raise ValueError(
+                'a cluster with device_auth = "device" needs device_secret '
+                "(BRIDGE_DEVICE_SECRET), the same on every instance: every instance must derive "
+                "the same device tokens"
+            )
+        # With per-device tokens the broker password is the device's token; otherwise it is
+        # derived from mqtt_secret (backend/transports/mqtt_setup.py).
+        if self.mqtt_url and self.device_auth != "device" and not _is_set(self.mqtt_secret):
+            raise ValueError(
+                "a cluster with mqtt_url needs mqtt_secret (BRIDGE_MQTT_SECRET), the same on "
+                "every instance: every instance must derive the same device broker passwords"
+            )
+        return self
+
     @field_validator("database_url")
     @classmethod
     def _postgres_url(cls, value: str | None) -> str | None:
@@ -401,6 +426,10 @@ class Settings(BaseSettings):
     confirm_destructive_hint: bool = True
     rate_limits: dict[str, RateLimit] = Field(default_factory=lambda: dict(DEFAULT_RATE_LIMITS))
     rate_limit_exempt: list[str] = Field(default_factory=lambda: ["127.0.0.0/8", "::1/128"])
+
+
+def _is_set(secret: SecretStr | None) -> bool:
+    return secret is not None and bool(secret.get_secret_value().strip())
 
 
 def load_settings(config_file: Path | str | None = None, **overrides: Any) -> Settings:

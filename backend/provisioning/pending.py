@@ -152,27 +152,61 @@ class PendingActivations:
         """The device behind `request` polled (an OTA check or an activation poll): it is the
         most recently seen of its prefix, the last one a newcomer would replace."""
         request.last_seen = self._clock()
-        members = self._by_prefix.get(self._partition.get(request.code, ("", ""))[1])
-        if members is not None and request.code in members:
-            del members[request.code]
-            members[request.code] = None
+        self._touch(request.code)
+
+    def _touch(self, code: str) -> None:
+        """The request is now the most recently seen of its prefix."""
+        members = self._by_prefix.get(self._partition.get(code, ("", ""))[1])
+        if members is not None and code in members:
+            del members[code]
+            members[code] = None
+
+    def codes(self) -> list[str]:
+        """The codes of every request held (expired ones included)."""
+        return list(self._requests)
 
     def add(self, request: PendingActivation) -> None:
-        """Index a request (a new one, or one read back from the database)."""
+        """Index a request (a new one, or one read back from the database). When its (Device-Id,
+        Client-Id) has another request already (two instances answered at once), the older one
+        is the pair's: every instance picks the same."""
         address, prefix = partition_of(request.remote)
         self._requests[request.code] = request
-        self._of[(request.device_id, request.client_id)] = request.code
+        pair = (request.device_id, request.client_id)
+        holder = self._requests.get(self._of.get(pair, ""))
+        if holder is None or _age_order(request) < _age_order(holder):
+            self._of[pair] = request.code
         self._candidates.setdefault(request.device_id, {})[request.code] = None
         self._partition[request.code] = (address, prefix)
         self._by_address[address] = self._by_address.get(address, 0) + 1
         self._by_prefix.setdefault(prefix, {})[request.code] = None
 
-    def remove(self, code: str) -> None:
-        """Forget a request (approved, replaced, expired); the owner hears of it."""
+    def absorb(self, stored: PendingActivation) -> None:
+        """Merge a request read from the database, which another instance may have written or
+        updated (the device polled it): a new one is added; a known one takes the stored
+        fields when they are more recent. A second request for the same (Device-Id, Client-Id)
+        loses to the older one and is removed (the owner hears of it, so it is deleted)."""
+        mine = self._requests.get(stored.code)
+        if mine is None:
+            self.add(stored)
+        elif stored.last_seen > mine.last_seen:
+            mine.last_seen = stored.last_seen
+            mine.remote, mine.info = stored.remote, stored.info
+            mine.serial_number, mine.hmac_verified = stored.serial_number, stored.hmac_verified
+            self._touch(mine.code)
+        holder = self._of.get((stored.device_id, stored.client_id))
+        for code in list(self._candidates.get(stored.device_id, {})):
+            if code != holder and self._requests[code].client_id == stored.client_id:
+                self.remove(code)
+
+    def remove(self, code: str, *, notify: bool = True) -> None:
+        """Forget a request (approved, replaced, expired); the owner hears of it unless
+        `notify` is False (it went from the database already)."""
         request = self._requests.pop(code, None)
         if request is None:
             return
-        self._of.pop((request.device_id, request.client_id), None)
+        pair = (request.device_id, request.client_id)
+        if self._of.get(pair) == code:
+            del self._of[pair]
         _discard(self._candidates, request.device_id, code)
         address, prefix = self._partition.pop(code)
         left = self._by_address.get(address, 1) - 1
@@ -181,7 +215,8 @@ class PendingActivations:
         else:
             self._by_address.pop(address, None)
         _discard(self._by_prefix, prefix, code)
-        self._on_removed(code)
+        if notify:
+            self._on_removed(code)
 
     def expire(self) -> None:
         """Forget the requests not seen for `ttl_s`."""
@@ -244,6 +279,11 @@ class PendingActivations:
         evicted = min(heads, key=lambda r: (r.last_seen, r.created_at, r.code))
         self.remove(evicted.code)
         return evicted
+
+
+def _age_order(request: PendingActivation) -> tuple[float, str]:
+    """Oldest first; the code breaks ties, so every instance orders alike."""
+    return (request.created_at, request.code)
 
 
 def _discard(index: dict[str, dict[str, None]], key: str, code: str) -> None:

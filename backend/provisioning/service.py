@@ -62,7 +62,7 @@ from backend.provisioning.releases import (
     FirmwareReleases,
     Release,
 )
-from backend.provisioning.store import ProvisioningStore
+from backend.provisioning.store import REVOKED, ProvisioningStore
 from backend.provisioning.tables import PROVISIONING_MIGRATIONS
 from backend.provisioning.tokens import SECRET_FILE
 from backend.storage import Database, Migration
@@ -73,7 +73,6 @@ from backend.vision.service import VISION_PATH, UploadAudit, VisionService
 log = structlog.get_logger("provisioning")
 
 MIGRATIONS: tuple[Migration, ...] = (*PROVISIONING_MIGRATIONS, *FIRMWARE_MIGRATIONS)
-REVOKED = "device credentials revoked"
 REQUEST_HEAD_S = 10.0  # a device-side HTTP connection must start each request within this
 _HOSTNAME = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]{1,253})$")
 MAX_REMEMBERED_HOSTS = 10_000  # the OTA Host of this many devices, for their vision URL
@@ -116,7 +115,7 @@ class Provisioning:
         self._database_path = database.path
         self._websocket_port = websocket_port
         self._mqtt_endpoint = mqtt_endpoint
-        secret = load_or_create_secret(settings.data_dir / SECRET_FILE, created or [])
+        secret = credential_secret(settings, created or [])
         self.store = ProvisioningStore(
             database,
             secret.encode(),
@@ -124,6 +123,7 @@ class Provisioning:
             pending_ttl_s=settings.activation_ttl_s,
             require_hmac=settings.activation_require_hmac,
             exempt=settings.rate_limit_exempt,
+            on_lost=self._credentials_lost,
         )
         self.releases = FirmwareReleases(
             database, settings.data_dir / FIRMWARE_DIR, max_attempts=settings.firmware_max_attempts
@@ -263,7 +263,11 @@ class Provisioning:
     ) -> Answer:
         """The answer to an OTA check (POST <ota_path>) of a device."""
         mode = self.settings.device_auth
-        device = self.store.approved_for(headers.device_id, headers.client_id)
+        device = (
+            await self.store.lookup_approved(headers.device_id, headers.client_id)
+            if mode == "device"
+            else None
+        )
         checked = mode != "device" or device is not None
         limited = self._device_limited("ota", headers, checked=checked)
         if limited is not None:
@@ -282,7 +286,7 @@ class Provisioning:
         if device is None:
             device = await self._auto_approve(headers, info, enrollment)
         if device is None:
-            return self._pending_answer(headers, info, answer)
+            return await self._pending_answer(headers, info, answer)
         self.registry.reported(headers.device_id, headers.client_id, info)
         self._remember_host(headers.device_id, host)  # only the approved device's own Host
         token = await self.store.deliver(device)
@@ -291,12 +295,12 @@ class Provisioning:
         log.debug("ota check answered", device_id=headers.device_id, board=info.get("board_type"))
         return Answer(200, answer)
 
-    def _pending_answer(
+    async def _pending_answer(
         self, headers: proto.OtaHeaders, info: dict[str, Any], answer: dict[str, Any]
     ) -> Answer:
         """An activation code for a device nobody approved (503 past its address's share)."""
         try:
-            request = self.store.request_activation(
+            request = await self.store.request_activation(
                 headers.device_id,
                 headers.client_id,
                 serial_number=headers.serial_number,
@@ -321,13 +325,15 @@ class Provisioning:
         """POST <ota_path>activate: 200 approved, 202 pending, 403 a wrong HMAC, 404 nothing
         pending (the device checks for updates again and gets a code)."""
         mode = self.settings.device_auth
-        approved = self.store.approved_for(headers.device_id, headers.client_id) is not None
+        approved = mode == "device" and (
+            await self.store.lookup_approved(headers.device_id, headers.client_id) is not None
+        )
         limited = self._device_limited("activate", headers, checked=mode != "device" or approved)
         if limited is not None:
             return limited
         if mode != "device" or approved:
             return Answer(200, {"status": "activated"})
-        request = self.store.find_pending(headers.device_id, headers.client_id)
+        request = await self.store.find_pending(headers.device_id, headers.client_id)
         if request is None:
             return refusal(404, "no pending activation: check for updates again")
         self.store.seen(request)
@@ -358,6 +364,7 @@ class Provisioning:
         self, target: str, *, by: str, transport: Transport | None = None
     ) -> Provisioned:
         """Approve a pending activation by its code (or the only one of a device id)."""
+        await self.store.sync()  # a request first seen by another instance
         pending = {p.code: p for p in self.store.pending()}
         request = pending.get(target.strip())
         device = await self.store.approve(target, by=by, transport=transport)
@@ -373,6 +380,11 @@ class Provisioning:
         device = await self.store.revoke(device_id, by=by)
         self.registry.disconnect(device.device_id, REVOKED)
         return device
+
+    def _credentials_lost(self, device_id: str, reason: str) -> None:
+        """Another instance revoked or replaced the device's credential: close its link here,
+        as a local revocation does."""
+        self.registry.disconnect(device_id, reason)
 
     # ---- internals -------------------------------------------------------------------------------
 
@@ -407,7 +419,7 @@ class Provisioning:
     async def _auto_approve(
         self, headers: proto.OtaHeaders, info: dict[str, Any], code: str | None
     ) -> Provisioned | None:
-        enrollment: Enrollment | None = self.store.enrollment(code) if code else None
+        enrollment: Enrollment | None = await self.store.lookup_enrollment(code) if code else None
         by: str | None = None
         transport: Transport | None = None
         if enrollment is not None and await self.store.use_enrollment(enrollment):
@@ -516,6 +528,15 @@ class Provisioning:
                 return name
         configured = self.settings.ws_host
         return url_host(reachable_host(configured))
+
+
+def credential_secret(settings: Settings, created: list[Path]) -> str:
+    """The secret device tokens (and vision tokens) derive from: `device_secret` when set (the
+    same on every instance of a cluster), else the data dir's file, created when missing."""
+    configured = settings.device_secret
+    if configured is not None and configured.get_secret_value().strip():
+        return configured.get_secret_value().strip()
+    return load_or_create_secret(settings.data_dir / SECRET_FILE, created)
 
 
 class _RequestDeadline(H11Protocol):

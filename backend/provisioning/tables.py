@@ -106,9 +106,11 @@ def upsert_device(c: Connection, device: Provisioned) -> None:
 
 
 def write_grant(c: Connection, device: Provisioned, codes: Iterable[str]) -> None:
-    """An approval in one transaction: the device's row, and its pending requests gone."""
+    """An approval in one transaction: the device's row, and its pending requests gone (also
+    those another instance answered)."""
     upsert_device(c, device)
     c.executemany("DELETE FROM activation_requests WHERE code = ?", [(code,) for code in codes])
+    c.execute("DELETE FROM activation_requests WHERE device_id = ?", (device.device_id,))
 
 
 def write_pending(c: Connection, rows: list[tuple[Any, ...]], dropped: set[str]) -> None:
