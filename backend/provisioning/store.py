@@ -44,7 +44,7 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import structlog
@@ -645,17 +645,19 @@ class ProvisioningStore:
         """Read the tables again and merge what other instances wrote (see the module
         docstring); a device whose credential went away or changed is reported to `on_lost`."""
         async with self._lock, self._pending_lock:
-            devices, pending, keys, enrollments = await self._db.run(_read_tables)
-            stored = {row["device_id"]: provisioned_from_row(row) for row in devices}
-            for device in stored.values():
-                self._apply(device)
+            # Rows become records on the database thread: the event loop only merges.
+            tables = await self._db.run(_read_records)
+            stored = {device.device_id: device for device in tables.devices}
+            for device in tables.devices:
+                if self._devices.get(device.device_id) != device:
+                    self._apply(device)
             for device_id in [d for d in self._devices if d not in stored]:
                 self._apply(None, device_id)
-            self._merge_pending([pending_from_row(row) for row in pending])
-            self._serial_keys = {r["serial_number"]: bytes.fromhex(r["hmac_key"]) for r in keys}
+            self._merge_pending(tables.pending)
+            self._serial_keys = tables.serial_keys
             self._enrollments, self._enrollment_by_hash = {}, {}
-            for row in enrollments:
-                self._index_enrollment(enrollment_from_row(row))
+            for enrollment in tables.enrollments:
+                self._index_enrollment(enrollment)
 
     async def _refresh_forever(self, every_s: float) -> None:
         while True:
@@ -831,4 +833,25 @@ def _read_tables(c: Connection) -> tuple[list[Row], list[Row], list[Row], list[R
         c.execute("SELECT * FROM activation_requests").fetchall(),
         c.execute("SELECT * FROM serial_keys").fetchall(),
         c.execute("SELECT * FROM enrollment_codes").fetchall(),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Records:
+    """The provisioning tables as records."""
+
+    devices: list[Provisioned]
+    pending: list[PendingActivation]
+    serial_keys: dict[str, bytes]
+    enrollments: list[Enrollment]
+
+
+def _read_records(c: Connection) -> _Records:
+    """`_read_tables` turned into records (on the database thread)."""
+    devices, pending, keys, enrollments = _read_tables(c)
+    return _Records(
+        [provisioned_from_row(row) for row in devices],
+        [pending_from_row(row) for row in pending],
+        {row["serial_number"]: bytes.fromhex(row["hmac_key"]) for row in keys},
+        [enrollment_from_row(row) for row in enrollments],
     )
