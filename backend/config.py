@@ -285,6 +285,15 @@ class Settings(BaseSettings):
             raise ValueError('mqtt_shards > 1 needs an external broker (mqtt_url "mqtt[s]://…")')
         return self
 
+    @field_validator("instance_id")
+    @classmethod
+    def _not_a_topic_kind(cls, value: str | None) -> str | None:
+        # With MQTT shards a device may publish on <prefix>/+/<its key>/up|status: an instance
+        # named like a topic kind would let a device keyed "rpc" or "reply" reach its channel.
+        if value in ("up", "down", "status"):
+            raise ValueError("instance_id must not be up, down or status (MQTT topic kinds)")
+        return value
+
     @model_validator(mode="after")
     def _cluster_needs_postgres(self) -> "Settings":
         if self.cluster_url is None:

@@ -65,6 +65,7 @@ class Mosquitto:
         bridge: BridgeAccount | None = None,
         limits: BrokerLimits | None = None,
         more_bridges: tuple[BridgeAccount, ...] = (),
+        shards: int = 1,
     ) -> None:
         self.workdir = workdir
         self.devices = dict(devices)  # device key -> password
@@ -73,6 +74,7 @@ class Mosquitto:
         # Accounts with the bridge's rights for further instances (a cluster): with
         # use_username_as_clientid two clients of one account would replace each other.
         self.more_bridges = more_bridges
+        self.shards = shards
         self.limits = limits or BrokerLimits()
         self.port = reserve_port(self)  # held while this object lives: restarts find it free
         self.process: subprocess.Popen[bytes] | None = None
@@ -90,6 +92,7 @@ class Mosquitto:
                 self.prefix,
                 self.bridge.username,
                 more_bridge_usernames=[b.username for b in self.more_bridges],
+                shards=self.shards,
             )
         )
         run_as = pwd.getpwuid(os.getuid()).pw_name if os.getuid() == 0 else None

@@ -18,7 +18,7 @@ from backend.server import Bridge
 from simulator import SimulatedDevice
 from simulator.llm_server import FakeCall, FakeLlm, Reply
 from tests.cluster_helpers import Cluster, Partition, running_cluster, until
-from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, run_cli
+from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, make_settings, run_cli
 from tests.postgres import PostgresServer
 
 
@@ -386,3 +386,9 @@ async def test_a_single_bridge_says_it_is_not_in_a_cluster(bridge: Bridge) -> No
     code, out, err = await run_cli("cluster", "drain", *login)
     assert code == 1 and "not in a cluster" in out + err
     assert bridge.registry.instance_id is None
+
+
+@pytest.mark.parametrize("name", ["up", "down", "status", "bad/name", ""])
+def test_instance_ids_that_could_be_topic_levels_are_refused(tmp_path: Path, name: str) -> None:
+    with pytest.raises(ValueError, match="instance_id"):
+        make_settings(tmp_path, instance_id=name)
