@@ -43,7 +43,7 @@ import hmac
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -290,7 +290,8 @@ class ProvisioningStore:
         one another instance wrote is read when it is not in memory."""
         found = self._pending.find(device_id, client_id)
         if found is None and self.shared and self._first_lookup(("pending", device_id, client_id)):
-            await self._read_pending_of(device_id, client_id)
+            with _memory_if_unreachable("pending activation"):
+                await self._read_pending_of(device_id, client_id)
             found = self._pending.find(device_id, client_id)
         return found
 
@@ -299,8 +300,9 @@ class ProvisioningStore:
         through another instance), at most once a second per device."""
         device = self.approved_for(device_id, client_id)
         if device is None and self.shared and self._first_lookup(device_id):
-            async with self._lock:
-                await self._current(device_id)
+            with _memory_if_unreachable("device"):
+                async with self._lock:
+                    await self._current(device_id)
             device = self.approved_for(device_id, client_id)
         return device
 
@@ -534,13 +536,17 @@ class ProvisioningStore:
         database (created on another instance), at most once a second per code."""
         digest = token_hash(code)
         if digest not in self._enrollment_by_hash and self.shared and self._first_lookup(digest):
-            async with self._lock:
-                row = await self._db.fetchone(
-                    "SELECT * FROM enrollment_codes WHERE code_hash = ?", (digest,)
-                )
-                if row is not None:
-                    self._index_enrollment(enrollment_from_row(row))
+            with _memory_if_unreachable("enrollment code"):
+                await self._read_enrollment(digest)
         return self.enrollment(code)
+
+    async def _read_enrollment(self, digest: str) -> None:
+        async with self._lock:
+            row = await self._db.fetchone(
+                "SELECT * FROM enrollment_codes WHERE code_hash = ?", (digest,)
+            )
+            if row is not None:
+                self._index_enrollment(enrollment_from_row(row))
 
     async def use_enrollment(self, enrollment: Enrollment) -> bool:
         """Take one use, counted in the database (other instances use the code too); False
@@ -855,3 +861,12 @@ def _read_records(c: Connection) -> _Records:
         {row["serial_number"]: bytes.fromhex(row["hmac_key"]) for row in keys},
         [enrollment_from_row(row) for row in enrollments],
     )
+
+
+@contextlib.contextmanager
+def _memory_if_unreachable(what: str) -> Iterator[None]:
+    """A lookup on the device path that cannot reach the database answers from memory."""
+    try:
+        yield
+    except DatabaseError as exc:
+        log.warning(f"could not look up a {what}; answering from memory", error=str(exc))
