@@ -20,6 +20,11 @@ from simulator.llm_server import FakeCall, FakeLlm, Reply
 from tests.cluster_helpers import Cluster, Partition, running_cluster, until
 from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, make_settings, run_cli
 from tests.postgres import PostgresServer
+from tests.test_device_events_api import _ready as ready_event
+from tests.test_device_events_api import _state as stream_state
+from tests.test_device_events_api import open_stream
+from tests.test_mcp_endpoint import VOLUME as MCP_VOLUME
+from tests.test_mcp_endpoint import mcp_session
 
 
 @pytest.fixture
@@ -392,3 +397,57 @@ async def test_a_single_bridge_says_it_is_not_in_a_cluster(bridge: Bridge) -> No
 def test_instance_ids_that_could_be_topic_levels_are_refused(tmp_path: Path, name: str) -> None:
     with pytest.raises(ValueError, match="instance_id"):
         make_settings(tmp_path, instance_id=name)
+
+
+# ---- every front end sees the whole fleet -------------------------------------------------------
+
+
+async def test_the_fleet_stream_on_a_shows_a_device_of_b_come_and_go(
+    cluster: Cluster, devices: list[SimulatedDevice]
+) -> None:
+    a = await cluster.start("a")
+    b = await cluster.start("b")
+    async with open_stream(a, ADMIN_TOKEN) as stream:
+        await ready_event(stream)
+        device = start_device(devices, b.ws_url, 70)
+        await until(lambda: stream_state(stream, device.device_id) == "ready", what="ready row")
+        assert stream.rows()[device.device_id]["instance"] == "b"
+        await device.stop()
+        await until(lambda: stream_state(stream, device.device_id) == "offline", what="offline")
+
+
+async def test_mcp_on_a_lists_and_calls_the_tools_of_a_device_on_b(
+    cluster: Cluster, devices: list[SimulatedDevice]
+) -> None:
+    a = await cluster.start("a")
+    b = await cluster.start("b")
+    device = start_device(devices, b.ws_url, 1)
+    await b.registry.wait_for_state(device.device_id)
+    await until(lambda: state_on(cluster, "a", device.device_id) == "ready")
+    async with mcp_session(a, ADMIN_TOKEN) as session:
+        tools = {tool.name for tool in (await session.list_tools()).tools}
+        assert MCP_VOLUME in tools
+        result = await session.call_tool(MCP_VOLUME, {"volume": 29})
+    assert not result.is_error and device.hal.get_volume() == 29
+
+
+async def test_a_cancelled_caller_cancels_the_call_on_the_owner(
+    cluster: Cluster, devices: list[SimulatedDevice]
+) -> None:
+    a = await cluster.start("a")
+    b = await cluster.start("b")
+    device = start_device(devices, b.ws_url, 71, extra_tools=1)
+    await b.registry.wait_for_state(device.device_id)
+    await until(lambda: state_on(cluster, "a", device.device_id) == "ready")
+    call = asyncio.create_task(
+        a.registry.require(device.device_id).call_tool(
+            "sim.synthetic_000", {"value": 1, "delay_ms": 20000}, timeout_s=30
+        )
+    )
+    local = b.registry.require(device.device_id)
+    await until(lambda: local.mcp.pending_count == 1, what="the call pending on b's link")
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    await until(lambda: local.mcp.pending_count == 0, what="b cancelled its device call")
+    assert not b.cluster._serving  # type: ignore[union-attr]

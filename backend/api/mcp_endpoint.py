@@ -345,7 +345,7 @@ class McpEndpoint:
         """The tools of ready devices (that `principal` may read, when given), named for MCP;
         with `named`, only the devices that name could belong to (no full scan per call)."""
         devices = sorted(
-            (d for d in self.registry if d.state is DeviceState.READY),
+            (d for d in self.registry.fleet() if d.state is DeviceState.READY),
             key=lambda d: d.device_id,
         )
         if named is not None:

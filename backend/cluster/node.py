@@ -521,8 +521,8 @@ class ClusterNode:
 
     def _on_request(self, body: dict[str, Any], message: Inbound) -> None:
         correlation = message.correlation
-        if correlation is None or message.response_topic is None:
-            log.warning("forwarded request without correlation or response topic dropped")
+        if correlation is None:
+            log.warning("forwarded request without correlation data dropped")
             return
         if body.get("op") == "cancel":
             task = self._serving.get(correlation)
@@ -531,6 +531,9 @@ class ClusterNode:
             return
         if body.get("op") != "call" or correlation in self._serving:
             return  # unknown, or a duplicate delivery (QoS 1)
+        if message.response_topic is None:
+            log.warning("forwarded call without a response topic dropped")
+            return
         task = asyncio.create_task(self._serve(body, message.response_topic, correlation))
         self._serving[correlation] = task
         task.add_done_callback(lambda _t: self._serving.pop(correlation, None))

@@ -773,6 +773,10 @@ class DeviceRegistry:
 
     # ---- devices of other instances (backend.cluster reports them) ---------------------------
 
+    def fleet(self) -> list[Device]:
+        """Every connected device: here, then (in a cluster) on the other instances."""
+        return [*self._live.values(), *self._remote.values()]
+
     def remote_devices(self) -> list[RemoteDevice]:
         """Devices connected to other instances of the cluster (a snapshot)."""
         return list(self._remote.values())
