@@ -120,9 +120,14 @@ class Cluster:
 
 
 @contextlib.asynccontextmanager
-async def running_cluster(workdir: Path, database_url: str) -> AsyncIterator[Cluster]:
+async def running_cluster(
+    workdir: Path, database_url: str, device_logins: dict[str, str] | None = None
+) -> AsyncIterator[Cluster]:
+    """`device_logins`: broker accounts of devices (key -> password), for hostile tests."""
     accounts = {name: BridgeAccount(f"bridge-{name}") for name in NAMES}
-    broker = Mosquitto(workdir / "broker", {}, more_bridges=tuple(accounts.values()))
+    broker = Mosquitto(
+        workdir / "broker", device_logins or {}, more_bridges=tuple(accounts.values())
+    )
     await broker.start()
     balancer = Balancer()
     await balancer.start()
