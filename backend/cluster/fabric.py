@@ -219,12 +219,14 @@ class Fabric:
                     self._connected.set()
                     attempt = 0
                     log.info("cluster broker connected", broker=self.address.redacted())
-                    await self._on_connect()
+                    await self._announce()
                     async for message in client.messages:
                         self._dispatch(message)
             except aiomqtt.MqttError as exc:
                 if not self._stopping:
                     log.warning("cluster broker lost", error=str(exc))
+            except Exception as exc:  # never let the channel die: reconnect instead
+                log.error("cluster channel failed; reconnecting", error=repr(exc))
             finally:
                 was_connected = self._connected.is_set()
                 self._connected.clear()
@@ -234,6 +236,12 @@ class Fabric:
             attempt += 1
             delay = min(RECONNECT_MAX_S, RECONNECT_MIN_S * 2 ** min(attempt, 10))
             await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+
+    async def _announce(self) -> None:
+        try:
+            await self._on_connect()
+        except FabricUnavailable as exc:  # lost again at once: the next connect announces
+            log.warning("cluster announce failed", error=str(exc))
 
     def _dispatch(self, message: aiomqtt.Message) -> None:
         found = self.topics.classify(message.topic.value)

@@ -169,15 +169,17 @@ class ClusterNode:
             task.cancel()
         self._fail_pending(None, "bridge instance stopping")
         await self.fabric.stop()
-        with contextlib.suppress(DatabaseError):
-            await self.leases.leave()
+        with contextlib.suppress(DatabaseError, TimeoutError):
+            async with asyncio.timeout(self._db_deadline_s):
+                await self.leases.leave()
 
     async def drain(self) -> int:
         """Take no new devices, tell the connected ones to reconnect (they land on another
         instance), give up leases and shards. Returns how many devices were told."""
         self.draining = True
-        with contextlib.suppress(DatabaseError):
-            await self.leases.set_draining(True)
+        with contextlib.suppress(DatabaseError, TimeoutError):
+            async with asyncio.timeout(self._db_deadline_s):
+                await self.leases.set_draining(True)
         told = 0
         for device in list(self.registry):
             if self.registry.disconnect(
