@@ -2,6 +2,7 @@
 another test module)."""
 
 import asyncio
+import atexit
 import json
 import os
 import socket
@@ -62,7 +63,30 @@ def make_settings(data_dir: Path, **overrides: Any) -> Settings:
         "search_enabled": False,
         "voice_enabled": False,  # text-only test devices; the voice tests turn it on
     }
+    if "database_url" not in overrides and (url := suite_database()) is not None:
+        values["database_url"] = url
     return Settings.on_loopback(data_dir, **{**values, **overrides})
+
+
+_SUITE_POSTGRES: Any = None
+
+
+def suite_database() -> str | None:
+    """With `TEST_DATABASE=postgresql`, a fresh database on this process's throwaway PostgreSQL
+    for every bridge the tests make, so the whole suite (not only the store tests, which run on
+    both engines anyway) runs on PostgreSQL: `TEST_DATABASE=postgresql scripts/test`."""
+    global _SUITE_POSTGRES
+    if os.environ.get("TEST_DATABASE", "sqlite") != "postgresql":
+        return None
+    if _SUITE_POSTGRES is None:
+        from tests.postgres import PostgresServer
+
+        server = PostgresServer()
+        server.start()
+        atexit.register(server.destroy)
+        _SUITE_POSTGRES = server
+    url: str = _SUITE_POSTGRES.new_database()
+    return url
 
 
 async def wait_state(
