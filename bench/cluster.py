@@ -231,6 +231,7 @@ async def ready_run(infra: Infra, count: int, devices: int) -> ReadyRun:
         first = instances[0]
         bridges_before = sum(cpu_s(instance.pid) for instance in instances)
         broker_before, pg_before = cpu_s(infra.broker.pid), postgres_cpu_s(infra.postgres)
+        own_before = time.process_time()
         async with (
             api(first) as http,
             peer(
@@ -239,8 +240,6 @@ async def ready_run(infra: Infra, count: int, devices: int) -> ReadyRun:
             ) as fleet,
         ):  # fmt: skip
             started = await fleet.read(timeout_s=60)
-            fleet_before = cpu_s(fleet.pid)
-            own_before = time.process_time()
 
             async def all_ready() -> bool:
                 page = await http.get("/api/devices", params={"state": "ready", "limit": 1})
@@ -250,7 +249,6 @@ async def ready_run(infra: Infra, count: int, devices: int) -> ReadyRun:
             ready_at = time.monotonic_ns()
             cpu = {
                 "bridges": sum(cpu_s(instance.pid) for instance in instances) - bridges_before,
-                "fleet": cpu_s(fleet.pid) - fleet_before,
                 "broker": cpu_s(infra.broker.pid) - broker_before,
                 "postgres": postgres_cpu_s(infra.postgres) - pg_before,
                 "balancer": time.process_time() - own_before,  # and the polling; this process
@@ -260,6 +258,46 @@ async def ready_run(infra: Infra, count: int, devices: int) -> ReadyRun:
     seconds = (ready_at - started["started_at"]) / 1e9
     connections = sum(running.balancer.connections.values())
     return ReadyRun(count, devices, seconds, spread, cpu, connections)
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """Bridge CPU seconds with all devices on instance a: alone, and with b up (view only)."""
+
+    devices: int
+    alone: float
+    owner: float
+    viewer: float
+
+
+async def attribution_run(infra: Infra, devices: int) -> Attribution:
+    """Where the bridges' CPU goes: the same fleet, all of it on a (a balancer with a as its
+    only backend), first with a alone, then with b up and owning nothing."""
+    alone = (await owner_viewer_run(infra, 1, devices))[0]
+    owner, viewer = await owner_viewer_run(infra, 2, devices)
+    return Attribution(devices, alone, owner, viewer)
+
+
+async def owner_viewer_run(infra: Infra, count: int, devices: int) -> list[float]:
+    async with running_instances(infra, count, f"attribution{count}") as running:
+        instances = list(running.instances.values())
+        watcher = instances[-1]
+        running.balancer.backends[1:] = []  # every device to a
+        before = [cpu_s(instance.pid) for instance in instances]
+        async with (
+            api(watcher) as http,
+            peer(
+                "fleet", "--url", running.balancer.url, "--count", devices,
+                "--token", DEVICE_TOKEN,
+            ),
+        ):  # fmt: skip
+
+            async def all_ready() -> bool:
+                page = await http.get("/api/devices", params={"state": "ready", "limit": 1})
+                return int(page.json()["total"]) == devices
+
+            await poll(all_ready, 300, f"{devices} devices ready", READY_POLL_S)
+            return [cpu_s(i.pid) - b for i, b in zip(instances, before, strict=True)]
 
 
 async def listing_all(http: httpx.AsyncClient, devices: int) -> list[dict[str, Any]]:
@@ -459,10 +497,11 @@ async def run(quick: bool) -> str:
             for n in sizes.instance_counts:
                 runs[n].append(await ready_run(infra, n, sizes.fleet))
         ready = [median_run(each) for each in runs.values()]
+        attribution = await attribution_run(infra, sizes.fleet)
         calls = await call_run(infra, sizes.plan, with_in_process=not quick)
         trials = await failover_run(infra, sizes)
     load = (load_before, os.getloadavg()[0])
-    return render(sizes, ready, calls, trials, quick, load)
+    return render(sizes, ready, attribution, calls, trials, quick, load)
 
 
 def median_run(runs: list[ReadyRun]) -> ReadyRun:
@@ -477,6 +516,7 @@ def efficiency(run_n: ReadyRun, base: ReadyRun) -> float:
 def render(
     sizes: Sizes,
     ready: list[ReadyRun],
+    attribution: Attribution,
     calls: CallRun,
     trials: list[Trial],
     quick: bool,
@@ -498,6 +538,8 @@ lease_renew_s = {LEASE["lease_renew_s"]} (the defaults).
 
 {render_ready(ready, base, sizes.ready_reps)}
 
+{render_attribution(attribution)}
+
 {render_calls(sizes, calls)}
 
 {render_failover(sizes, trials)}
@@ -512,7 +554,7 @@ def render_ready(ready: list[ReadyRun], base: ReadyRun, reps: int) -> str:
     headers = [
         "instances", "devices", "seconds to all ready", "ready / s", "ready / s per instance",
         "efficiency vs 1", "devices per instance", "bridges' CPU ms / device",
-        "of which per other instance", "fleet CPU ms / device",
+        "extra per other instance",
         "broker + PostgreSQL CPU ms / device", "balancer CPU ms / device", "connections / device",
     ]  # fmt: skip
     rows = [
@@ -526,7 +568,6 @@ def render_ready(ready: list[ReadyRun], base: ReadyRun, reps: int) -> str:
             " / ".join(str(n) for n in run.spread.values()),
             f"{run.per_device_ms('bridges'):.2f}",
             f"{view_cost_ms(run, base):.2f}" if run.instances > 1 else "",
-            f"{run.per_device_ms('fleet'):.2f}",
             f"{run.per_device_ms('broker') + run.per_device_ms('postgres'):.2f}",
             f"{run.per_device_ms('balancer'):.2f}",
             f"{run.connections / run.devices:.2f}",
@@ -536,15 +577,11 @@ def render_ready(ready: list[ReadyRun], base: ReadyRun, reps: int) -> str:
     worst = min(efficiency(run, base) for run in ready[1:]) if len(ready) > 1 else 1.0
     cpu_growth = max(run.per_device_ms("bridges") for run in ready) / base.per_device_ms("bridges")
     flat = cpu_growth <= 1 + LINEAR_WITHIN
-    view = max((view_cost_ms(run, base) for run in ready[1:]), default=0.0)
     cpu_story = (
         "stays flat: the cluster adds no per-device work"
         if flat
-        else f"grows with N ({cpu_growth:.2f}× with {ready[-1].instances}): besides its own "
-        "devices, every instance takes the fleet events (connected, ready with the tool list) "
-        "of every device of the others into its fleet view, about "
-        f"{view:.1f} ms of CPU per device per other instance, so the cluster's total work per "
-        "device is O(N)"
+        else f"does not stay flat: {cpu_growth:.2f}× that of one instance at worst (see below "
+        "for where it goes)"
     )
     return f"""### 1. Devices ready with {", ".join(str(r.instances) for r in ready)} instances
 
@@ -554,9 +591,9 @@ them ready (`GET /api/devices?state=ready&limit=1`, its `total`, polled every
 {READY_POLL_S * 1000:.0f} ms; a's view is the whole fleet's). Each N was run {reps} time(s),
 interleaved (1, 2, 3, 1, 2, 3, ...); the table shows the run with the median time.
 Efficiency = rate(N) / (N × rate(1)). CPU: psutil, user + system seconds of each process from
-the fleet's start to all ready, divided by the devices; "per other instance" = (bridges' CPU
-with N − bridges' CPU with 1) / ((N − 1) × devices), the cost of one device in another
-instance's fleet view. The balancer is Python in the measuring process (far costlier than
+the fleet's start to all ready, divided by the devices; "extra per other instance" = (bridges' CPU
+with N − bridges' CPU with 1) / ((N − 1) × devices), what each further instance adds per
+device. The balancer is Python in the measuring process (far costlier than
 HAProxy) and takes CPU from the same cores; "connections / device" above 1 means retries.
 
 {table(headers, rows)}
@@ -566,6 +603,39 @@ Goal (issue #21): devices ready per instance linear within {LINEAR_WITHIN:.0%}:
 {_cores()} cores the fleet process, the bridges, the broker and PostgreSQL compete for the same
 CPU, so wall-clock throughput cannot grow with N here; this run cannot show linear scaling, only
 whether the work per device stays constant. The bridges' CPU per device ready {cpu_story}."""
+
+
+def render_attribution(attribution: Attribution) -> str:
+    per_device = 1000 / attribution.devices
+    rows = [
+        ["a alone (1 instance)", f"{attribution.alone * per_device:.2f}", "1.00"],
+        [
+            "a, with b up (a owns every device)",
+            f"{attribution.owner * per_device:.2f}",
+            ratio(attribution.owner, attribution.alone),
+        ],
+        [
+            "b (owns none: its fleet view only)",
+            f"{attribution.viewer * per_device:.2f}",
+            ratio(attribution.viewer, attribution.alone),
+        ],
+    ]
+    growth = attribution.owner / attribution.alone
+    owner_story = (
+        f"a's own CPU per device is {growth:.2f}× higher once b is up although b owns nothing: "
+        "per-device work the owner does only when another instance exists (reported to the "
+        "lead for investigation)"
+        if growth > 1 + LINEAR_WITHIN
+        else f"a's own CPU per device stays within {LINEAR_WITHIN:.0%} of a alone ({growth:.2f}×)"
+    )
+    return f"""Where the bridges' CPU goes: the same {attribution.devices} devices, all sent to a
+(the balancer with a as its only backend), first with a alone, then with b up and owning none
+(b's listing is polled, so its view is complete when timed).
+
+{table(["instance", "CPU ms / device", "vs a alone"], rows)}
+
+b's row is the cost of the fleet view (each device's connected, ready and tools events, with
+the tool list, parsed and kept). {owner_story}."""
 
 
 def view_cost_ms(run: ReadyRun, base: ReadyRun) -> float:
