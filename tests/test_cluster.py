@@ -451,3 +451,38 @@ async def test_a_cancelled_caller_cancels_the_call_on_the_owner(
         await call
     await until(lambda: local.mcp.pending_count == 0, what="b cancelled its device call")
     assert not b.cluster._serving  # type: ignore[union-attr]
+
+
+async def test_a_tool_list_too_long_for_a_message_is_read_from_the_catalogue(
+    cluster: Cluster, devices: list[SimulatedDevice]
+) -> None:
+    a = await cluster.start("a")
+    b = await cluster.start("b")
+    device = start_device(devices, b.ws_url, 90, extra_tools=80)  # tools/list: several pages
+    local = await b.registry.wait_for_state(device.device_id)
+    assert len(json.dumps(local.tools.to_wire())) > 16 * 1024
+    await until(
+        lambda: (
+            (remote := a.registry.remote(device.device_id)) is not None
+            and len(remote.tools) == len(local.tools)
+        ),
+        what="the long tool list in a's view",
+    )
+    result = await a.registry.require(device.device_id).call_tool("sim.synthetic_079", {"value": 7})
+    assert not result.is_error, result
+
+
+async def test_a_burst_of_devices_reaches_the_other_instances_whole(
+    cluster: Cluster, devices: list[SimulatedDevice]
+) -> None:
+    await cluster.start("a")
+    b = await cluster.start("b")
+    ids = [start_device(devices, b.ws_url, 200 + i).device_id for i in range(60)]
+    await until(
+        lambda: all(state_on(cluster, "a", i) == "ready" for i in ids),
+        timeout_s=30,
+        what="60 devices of b ready in a's view",
+    )
+    c = await cluster.start("c")  # and a late instance learns them from the join snapshot
+    await until(lambda: all(state_on(cluster, "c", i) == "ready" for i in ids), timeout_s=30)
+    assert len(c.registry.remote(ids[-1]).tools) > 0  # type: ignore[union-attr]

@@ -129,3 +129,13 @@ def test_malformed_reports_are_refused(change: dict[str, Any]) -> None:
 def test_payloads_that_are_not_json_objects_are_refused(payload: bytes) -> None:
     with pytest.raises(wire.WireError):
         wire.loads(payload)
+
+
+def test_reports_are_packed_in_order_under_the_brokers_message_size() -> None:
+    reports = [{**GOOD_REPORT, "device_id": f"d{i}", "pad": "x" * 3000} for i in range(60)]
+    messages = wire.pack(reports)
+    assert len(messages) > 1
+    assert all(len(message) <= wire.MAX_MESSAGE_BYTES for message in messages)
+    unpacked = [r["device_id"] for m in messages for r in wire.loads(m)["reports"]]
+    assert unpacked == [f"d{i}" for i in range(60)]
+    assert wire.pack([]) == []

@@ -11,9 +11,12 @@ Every method is one transaction, in SQL both engines run (`?` placeholders, `ON 
 `RETURNING`).
 """
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from backend.devices.registry import ToolSet
+from backend.mcp_session.models import parse_tools
 from backend.storage import Connection, Database, Migration, Row
 
 CLUSTER_MIGRATIONS = (
@@ -212,6 +215,13 @@ class LeaseTable:
             " ORDER BY device_id"
         )
         return [LeaseRow(str(r[0]), str(r[1]), int(r[2]), float(r[3]), str(r[4])) for r in rows]
+
+    async def tool_list(self, digest: str) -> ToolSet | None:
+        """A tool list the device catalogue stored (by its digest), or None."""
+        row = await self.database.fetchone(
+            "SELECT tools FROM tool_lists WHERE digest = ?", (digest,)
+        )
+        return None if row is None else ToolSet.of(parse_tools(json.loads(row[0])))
 
     async def shard_owners(self) -> dict[int, tuple[str | None, float]]:
         """Every MQTT shard's owner and expiry."""

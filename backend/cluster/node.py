@@ -23,7 +23,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import structlog
@@ -39,6 +39,7 @@ from backend.devices.registry import (
     DeviceRegistry,
     EventKind,
     RemoteDevice,
+    ToolSet,
 )
 from backend.mcp_session import CallResult, DeviceDisconnected, McpError, RequestTimeout
 from backend.mcp_session.models import TimeoutPolicy
@@ -48,7 +49,6 @@ log = structlog.get_logger("cluster")
 
 SERVICE_RESTART = 1012  # WebSocket close code: "reconnect, the service is restarting"
 FORWARD_MARGIN_S = 2.0  # the hop to the owner and back, on top of the device's own deadline
-SYNC_CHUNK = 200  # device reports per join-snapshot message
 _FENCE_MARGIN_S = 1.0  # stop serving this long before the last renewed leases expire
 
 
@@ -122,6 +122,7 @@ class ClusterNode:
         self._mqtt = mqtt if options.shards > 1 else None
         self._outbox: asyncio.Queue[tuple[DeviceEvent, dict[str, Any] | None]] = asyncio.Queue()
         self._epochs: dict[str, int] = {}  # local device -> the epoch of its lease
+        self._awaited_tools: dict[str, str] = {}  # remote device -> digest to read
         self._pending: dict[bytes, tuple[asyncio.Future[dict[str, Any]], str]] = {}
         self._serving: dict[bytes, asyncio.Task[None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -218,8 +219,12 @@ class ClusterNode:
             while not self._outbox.empty() and len(batch) < 1000:
                 batch.append(self._outbox.get_nowait())
             await self._claim_connects(batch)
-            for event, snapshot in batch:
-                await self._announce(event, snapshot)
+            reports = [
+                report for event, snapshot in batch if (report := self._report(event, snapshot))
+            ]
+            # A burst (a reconnect storm) goes out as a few messages, not one per event: each
+            # publish is a QoS 1 round trip and a socket write on both sides.
+            await self._publish_reports(self.topics.events, reports)
 
     async def _claim_connects(self, batch: list[tuple[DeviceEvent, dict[str, Any] | None]]) -> None:
         connects: dict[str, str] = {}
@@ -247,13 +252,15 @@ class ClusterNode:
             return "bridge instance lost its database: reconnect"
         return None
 
-    async def _announce(self, event: DeviceEvent, snapshot: dict[str, Any] | None) -> None:
+    def _report(self, event: DeviceEvent, snapshot: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The fleet event of one local event (None: nothing to say), releasing the lease of a
+        device that left."""
         device_id = event.device_id
         if event.kind is EventKind.DISCONNECTED:
             epoch = self._epochs.pop(device_id, 0)
             if epoch and not self.fenced and self.registry.get(device_id) is None:
                 self._spawn(self._release(device_id, epoch))  # never holds up the outbox
-            message = {
+            return {
                 "v": wire.VERSION,
                 "kind": EventKind.DISCONNECTED.value,
                 "device_id": device_id,
@@ -262,12 +269,14 @@ class ClusterNode:
                 "state": "offline",
                 "reason": str(event.detail.get("reason", "")),
             }
-        else:
-            if snapshot is None or device_id not in self._epochs:
-                return  # refused above, or gone already
-            message = {**snapshot, "epoch": self._epochs[device_id]}
+        if snapshot is None or device_id not in self._epochs:
+            return None  # refused above, or gone already
+        return {**snapshot, "epoch": self._epochs[device_id]}
+
+    async def _publish_reports(self, topic: str, reports: list[dict[str, Any]]) -> None:
         with contextlib.suppress(FabricUnavailable):
-            await self.fabric.publish(self.topics.events, wire.dumps(message))
+            for message in wire.pack(reports):
+                await self.fabric.publish(topic, message)
 
     async def _release(self, device_id: str, epoch: int) -> None:
         with contextlib.suppress(DatabaseError, TimeoutError):
@@ -430,7 +439,30 @@ class ClusterNode:
             self.registry.disconnect(
                 report.device_id, f"reconnected to bridge instance {report.owner}", 1000
             )
+        self._awaited_tools.pop(report.device_id, None)
+        if report.tools is None and report.tools_digest is not None:
+            tools = ToolSet.known(report.tools_digest)
+            if tools is None:  # a long list: read it from the catalogue once it is stored
+                self._awaited_tools[report.device_id] = report.tools_digest
+                self._spawn(self._read_stored_tools(report.device_id, report.epoch))
+            report = replace(report, tools=tools)
         self.registry.remote_reported(report, self._forward)
+
+    async def _read_stored_tools(self, device_id: str, epoch: int) -> None:
+        """The owner's catalogue stores a new tool list within its flush interval: retry."""
+        for delay in (0.2, 0.4, 0.8, 1.6, 3.2):
+            await asyncio.sleep(delay)
+            digest = self._awaited_tools.get(device_id)
+            if digest is None:
+                return  # a later report replaced that one
+            with contextlib.suppress(DatabaseError, TimeoutError):
+                async with asyncio.timeout(self._db_deadline_s):
+                    tools = await self.leases.tool_list(digest)
+                if tools is not None and self._awaited_tools.get(device_id) == digest:
+                    del self._awaited_tools[device_id]
+                    self.registry.remote_tools_read(device_id, epoch, tools)
+                    return
+        log.warning("a remote device's tool list is not in the catalogue", device_id=device_id)
 
     async def _publish_snapshot(self, topic: str) -> None:
         reports = [
@@ -438,10 +470,7 @@ class ClusterNode:
             for device in list(self.registry)
             if (epoch := self._epochs.get(device.device_id))
         ]
-        with contextlib.suppress(FabricUnavailable):
-            for start in range(0, len(reports), SYNC_CHUNK):
-                chunk = reports[start : start + SYNC_CHUNK]
-                await self.fabric.publish(topic, wire.dumps({"reports": chunk}))
+        await self._publish_reports(topic, reports)
 
     def _owner_gone(self, owner: str, reason: str) -> None:
         dropped = self.registry.remote_owner_gone(owner, reason)

@@ -31,6 +31,10 @@ from backend.mcp_session import (
 from backend.mcp_session.models import parse_tools
 
 VERSION = 1
+# What one message may hold: the broker's own limit is 64 KiB (BrokerLimits.max_message_bytes).
+MAX_MESSAGE_BYTES = 48 * 1024
+# A longer tool list stays out of the report; the others read it from the shared catalogue.
+INLINE_TOOLS_BYTES = 16 * 1024
 # The kinds of fleet events; the others (tool calls, OTA reports, voice turns) stay local.
 FLEET_KINDS = frozenset(
     {
@@ -85,7 +89,10 @@ def device_report(
     }
     if kind in _WITH_TOOLS or (kind is EventKind.CONNECTED and device.state is DeviceState.READY):
         report["server_info"] = dict(device.server_info) if device.server_info else None
-        report["tools"] = device.tools.to_wire()
+        report["tools_digest"] = device.tools.digest
+        tools = device.tools.to_wire()
+        if len(dumps({"t": tools})) <= INLINE_TOOLS_BYTES:
+            report["tools"] = tools
     if device.error is not None:
         report["error"] = device.error
     if reason is not None:
@@ -112,6 +119,9 @@ def parse_report(message: dict[str, Any]) -> RemoteReport:
         if not isinstance(message["tools"], list):
             raise WireError("bad fleet event: tools")
         tools = ToolSet.of(parse_tools(message["tools"]))
+    digest = message.get("tools_digest")
+    if tools is None and digest is not None and not isinstance(digest, str):
+        raise WireError("bad fleet event: tools_digest")
     server_info = message.get("server_info")
     connected_at = message.get("connected_at")
     return RemoteReport(
@@ -125,6 +135,7 @@ def parse_report(message: dict[str, Any]) -> RemoteReport:
         connected_at=float(connected_at) if isinstance(connected_at, int | float) else None,
         server_info=server_info if isinstance(server_info, dict) else None,
         tools=tools,
+        tools_digest=digest if tools is None and isinstance(digest, str) else None,
         error=_str_or_none(message.get("error")),
         reason=_str_or_none(message.get("reason")),
     )
@@ -132,6 +143,27 @@ def parse_report(message: dict[str, Any]) -> RemoteReport:
 
 def _str_or_none(value: Any) -> str | None:
     return value if isinstance(value, str) else None
+
+
+def pack(reports: list[dict[str, Any]]) -> list[bytes]:
+    """Reports as few `{"reports": [...]}` messages as fit the broker's message size."""
+    messages: list[bytes] = []
+    chunk: list[bytes] = []
+    size = 0
+    for report in reports:
+        encoded = dumps(report)
+        if chunk and size + len(encoded) + 1 > MAX_MESSAGE_BYTES:
+            messages.append(_joined(chunk))
+            chunk, size = [], 0
+        chunk.append(encoded)
+        size += len(encoded) + 1
+    if chunk:
+        messages.append(_joined(chunk))
+    return messages
+
+
+def _joined(chunk: list[bytes]) -> bytes:
+    return b'{"reports":[' + b",".join(chunk) + b"]}"
 
 
 # ---- forwarded calls --------------------------------------------------------------------------

@@ -133,6 +133,11 @@ class ToolSet:
         """The tools as MCP `tools/list` entries."""
         return [tool.to_wire() for tool in self.tools]
 
+    @staticmethod
+    def known(digest: str) -> "ToolSet | None":
+        """The tool set with this digest if this process holds it now (else None)."""
+        return EMPTY_TOOLS if digest == "" else _TOOL_SETS.get(digest)
+
 
 EMPTY_TOOLS = ToolSet("", (), {})
 _TOOL_SETS: "weakref.WeakValueDictionary[str, ToolSet]" = weakref.WeakValueDictionary()
@@ -483,6 +488,8 @@ class RemoteReport:
     connected_at: float | None = None
     server_info: Mapping[str, Any] | None = None
     tools: ToolSet | None = None
+    # A report leaves out a large tool list: the digest names it in the shared catalogue.
+    tools_digest: str | None = None
     error: str | None = None
     reason: str | None = None
 
@@ -777,6 +784,10 @@ class DeviceRegistry:
         """Every connected device: here, then (in a cluster) on the other instances."""
         return [*self._live.values(), *self._remote.values()]
 
+    def remote(self, device_id: str) -> RemoteDevice | None:
+        """The device connected to another instance with this id, or None."""
+        return self._remote.get(device_id)
+
     def remote_devices(self) -> list[RemoteDevice]:
         """Devices connected to other instances of the cluster (a snapshot)."""
         return list(self._remote.values())
@@ -810,6 +821,16 @@ class DeviceRegistry:
         elif report.kind is EventKind.FAILED:
             detail = {"error": report.error}
         self.emit_from(report.owner, report.kind, report.device_id, **detail)
+
+    def remote_tools_read(self, device_id: str, epoch: int, tools: ToolSet) -> None:
+        """A remote device's tool list, read after its report (a list too long to send): one
+        `tools_changed` event; ignored if the device moved or reconnected meanwhile."""
+        device = self._remote.get(device_id)
+        if device is None or device.epoch != epoch or device.tools is tools:
+            return
+        device._tools = tools
+        self._remember_remote(device)
+        self.emit_from(device.owner, EventKind.TOOLS_CHANGED, device_id, tool_count=len(tools))
 
     def remote_owner_gone(self, owner: str, reason: str) -> int:
         """Every device of instance `owner` goes offline here (it left or died); how many."""
