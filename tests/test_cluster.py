@@ -19,12 +19,11 @@ from simulator import SimulatedDevice
 from simulator.llm_server import FakeCall, FakeLlm, Reply
 from tests.cluster_helpers import Cluster, Partition, running_cluster, until
 from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, make_settings, run_cli
+from tests.mcp_helpers import VOLUME as MCP_VOLUME
+from tests.mcp_helpers import mcp_session
 from tests.postgres import PostgresServer
-from tests.test_device_events_api import _ready as ready_event
-from tests.test_device_events_api import _state as stream_state
-from tests.test_device_events_api import open_stream
-from tests.test_mcp_endpoint import VOLUME as MCP_VOLUME
-from tests.test_mcp_endpoint import mcp_session
+from tests.stream_helpers import open_stream, stream_state
+from tests.stream_helpers import stream_ready as ready_event
 
 
 @pytest.fixture

@@ -2,10 +2,8 @@
 and `GET /api/audit?device_id=` for a devices:read key (backend/api/device_events.py)."""
 
 import asyncio
-import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -17,76 +15,7 @@ from backend.keys import Principal, Scope
 from backend.server import Bridge
 from simulator.fleet import device_id_for
 from tests.helpers import ADMIN_TOKEN, create_key, eventually
-
-EVENTS = "/api/fleet/events"
-
-
-@dataclass
-class Stream:
-    """The events of one open stream, read in the background as they arrive."""
-
-    events: list[tuple[str, Any]] = field(default_factory=list)
-    comments: list[str] = field(default_factory=list)
-    ended: asyncio.Event = field(default_factory=asyncio.Event)
-    status: int = 0
-
-    def rows(self) -> dict[str, dict[str, Any]]:
-        """The latest row of each device, as a page would hold them."""
-        rows: dict[str, dict[str, Any]] = {}
-        for name, data in self.events:
-            if name in ("snapshot", "devices"):
-                rows.update({row["device_id"]: row for row in data["devices"]})
-            elif name == "removed":
-                for device_id in data["device_ids"]:
-                    rows.pop(device_id, None)
-        return rows
-
-    def named(self, name: str) -> list[Any]:
-        return [data for event, data in self.events if event == name]
-
-
-async def _read(response: httpx.Response, stream: Stream) -> None:
-    event, data = "message", ""
-    try:
-        async for line in response.aiter_lines():
-            if line.startswith(":"):
-                stream.comments.append(line)
-            elif line.startswith("event: "):
-                event = line[len("event: ") :]
-            elif line.startswith("data: "):
-                data = line[len("data: ") :]
-            elif line == "" and data:
-                stream.events.append((event, json.loads(data)))
-                event, data = "message", ""
-    finally:
-        stream.ended.set()
-
-
-@contextlib.asynccontextmanager
-async def open_stream(bridge: Bridge, token: str, query: str = "") -> AsyncIterator[Stream]:
-    headers = {"Authorization": f"Bearer {token}"}
-    async with (
-        httpx.AsyncClient(base_url=bridge.api_url, headers=headers, timeout=30) as client,
-        client.stream("GET", EVENTS + query) as response,
-    ):
-        stream = Stream(status=response.status_code)
-        reader = asyncio.create_task(_read(response, stream))
-        try:
-            yield stream
-        finally:
-            reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
-                await reader
-
-
-async def _ready(stream: Stream) -> None:
-    await eventually(lambda: bool(stream.named("ready")))
-
-
-def _state(stream: Stream, device_id: str) -> str | None:
-    row = stream.rows().get(device_id)
-    return None if row is None else row["state"]
-
+from tests.stream_helpers import EVENTS, open_stream, stream_ready, stream_state
 
 # ---- the stream -----------------------------------------------------------------------------
 
@@ -96,17 +25,17 @@ async def test_a_device_appears_goes_offline_and_is_removed_live(
 ) -> None:
     async with open_stream(bridge, ADMIN_TOKEN) as stream:
         assert stream.status == 200
-        await _ready(stream)
+        await stream_ready(stream)
         assert stream.named("ready") == [{"total": 0}]
         device = await simulated_devices(bridge)
-        await eventually(lambda: _state(stream, device.device_id) == "ready")
+        await eventually(lambda: stream_state(stream, device.device_id) == "ready")
         row = stream.rows()[device.device_id]
         listed = (await api.get(f"/api/devices/{device.device_id}")).json()
         assert row.keys() == listed.keys()  # rows exactly as GET /api/devices rows
         assert row["tool_count"] == listed["tool_count"] > 0
         assert row["transport"] == "websocket"
         await device.stop()
-        await eventually(lambda: _state(stream, device.device_id) == "offline")
+        await eventually(lambda: stream_state(stream, device.device_id) == "offline")
         assert (await api.delete(f"/api/devices/{device.device_id}")).status_code == 204
         await eventually(lambda: device.device_id not in stream.rows())
         assert stream.named("removed")[-1] == {"device_ids": [device.device_id]}
@@ -119,12 +48,12 @@ async def test_the_snapshot_lists_known_devices_then_ready(
     second = await simulated_devices(bridge, 2)
     await second.stop()
     async with open_stream(bridge, ADMIN_TOKEN) as stream:
-        await _ready(stream)
+        await stream_ready(stream)
         names = [name for name, _ in stream.events]
         assert names == ["snapshot", "ready"]
         assert stream.named("ready") == [{"total": 2}]
-        assert _state(stream, first.device_id) == "ready"
-        assert _state(stream, second.device_id) == "offline"
+        assert stream_state(stream, first.device_id) == "ready"
+        assert stream_state(stream, second.device_id) == "offline"
 
 
 async def test_snapshot_only_ends_after_ready(
@@ -143,12 +72,12 @@ async def test_a_limited_key_sees_only_its_devices(
     await simulated_devices(bridge, 2)
     token = await create_key(bridge, "devices:read", devices=[mine])
     async with open_stream(bridge, token) as stream:
-        await _ready(stream)
+        await stream_ready(stream)
         assert stream.named("ready") == [{"total": 0}]  # the other one exists, unseen
         device = await simulated_devices(bridge, 1)
-        await eventually(lambda: _state(stream, mine) == "ready")
+        await eventually(lambda: stream_state(stream, mine) == "ready")
         await device.stop()
-        await eventually(lambda: _state(stream, mine) == "offline")
+        await eventually(lambda: stream_state(stream, mine) == "offline")
         assert other not in json.dumps(stream.events)
 
 
@@ -157,7 +86,7 @@ async def test_refused_calls_to_made_up_devices_send_nothing(
 ) -> None:
     """A refused call is an event naming any device id: it must not reach a stream."""
     async with open_stream(bridge, ADMIN_TOKEN) as stream:
-        await _ready(stream)
+        await stream_ready(stream)
         for name in ("ghost", "x" * 300):
             answer = await api.post(f"/api/devices/{name}/tools/call", json={"name": "t"})
             assert answer.status_code == 404
@@ -184,7 +113,7 @@ async def test_the_stream_needs_a_reading_key(bridge: Bridge, api: httpx.AsyncCl
 async def test_a_client_leaving_unsubscribes(bridge: Bridge) -> None:
     before = len(bridge.registry._listeners)
     async with open_stream(bridge, ADMIN_TOKEN) as stream:
-        await _ready(stream)
+        await stream_ready(stream)
         assert len(bridge.registry._listeners) == before + 1
         assert len(bridge.device_streams) == 1
     await eventually(lambda: len(bridge.registry._listeners) == before)
@@ -196,7 +125,7 @@ async def test_the_bridge_stopping_ends_the_stream(
 ) -> None:
     bridge: Bridge = await bridge_factory()
     async with open_stream(bridge, ADMIN_TOKEN) as stream:
-        await _ready(stream)
+        await stream_ready(stream)
         await asyncio.wait_for(bridge.stop(), 10)  # would wait forever for an open stream
         await asyncio.wait_for(stream.ended.wait(), 5)
     assert len(bridge.device_streams) == 0
@@ -205,7 +134,7 @@ async def test_the_bridge_stopping_ends_the_stream(
 async def test_a_revoked_key_s_stream_ends(bridge: Bridge) -> None:
     token = await create_key(bridge, "devices:read")
     async with open_stream(bridge, token) as stream:
-        await _ready(stream)
+        await stream_ready(stream)
         bridge.registry.reported("before", None, {})
         await eventually(lambda: "before" in stream.rows())
         await bridge.frontends.keys.revoke(token.split("_")[1])  # esk_<key id>_<secret>

@@ -3,16 +3,12 @@ real bridge: conversations as resources, the search tools, a real simulated devi
 scopes, sessions bound to their key, and `tools/list_changed` when devices come and go."""
 
 import json
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
 import httpx
-import httpx2
 import pytest
-from mcp import ClientSession, types
-from mcp.client.streamable_http import streamable_http_client
+from mcp import types
 from mcp.shared.exceptions import MCPError
 
 from backend.api.mcp_endpoint import safe_device_ids
@@ -20,26 +16,7 @@ from backend.chat.search import SearchResult
 from backend.server import Bridge
 from tests.fakes.search import FakeWebSearch
 from tests.helpers import ADMIN_TOKEN, create_key, sse_events, wait_state
-
-VOLUME = "device.02-00-00-00-00-01.self.audio_speaker.set_volume"
-
-
-@asynccontextmanager
-async def mcp_session(
-    bridge: Bridge, token: str, on_message: Callable[[Any], Any] | None = None
-) -> AsyncIterator[ClientSession]:
-    async def handler(message: Any) -> None:
-        if on_message is not None:
-            on_message(message)
-
-    headers = {"Authorization": f"Bearer {token}"}
-    async with (
-        httpx2.AsyncClient(headers=headers, timeout=30) as http,
-        streamable_http_client(f"{bridge.api_url}/mcp", http_client=http) as (read, write),
-        ClientSession(read, write, message_handler=handler) as session,
-    ):
-        await session.initialize()
-        yield session
+from tests.mcp_helpers import VOLUME, mcp_session
 
 
 async def chat_turn(bridge: Bridge, message: str, conversation_id: str) -> None:

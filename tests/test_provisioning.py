@@ -8,19 +8,15 @@ import hmac
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from websockets.asyncio.client import connect
-from websockets.exceptions import InvalidMessage, InvalidStatus
+from websockets.exceptions import InvalidMessage
 
 from backend.cli.runs import auth_warnings
 from backend.server import Bridge
-from simulator import stock_ota
 from tests.helpers import (
     ADMIN_TOKEN,
     DEVICE_TOKEN,
@@ -31,42 +27,24 @@ from tests.helpers import (
     run_cli,
     wait_state,
 )
+from tests.provisioning_helpers import (
+    MAC,
+    OTHER_CLIENT,
+    Reply,
+    StockOta,
+    handshake_reply,
+    handshake_status,
+    http_reply,
+    stock_headers,
+    system_info,
+)
 from tests.stock_device import CLIENT_ID, WireDevice
 
-MAC = "a4:cf:12:34:56:78"
-OTHER_CLIENT = "0f8e2c61-1b7a-4c3e-9a55-7d2e0c9b1a44"
 # Another address of this machine, for limits per IP (Linux routes all of 127.0.0.0/8 to lo).
 OTHER_ADDRESS = "127.0.0.2"
 
 
 HAVE_OTHER_ADDRESS = can_bind(OTHER_ADDRESS)
-
-
-# A stock device's §5.1 request, by default of the device MAC/CLIENT_ID.
-system_info = partial(stock_ota.system_info, mac=MAC, client_id=CLIENT_ID)
-stock_headers = partial(stock_ota.stock_headers, mac=MAC, client_id=CLIENT_ID)
-
-
-class StockOta:
-    """What a stock device does against the OTA URL: check, poll activation."""
-
-    def __init__(self, http: httpx.AsyncClient, url: str, **device: Any) -> None:
-        self.http = http
-        self.url = url
-        self.device = device
-
-    async def check(self, **overrides: Any) -> httpx.Response:
-        device = {**self.device, **overrides}
-        body_keys = {"mac", "client_id", "version"}
-        body = system_info(**{k: v for k, v in device.items() if k in body_keys and v})
-        return await self.http.post(self.url, json=body, headers=stock_headers(**device))
-
-    async def activate(
-        self, body: dict[str, Any] | None = None, **overrides: Any
-    ) -> httpx.Response:
-        url = self.url + ("activate" if self.url.endswith("/") else "/activate")
-        headers = stock_headers(**{**self.device, **overrides})
-        return await self.http.post(url, json=body or {}, headers=headers)
 
 
 @pytest.fixture
@@ -86,43 +64,6 @@ async def admin(device_bridge: Bridge) -> AsyncIterator[httpx.AsyncClient]:
     headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     async with httpx.AsyncClient(base_url=device_bridge.api_url, headers=headers) as client:
         yield client
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    """What a device hears: the status, a refusal's message and its Retry-After header."""
-
-    status: int
-    error: str | None = None
-    retry_after: str | None = None
-
-
-def http_reply(response: httpx.Response) -> Reply:
-    error = response.json()["error"] if response.status_code >= 400 else None
-    return Reply(response.status_code, error, response.headers.get("Retry-After"))
-
-
-async def handshake_reply(
-    url: str, token: str | None, device_id: str = MAC, *, source: str | None = None
-) -> Reply:
-    """101 when the WebSocket upgrade is accepted, else the refusal's HTTP answer; `source` is
-    the local address to connect from."""
-    headers = {"Device-Id": device_id, "Client-Id": CLIENT_ID, "Protocol-Version": "1"}
-    if token is not None:
-        headers["Authorization"] = f"Bearer {token}"
-    bind: dict[str, Any] = {} if source is None else {"local_addr": (source, 0)}
-    try:
-        async with connect(url, additional_headers=headers, compression=None, **bind):
-            return Reply(101)
-    except InvalidStatus as refused:
-        answer = refused.response
-        body = answer.body.decode().strip() if answer.body else None
-        return Reply(answer.status_code, body, answer.headers.get("Retry-After"))
-
-
-async def handshake_status(url: str, token: str | None, device_id: str = MAC) -> int:
-    """101 when the WebSocket upgrade is accepted, else the refusal's HTTP status."""
-    return (await handshake_reply(url, token, device_id)).status
 
 
 async def approved_token(

@@ -25,9 +25,9 @@ from backend.storage import Database
 from simulator.fleet import SimulatedDevice
 from tests.helpers import ADMIN_TOKEN, make_settings, wait_state
 from tests.postgres import postgres_available
+from tests.provisioning_helpers import MAC, OTHER_CLIENT, StockOta, handshake_status
 from tests.stock_device import CLIENT_ID, WireDevice
 from tests.storage_helpers import database_target
-from tests.test_provisioning import MAC, OTHER_CLIENT, StockOta, handshake_status
 
 __all__ = ["database_target"]
 
