@@ -66,9 +66,17 @@ class Balancer:
         writer.close()
 
 
-async def _pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+async def _pipe(
+    source: asyncio.StreamReader,
+    sink: asyncio.StreamWriter,
+    flowing: asyncio.Event | None = None,
+) -> None:
+    """Copy bytes one way until either side closes; while `flowing` is clear, hold them (a
+    black hole: nothing is sent, nothing is refused)."""
     try:
         while data := await source.read(65536):
+            if flowing is not None:
+                await flowing.wait()
             sink.write(data)
             await sink.drain()
     except (OSError, asyncio.CancelledError):
@@ -212,18 +220,6 @@ class Partition:
         link = (writer, up_writer)
         self._links.add(link)
         for source, sink in ((reader, up_writer), (up_reader, writer)):
-            task = asyncio.create_task(self._pipe(source, sink))
+            task = asyncio.create_task(_pipe(source, sink, self._flowing))
             self._pipes.add(task)
             task.add_done_callback(self._pipes.discard)
-
-    async def _pipe(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
-        try:
-            while data := await source.read(65536):
-                await self._flowing.wait()  # a black hole holds the bytes, sends nothing
-                sink.write(data)
-                await sink.drain()
-        except (OSError, asyncio.CancelledError):
-            pass
-        finally:
-            with contextlib.suppress(Exception):
-                sink.close()
