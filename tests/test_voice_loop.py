@@ -7,6 +7,7 @@ import asyncio
 import pytest
 from structlog.testing import capture_logs
 
+from backend.devices.registry import DeviceEvent, EventKind
 from backend.server import Bridge
 from backend.voice.tts import render
 from simulator.voice_client import VoiceDevice, speak_turn
@@ -164,6 +165,29 @@ async def test_speech_while_speaking_in_realtime_mode_interrupts_the_answer(voic
     assert device.mcp.calls[-1] == ("self.audio_speaker.set_volume", {"volume": 40})
 
 
+async def test_the_device_is_heard_again_as_soon_as_tts_stop_goes_out(voice_bridge):
+    # A device answers `tts stop` with `listen start` and speech at once, while the turn still
+    # logs its timings: that speech must not be dropped as echo of the answer.
+    device_id = "02:00:00:00:71:01"
+    speaking_after_stop: list[bool] = []
+
+    def on_event(event: DeviceEvent) -> None:
+        if event.kind is EventKind.VOICE_TURN:  # emitted after `tts stop`, inside the turn
+            chat = voice_bridge.frontends.device_chat
+            assert chat.running(device_id) is not None
+            speaking_after_stop.append(chat.speaking(device_id))
+
+    unsubscribe = voice_bridge.registry.subscribe(on_event)
+    try:
+        async with _device(voice_bridge, device_id) as device:
+            await wait_state(voice_bridge, device_id)
+            reply = await speak_turn(device, render("set the volume to thirty", "en", 16000))
+    finally:
+        unsubscribe()
+    assert reply.kinds[-1] == "tts stop"
+    assert speaking_after_stop == [False]
+
+
 async def test_wake_word_pre_roll_is_not_taken_as_the_question(voice_bridge):
     device_id = "02:00:00:00:70:01"
     async with _device(voice_bridge, device_id) as device:
@@ -197,7 +221,8 @@ async def test_unreachable_speech_providers_fall_back_to_the_embedded_engines(br
             await wait_state(bridge, device_id)
             first = await speak_turn(device, render("set the volume to thirty", "en", 16000))
             second = await speak_turn(device, render("set the volume to ninety", "en", 16000))
-    assert [call[1] for call in device.mcp.calls] == [{"volume": 30}, {"volume": 90}]
+    transcripts = [first.transcript, second.transcript]
+    assert [call[1] for call in device.mcp.calls] == [{"volume": 30}, {"volume": 90}], transcripts
     for reply in (first, second):
         assert reply.kinds[-1] == "tts stop" and reply.audio.duration_ms > 500
     provider_lines = [line for line in logs if "provider" in line["event"]]

@@ -126,6 +126,7 @@ class Answer(Protocol):
     """How a turn's answer reaches the device: text on its screen, or paced speech."""
 
     begun: bool
+    stopped: bool  # `tts stop` went out: the device listens again
 
     async def begin(self, emotion: str) -> None:
         """The answer starts: show its emotion and start speaking."""
@@ -149,7 +150,7 @@ class TextAnswer:
     def __init__(self, conversation: DeviceConversation) -> None:
         self._conversation = conversation
         self.begun = False
-        self._stopped = False
+        self.stopped = False
 
     async def begin(self, emotion: str) -> None:
         """Send the emotion and `tts start`."""
@@ -171,8 +172,8 @@ class TextAnswer:
 
     async def stop(self) -> None:
         """Send `tts stop` once if the answer began; a gone link is not an error."""
-        if self.begun and not self._stopped:
-            self._stopped = True
+        if self.begun and not self.stopped:
+            self.stopped = True
             with contextlib.suppress(BridgeError):
                 await self._conversation.send_tts_stop()
 
@@ -231,9 +232,16 @@ class DeviceChat:
         return task if task is not None and not task.done() else None
 
     def speaking(self, device_id: str) -> bool:
-        """The device's answer has begun and its turn still runs."""
+        """The device's answer has begun, its `tts stop` has not gone out, and its turn still
+        runs. A device answers `tts stop` with `listen start` and speech at once, while the
+        turn may still be logging: that speech is a question, not echo."""
         answer = self._answers.get(device_id)
-        return answer is not None and answer.begun and self.running(device_id) is not None
+        return (
+            answer is not None
+            and answer.begun
+            and not answer.stopped
+            and self.running(device_id) is not None
+        )
 
     def start_turn(
         self, conversation: DeviceConversation, text: str, timings: TurnTimings | None = None

@@ -82,7 +82,7 @@ class SpokenAnswer:
         self.stats = PlayoutStats()
         self._tasks: list[asyncio.Task[None]] = []
         self.begun = False
-        self._stopped = False
+        self.stopped = False
 
     # ---- what the device chat calls ---------------------------------------------------------
 
@@ -132,8 +132,8 @@ class SpokenAnswer:
                 await self._send_stop()
 
     async def _send_stop(self) -> None:
-        if not self._stopped:
-            self._stopped = True
+        if not self.stopped:
+            self.stopped = True
             await self._conversation.send_tts_stop()
             self.timings.mark("stopped")
 
