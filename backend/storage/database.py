@@ -24,12 +24,14 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from backend.storage.connection import Connection, Row
 from backend.storage.dialect import Engine, describe_url, expand_tokens, is_postgres_url
 from backend.storage.errors import DatabaseError
-from backend.storage.postgres import PgConnection, PostgresEngine, run_script
+
+if TYPE_CHECKING:  # psycopg costs 0.4 s of import: loaded only when a URL names PostgreSQL
+    from backend.storage.postgres import PgConnection, PostgresEngine
 
 T = TypeVar("T")
 
@@ -84,7 +86,9 @@ class Database:
             self.engine: Engine = "sqlite"
             self.label = target.name
         elif is_postgres_url(target):
-            self._postgres = PostgresEngine(
+            from backend.storage import postgres
+
+            self._postgres = postgres.PostgresEngine(
                 target,
                 pool_size=pool_size,
                 connect_timeout_s=connect_timeout_s,
@@ -219,9 +223,11 @@ class Database:
                     (migration.component, migration.version),
                 )
 
-    def _migrate_postgres(self, connection: PgConnection) -> None:
+    def _migrate_postgres(self, connection: "PgConnection") -> None:
         """Inside the one transaction that holds the migration lock (backend/storage/postgres.py):
         every missing migration is applied, or none."""
+        from backend.storage.postgres import run_script
+
         run_script(connection, [_BOOKKEEPING])
         for migration in self._pending(connection):
             run_script(connection, _statements(migration.sql))
