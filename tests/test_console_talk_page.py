@@ -126,6 +126,34 @@ async def test_without_a_talk_scope_the_page_says_so(bridge: Bridge) -> None:
         console.assert_clean()
 
 
+async def test_a_transcript_longer_than_the_screen_scrolls_from_the_keyboard(
+    bridge: Bridge,
+) -> None:
+    token = await create_key(bridge, "console:talk")
+    async with console_page(bridge, "/talk", token, viewport=PHONE) as console:
+        page = console.page
+        lines = 40  # many turns: the list scrolls inside its card
+        await page.evaluate(
+            """count => {
+                const log = document.querySelector(".talk-log");
+                for (let i = 0; i < count; i++) {
+                    const li = document.createElement("li");
+                    li.className = "talk-user";
+                    li.textContent = `set the volume to ${i}`;
+                    log.append(li);
+                }
+            }""",
+            lines,
+        )
+        log = page.locator(".talk-log")
+        assert await log.evaluate("ol => ol.scrollHeight > ol.clientHeight")
+        await log.focus()
+        await page.keyboard.press("End")
+        assert await log.evaluate("ol => ol.scrollTop > 0")
+        await assert_accessible(page)
+        console.assert_clean()
+
+
 async def test_without_a_microphone_the_page_says_so_and_still_connects(bridge: Bridge) -> None:
     """Chromium without a capture device: getUserMedia fails; the page says why."""
     token = await create_key(bridge, "console:talk")

@@ -131,7 +131,8 @@ class TalkPage {
     });
     this.micNote = el("p", { id: "talk-mic", class: "hint" });
     // The live region wraps the list: a role on the <ol> itself would hide its items' list role.
-    this.log = el("ol", { class: "talk-log" });
+    // It scrolls once the turns fill it: focusable, so a keyboard can scroll it too.
+    this.log = el("ol", { class: "talk-log", tabindex: "0" });
     const transcript = el("div", { id: "talk-transcript", role: "log", "aria-live": "polite", "aria-label": "Conversation transcript" }, this.log);
     this.main.replaceChildren(
       el(
