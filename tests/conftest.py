@@ -15,7 +15,20 @@ from simulator import SimulatedDevice
 from simulator.llm_server import FakeLlm
 from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, make_settings, reap_started
 from tests.postgres import PostgresServer, running_postgres
+from tests.scheduling import SpreadScheduling, spread_first
 from tests.stock_device import WireDevice
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> SpreadScheduling | None:
+    """`--dist loadscope` means tests/scheduling.py's order (scripts/test uses it)."""
+    if config.getoption("dist") == "loadscope":
+        return SpreadScheduling(config, log)
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("dist", "no") == "loadscope":
+        spread_first(items)
 
 
 @pytest.fixture(autouse=True)

@@ -28,8 +28,6 @@ from tests.helpers import ADMIN_TOKEN, CLI, DEVICE_TOKEN
 
 EXAMPLES = int(os.environ.get("SCHEMATHESIS_EXAMPLES", "12"))
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-# One xdist worker takes the module: the served bridge and its device start once.
-pytestmark = pytest.mark.xdist_group("schemathesis")
 
 
 @pytest.fixture(scope="module")

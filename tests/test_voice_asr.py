@@ -83,8 +83,6 @@ RECOGNITION_SET = [Utterance(t, "command") for t in COMMANDS] + [
     Utterance(t, "dental") for t in DENTAL
 ]
 TARGET = 0.90
-# One xdist worker takes the module: its recognition set is rendered and decoded once (~30 s).
-pytestmark = pytest.mark.xdist_group("voice_asr")
 
 
 @pytest.fixture(scope="module")
