@@ -599,6 +599,46 @@ async def test_a_server_that_never_answers_initialize_backs_off_and_hurts_no_tur
     assert not any(name.startswith("silent__") for name in offered(fake_llm))
 
 
+def _processes_with(token: str) -> list[int]:
+    """The pids whose command line holds `token`."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and token.encode() in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:
+            continue  # it exited while we looked
+    return pids
+
+
+@pytest.mark.parametrize("phase", ["handshake", "closing", "backoff"])
+async def test_the_bridge_stops_at_once_while_a_silent_server_starts_and_leaves_no_process(
+    bridge_factory, fake_llm, phase
+):
+    """A server that keeps stdout open and never answers. Cancelled while the SDK closed its
+    stdio transport (the 2 s it gives the server to exit after its handshake timed out), the
+    shutdown drained the server's stdout until it exited: an hour here."""
+    token = f"silent-{phase}-{id(object())}"
+    connect_timeout_s = {"handshake": 60.0, "closing": 0.5, "backoff": 0.3}[phase]
+    silent = {
+        "name": "silent",
+        "command": sys.executable,
+        "args": ["-c", "import time; time.sleep(3600)", token],
+        "connect_timeout_s": connect_timeout_s,
+    }
+    bridge = await start(bridge_factory, fake_llm, silent)
+    server = server_of(bridge, "silent")
+    if phase == "backoff":
+        await wait_until(lambda: server.last_error is not None)  # timed out, waits to retry
+    else:
+        await wait_until(lambda: bool(_processes_with(token)))  # spawned, in `initialize`
+        if phase == "closing":  # the handshake timed out; the SDK waits for the server to exit
+            await asyncio.sleep(connect_timeout_s + 0.7)
+    await asyncio.wait_for(bridge.stop(), 30)  # a hang guard: it took as long as the server lived
+    assert server.state is ServerState.STOPPED
+    await wait_until(lambda: not _processes_with(token), timeout_s=10)
+
+
 async def test_reconnects_back_off_exponentially_up_to_the_cap():
     settings = McpServerSettings(name="gone", command=sys.executable, args=["-c", "pass"])
     server = ConfiguredServer(settings, backoff_initial_s=0.01, backoff_max_s=0.08)

@@ -40,6 +40,9 @@ from backend.mcp_session import CallResult
 
 log = structlog.get_logger("mcp_servers")
 
+# How long stop() lets a connection in progress end by itself: the SDK's 2 s for the server to
+# exit on stdin's close, then its terminate and kill, with room to spare.
+STOP_GRACE_S = 10.0
 CLIENT_INFO = mcp_types.Implementation(name="esp32-mcp-bridge", version="0.1.0")
 
 
@@ -74,21 +77,35 @@ class ConfiguredServer(SessionServer):
         self._task: asyncio.Task[None] | None = None
         self._lost = asyncio.Event()
         self._stopping = False
+        self._in_session = False  # inside the SDK's transport context: stop it from within
+        self._handshake: asyncio.Timeout | None = None
         self._sleep = asyncio.sleep  # the wait between attempts (a test records it)
 
     async def start(self) -> None:
         """Start the supervisor task that connects and reconnects (idempotent)."""
         if self._task is None or self._task.done():
+            self._stopping = False
             self._task = asyncio.get_running_loop().create_task(
                 self._supervise(), name=f"mcp-server-{self.name}"
             )
 
     async def stop(self) -> None:
-        """Stop the supervisor and close the connection; errors on the way out are swallowed."""
+        """Stop the supervisor and close the connection; errors on the way out are swallowed.
+
+        A connection in progress is ended from within (the handshake's deadline expires now, the
+        watch wakes), not by cancelling the task: cancelled inside its stdio transport, the SDK
+        drains the server's stdout until EOF before it kills the server, and a server that
+        keeps stdout open and never answers held the bridge's shutdown for as long as it lived.
+        """
         self._stopping = True
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
+            if self._in_session:
+                self._lost.set()
+                if self._handshake is not None:
+                    self._handshake.reschedule(asyncio.get_running_loop().time())
+                await asyncio.wait([task], timeout=STOP_GRACE_S)
+            task.cancel()  # between attempts (or past the grace): nothing of the SDK's is open
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self.detach("stopped", state=ServerState.STOPPED)
@@ -131,6 +148,8 @@ class ConfiguredServer(SessionServer):
                 raise
             except Exception as exc:
                 error = describe_error(_unwrapped(exc))
+            if self._stopping:
+                return
             if worked:
                 delay = self.backoff_initial_s
             wait = delay * random.uniform(0.8, 1.2)
@@ -143,6 +162,14 @@ class ConfiguredServer(SessionServer):
     async def _connect_and_watch(self) -> bool:
         """Connect, serve until the connection is lost; True if it got to READY."""
         self._lost = asyncio.Event()
+        self._in_session = True
+        try:
+            return await self._session_until_lost()
+        finally:
+            self._in_session = False
+            self._handshake = None
+
+    async def _session_until_lost(self) -> bool:
         async with contextlib.AsyncExitStack() as stack:
             read, write = await stack.enter_async_context(self._transport())
             session = await stack.enter_async_context(
@@ -150,9 +177,14 @@ class ConfiguredServer(SessionServer):
                     read, write, message_handler=self.message_handler, client_info=CLIENT_INFO
                 )
             )
-            async with asyncio.timeout(self.settings.connect_timeout_s):
-                await session.initialize()
-                await self.attach(session)
+            if self._stopping:  # stop() came while the server was starting
+                return False
+            try:
+                async with asyncio.timeout(self.settings.connect_timeout_s) as self._handshake:
+                    await session.initialize()
+                    await self.attach(session)
+            finally:
+                self._handshake = None
             self.connects += 1
             try:
                 await self._watch(session)
