@@ -11,6 +11,7 @@ import itertools
 import json
 import shutil
 import sys
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -618,7 +619,7 @@ async def test_the_bridge_stops_at_once_while_a_silent_server_starts_and_leaves_
     """A server that keeps stdout open and never answers. Cancelled while the SDK closed its
     stdio transport (the 2 s it gives the server to exit after its handshake timed out), the
     shutdown drained the server's stdout until it exited: an hour here."""
-    token = f"silent-{phase}-{id(object())}"
+    token = f"silent-{phase}-{uuid.uuid4().hex}"
     connect_timeout_s = {"handshake": 60.0, "closing": 0.5, "backoff": 0.3}[phase]
     silent = {
         "name": "silent",
