@@ -61,6 +61,10 @@ RECOGNIZED_TURN = """(command) => {
 }"""
 
 
+# Real time: Chromium's fake microphone loops the WAV at its own pace, hands-free. Under the
+# parallel phase's load recognition took 8 s, the loop's next pass talked over the answer and
+# the turn was aborted (CI): it runs in the serial phase, like the voice loop's real-time tests.
+@pytest.mark.serial
 @pytest.mark.parametrize("codec", ["opus", "pcm16"])
 async def test_the_browser_speaks_a_command_and_plays_the_answer(
     bridge_factory: Any, tmp_path: Path, codec: str
