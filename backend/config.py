@@ -149,14 +149,21 @@ class Settings(BaseSettings):
 
     # ---- voice (backend/voice, docs/voice.md) -------------------------------------------------
     voice_enabled: bool = True  # off, or without the voice packages: devices get text only
-    # Speech recognition: the embedded pocketsphinx (English), an OpenAI-compatible
-    # /v1/audio/transcriptions server (the only way to Vietnamese speech), or none.
+    # Speech recognition: the embedded Whisper tiny.en (English) with the embedded Vietnamese
+    # recognizer when the `voice-vi` extra is installed, an OpenAI-compatible
+    # /v1/audio/transcriptions server (embedded behind it), or none.
     asr_provider: Literal["embedded", "openai", "none"] = "embedded"
     asr_base_url: str = "http://localhost:8000"
     asr_api_key: SecretStr | None = None
     asr_model: str = "whisper-1"
-    asr_language: str | None = None  # "vi", "en"; None lets the server detect it
+    # A device's language when it has none of its own: "en", "vi", or None (auto: the language
+    # of its last turns, English at first).
+    asr_language: Literal["en", "vi"] | None = None
     asr_timeout_s: float = Field(10.0, gt=0)
+    asr_workers: int = Field(1, ge=1, le=16)  # decoding processes (each holds the model)
+    asr_threads: int = Field(2, ge=1, le=32)  # threads per decoding process
+    asr_queue_max: int = Field(8, ge=0, le=10_000)  # utterances waiting; more hear an apology
+    asr_vietnamese: bool = True  # use the Vietnamese recognizer when `viet-asr` is installed
     # Speech synthesis: the embedded eSpeak NG (Vietnamese and English), or an OpenAI-compatible
     # /v1/audio/speech server (response_format "pcm"); eSpeak stays its fallback.
     tts_provider: Literal["embedded", "openai", "none"] = "embedded"

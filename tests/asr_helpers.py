@@ -13,7 +13,7 @@ from backend.chat.llm import FunctionSpec
 from backend.chat.offline import IntentDetector, is_dental, with_description_choices
 from backend.chat.search import KnowledgeBase
 from backend.chat.tools import DeviceToolBox
-from backend.voice.asr_phrases import spoken_numbers_to_digits
+from backend.voice.recognition.vocabulary import spoken_numbers_to_digits
 from backend.voice.audio import UPLINK_RATE, frame_samples, split_frames
 from simulator.in_process import FirmwareDevice
 

@@ -48,11 +48,19 @@ from backend.chat.service import (
     TurnRequest,
     collect,
 )
-from backend.chat.tools import DeviceToolBox, NoTools, ToolBox, ToolOutcome, ToolSource
+from backend.chat.tools import (
+    AskBeforeChanging,
+    DeviceToolBox,
+    NoTools,
+    ToolBox,
+    ToolOutcome,
+    ToolSource,
+)
 
 __all__ = [
     "CHAT_MIGRATIONS",
     "MAX_QUERY_CHARS",
+    "AskBeforeChanging",
     "ChatEvent",
     "ChatService",
     "Conversation",

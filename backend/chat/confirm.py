@@ -48,6 +48,19 @@ QUESTION = {
     "vi": 'Thao tác này cần bạn xác nhận: {tool} {arguments} ({reason}). Trả lời "có" để tiếp '
     "tục; câu trả lời khác sẽ hủy.",
 }
+# A change asked back because the recognizer was not sure of the words (chat.tools.UNSURE_REASON):
+# a short spoken question naming the change, not the tool's name and JSON arguments.
+HEARD_QUESTION = {
+    "en": "Did you want me to {action}? Please say yes or no.",
+    "vi": "Bạn muốn tôi {action} phải không? Hãy nói có hoặc không.",
+}
+UNSURE_REASON = "not sure I heard that right"
+_ACTION_VERBS = frozenset(
+    [
+        *("set", "turn", "switch", "change", "make", "put", "play", "stop", "start", "open"),
+        *("close", "reboot", "restart", "toggle"),
+    ]
+)
 CANCELLED = {"en": "OK, I did not run {tool}.", "vi": "Được, tôi đã không chạy {tool}."}
 DONE = {"en": "Done: {tool} → {result}", "vi": "Đã xong: {tool} → {result}"}
 # The device's own error goes to the front end in the mcp_tool error event, never into speech.
@@ -87,9 +100,35 @@ def answer_kind(text: str) -> Literal["yes", "no", "other"]:
 
 def question(language: Language, pending: PendingConfirmation, arguments_text: str) -> str:
     """The question asking the user to confirm this call, in their language."""
+    if pending.reason == UNSURE_REASON:
+        action = spoken_action(pending.tool, pending.arguments)
+        if language == "vi":
+            action = f"thực hiện {action}"
+        return HEARD_QUESTION[language].format(action=action)
     return QUESTION[language].format(
         tool=pending.tool, arguments=arguments_text, reason=pending.reason
     )
+
+
+def spoken_action(tool: str, arguments: dict[str, Any]) -> str:
+    """A tool call as words: ("self.screen.set_brightness", {"brightness": 3}) -> "set the
+    screen brightness to 3"; ("self.led.set", {"on": True}) -> "set the LED on"."""
+    parts = [p for p in tool.split(".") if p and p != "self"]
+    words = [w for p in parts for w in p.lower().split("_") if w and w != "audio"]
+    verb = next((w for w in words if w in _ACTION_VERBS), None)
+    things = [w for w in words if w != verb]
+    said = [verb or "use"]
+    if things:
+        said += ["the", *(w.upper() if len(w) <= 3 else w for w in things)]
+    rest = []
+    for name, value in arguments.items():
+        if isinstance(value, bool):
+            rest.append("on" if value else "off")
+        elif name.lower() in things and not rest:
+            rest.append(f"to {value}")
+        else:
+            rest.append(f"with {name.replace('_', ' ')} {value}")
+    return " ".join(said + rest)
 
 
 class ConfirmationBook:

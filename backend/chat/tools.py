@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import structlog
 
+from backend.chat.confirm import UNSURE_REASON
 from backend.chat.llm.base import FunctionSpec
 from backend.devices.errors import ConfirmationRequired
 from backend.errors import BridgeError
@@ -204,3 +205,67 @@ class NoTools:
     ) -> ToolOutcome:
         """An error outcome: there is no function to call."""
         return ToolOutcome(f"error: there is no function {llm_name!r}", is_error=True, failed=True)
+
+
+# Verbs that start a tool name that only reads ("self.get_device_status", "read_sensor").
+_READ_VERBS = ("get", "read", "list", "show", "check", "query", "describe", "fetch")
+
+
+def reads_only(tool: str, annotations: dict[str, Any] | None = None) -> bool:
+    """Whether a tool only reads: its MCP annotations say `readOnlyHint: true`, or its name's
+    last part starts with a reading verb ("self.get_device_status")."""
+    if annotations and annotations.get("readOnlyHint") is True:
+        return True
+    last = tool.rsplit(".", 1)[-1].lower()
+    return last.split("_", 1)[0] in _READ_VERBS
+
+
+class AskBeforeChanging:
+    """A toolbox for a turn whose words the recognizer was not sure of: every tool that may
+    change something comes back unrun with `needs_confirmation`, so the user is asked ("Did
+    you want me to set the screen brightness to 3?") and it runs only after a "yes". Reading
+    tools run. A misheard sentence may cost a question, never a device change."""
+
+    def __init__(self, inner: ToolBox) -> None:
+        self.inner = inner
+
+    @property
+    def unavailable_reason(self) -> str | None:
+        """The inner toolbox's."""
+        return self.inner.unavailable_reason
+
+    def functions(self) -> list[FunctionSpec]:
+        """The inner toolbox's functions."""
+        return self.inner.functions()
+
+    def external_functions(self) -> list[FunctionSpec]:
+        """The inner toolbox's external functions."""
+        return self.inner.external_functions()
+
+    def device_tool_name(self, llm_name: str) -> str:
+        """The inner toolbox's name for it."""
+        return self.inner.device_tool_name(llm_name)
+
+    async def call(
+        self, llm_name: str, arguments: dict[str, Any], *, confirmed: bool = False
+    ) -> ToolOutcome:
+        """Reads run; changes wait for the user's "yes" (`confirmed`)."""
+        tool = self.inner.device_tool_name(llm_name)
+        if confirmed or reads_only(tool, self._annotations(tool)):
+            return await self.inner.call(llm_name, arguments, confirmed=confirmed)
+        return ToolOutcome(
+            f"not run yet: {UNSURE_REASON}; the user is asked to confirm",
+            is_error=True,
+            failed=True,
+            needs_confirmation=UNSURE_REASON,
+        )
+
+    def _annotations(self, tool: str) -> dict[str, Any] | None:
+        source = getattr(self.inner, "source", None)
+        if source is None:
+            return None
+        for known in source.tool_list(include_user_only=False):
+            if known.name == tool:
+                annotations: dict[str, Any] | None = known.annotations
+                return annotations
+        return None

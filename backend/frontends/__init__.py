@@ -16,7 +16,7 @@ from backend.chat import CHAT_MIGRATIONS, ChatService, SqliteMemoryStore
 from backend.config import Settings
 from backend.devices import DeviceRegistry
 from backend.devices.conversation import ConversationHub
-from backend.frontends.device_chat import DeviceChat
+from backend.dialogue.device_chat import DeviceChat
 from backend.frontends.voice import build_voice
 from backend.keys import KEYS_MIGRATIONS, KeyStore
 from backend.mcp_servers.hub import McpServerHub
@@ -64,7 +64,7 @@ class FrontEnds:
         await self.keys.load()
         await self.mcp.start()
         self.device_chat.start()
-        self.voice.start()
+        await self.voice.start()
 
     async def stop_sessions(self) -> None:
         """Cancel device turns and end `/mcp` sessions (before the HTTP server drains)."""

@@ -7,7 +7,7 @@ import structlog
 from backend.config import Settings
 from backend.devices import DeviceRegistry
 from backend.devices.conversation import ConversationHub
-from backend.frontends.device_chat import DeviceChat
+from backend.dialogue.device_chat import DeviceChat
 from backend.voice import missing_voice_packages
 from backend.voice.errors import VoiceUnavailable
 
@@ -18,8 +18,8 @@ class VoiceLoop(Protocol):
     """What the bridge starts and stops for voice: the voice service or the notice that
     stands in."""
 
-    def start(self) -> None:
-        """Subscribe to the devices."""
+    async def start(self) -> None:
+        """Load what it needs and subscribe to the devices."""
 
     async def stop(self) -> None:
         """Unsubscribe and release what it holds."""
@@ -48,7 +48,7 @@ def _unavailable_reason(settings: Settings) -> str | None:
         return "voice is turned off on this bridge (voice_enabled = false)"
     if settings.asr_provider == "none" or settings.tts_provider == "none":
         return "speech recognition or synthesis is turned off (asr_provider/tts_provider)"
-    missing = missing_voice_packages()
+    missing = missing_voice_packages(embedded_recognizer=settings.asr_provider == "embedded")
     if missing:
         return "voice packages missing: " + ", ".join(missing) + " (pip install '.[voice]')"
     return None
@@ -57,8 +57,8 @@ def _unavailable_reason(settings: Settings) -> str | None:
 def _voice_service(
     settings: Settings, hub: ConversationHub, registry: DeviceRegistry, device_chat: DeviceChat
 ) -> VoiceLoop:
-    from backend.voice.asr import recognizer_from_settings
-    from backend.voice.asr_phrases import command_phrases
+    from backend.voice.recognition import recognizer_from_settings
+    from backend.voice.recognition.vocabulary import prompt_for
     from backend.voice.service import VoiceService
     from backend.voice.tts import synthesizer_from_settings
 
@@ -66,6 +66,4 @@ def _voice_service(
     synthesizer = synthesizer_from_settings(settings)
     if recognizer is None or synthesizer is None:
         raise VoiceUnavailable("speech recognition or synthesis is turned off")
-    return VoiceService(
-        settings, hub, registry, device_chat, recognizer, synthesizer, command_phrases
-    )
+    return VoiceService(settings, hub, registry, device_chat, recognizer, synthesizer, prompt_for)

@@ -1,11 +1,24 @@
-"""The voice loop wired to the device conversation API and the device chat.
+"""The voice path of every device, stage by stage, wired to the conversation hub and the dialogue.
 
-`VoiceService` subscribes to what devices say (listen, audio, abort, end) and keeps a
-`VoiceSession` for each device that has started listening (at most `voice_max_sessions`). A
-recognized utterance becomes a device-chat turn (`DeviceChat.start_turn`); the chat asks this
-service for each turn's `Answer` (`answer_for`), which speaks through the synthesizer with the
-playout clock. Speech detected while the bridge speaks in realtime mode interrupts the answer
-(barge-in). A channel that hears nothing for `voice_idle_close_s` is closed with a goodbye.
+    uplink packets ─► Listener ─► Utterance ─► recognition ─► Transcript ─► DeviceChat turn
+    (hub: listen,     decode,      16 kHz PCM   bounded pool,   text, sure?   (backend/dialogue)
+     audio, abort)    endpoint                  early guess                         │
+                                                                                    ▼
+    downlink frames ◄── SpokenAnswer (backend/voice/speech.py) ◄── sentences of the answer
+                        synthesize, encode, playout clock
+
+`VoiceService` keeps a `Listener` for each device that has started listening (at most
+`voice_max_sessions`). A finished `Utterance` is recognized (one at a time per device: a newer
+one replaces an older one still waiting) and handed to the dialogue as a turn; the dialogue asks
+this service for each turn's spoken `Answer`. While the silence wait runs, the utterance as it
+would end is recognized early when the recognizer is idle; if the utterance ends with the same
+audio, that result is used and the wait costs nothing more.
+
+What the user hears when recognition cannot help: "One moment." when their utterance waits
+behind others for more than `ONE_MOMENT_S`; an apology when the queue is full; "Sorry, I did
+not catch that" when nothing was understood. Speech detected while the bridge speaks in
+realtime mode interrupts the answer (barge-in). A channel that hears nothing for
+`voice_idle_close_s` is closed with a goodbye.
 
 `VoiceUnavailableNotice` stands in when the voice packages are missing or voice is off: a
 device that starts talking is told why it gets no spoken answer, and so is the operator's log.
@@ -14,7 +27,8 @@ device that starts talking is told why it gets no spoken answer, and so is the o
 import asyncio
 import contextlib
 import time
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -22,14 +36,19 @@ import structlog
 from backend.config import Settings
 from backend.devices import DeviceRegistry
 from backend.devices.conversation import Conversation, ConversationHub, Unsubscribe
+from backend.dialogue import Answer, DeviceChat, TurnTimings
 from backend.errors import BridgeError
-from backend.frontends.device_chat import Answer, DeviceChat
 from backend.logs import DeviceBudgets, LogBudget
 from backend.protocol import Abort, AudioFrame, Listen
-from backend.voice.asr import RecognitionHints, Recognizer, Transcript
-from backend.voice.session import SessionLimits, VoiceSession
+from backend.voice.listener import Listener, ListenLimits, Utterance
+from backend.voice.recognition import (
+    RecognitionFailed,
+    RecognitionHints,
+    Recognizer,
+    RecognizerBusy,
+    Transcript,
+)
 from backend.voice.speech import Pacing, SpokenAnswer
-from backend.voice.timings import TurnTimings
 from backend.voice.tts import Synthesizer
 from backend.voice.vad import SileroPool
 
@@ -38,12 +57,25 @@ log = structlog.get_logger("voice")
 NOT_UNDERSTOOD = "Sorry, I did not catch that. Please say it again."
 GOODBYE = "Goodbye."
 BUSY = "Sorry, I cannot listen right now. Please try again in a moment."
+TOO_BUSY = "Sorry, I am busy right now. Please say that again in a moment."
+ONE_MOMENT = "One moment."
+ONE_MOMENT_S = 1.0  # a wait for the recognizer longer than this is announced
 IDLE_CHECK_S = 1.0
-PHRASE_SETS_KEPT = 32  # grammar phrases of this many device models
+PROMPTS_KEPT = 32  # recognizer prompts of this many device models (tool sets)
+
+PromptFor = Callable[[list[Any]], str]
+
+
+class _Recognition:
+    """One device's utterance being recognized: the task, and the audio it hears."""
+
+    def __init__(self, pcm: bytes, task: "asyncio.Task[Transcript]") -> None:
+        self.pcm = pcm
+        self.task = task
 
 
 class VoiceService:
-    """The voice loop: a `VoiceSession` per talking device, spoken answers for the device chat."""
+    """The voice path: a `Listener` per talking device, recognition, spoken answers."""
 
     def __init__(
         self,
@@ -53,7 +85,7 @@ class VoiceService:
         device_chat: DeviceChat,
         recognizer: Recognizer,
         synthesizer: Synthesizer,
-        phrases_for: Any = None,
+        prompt_for: PromptFor | None = None,
     ) -> None:
         self.settings = settings
         self.hub = hub
@@ -61,22 +93,26 @@ class VoiceService:
         self.device_chat = device_chat
         self.recognizer = recognizer
         self.synthesizer = synthesizer
-        self._phrases_for = phrases_for
-        self._phrases: dict[str, Any] = {}
+        self._prompt_for = prompt_for
+        self._prompts: OrderedDict[str, str] = OrderedDict()
         self.pool = SileroPool(settings.voice_max_sessions)
         self.pacing = Pacing(settings.voice_lead_frames, settings.voice_stop_margin_ms / 1000)
-        self._limits = SessionLimits(
+        self._limits = ListenLimits(
             settings.voice_silence_ms, settings.voice_max_utterance_s * 1000
         )
-        self.sessions: dict[str, VoiceSession] = {}
+        self.listeners: dict[str, Listener] = {}
+        self._recognizing: dict[str, _Recognition] = {}  # per device: the latest utterance
+        self._early: dict[str, _Recognition] = {}  # per device: a guess made during the pause
         self.answers: deque[SpokenAnswer] = deque(maxlen=64)  # the last few, for benchmarks
+        self.languages: Callable[[str], str | None] = lambda _device_id: None
         self._unsubscribe: list[Unsubscribe] = []
         self._logs = DeviceBudgets(burst=5)
         self._idle_task: asyncio.Task[None] | None = None
         device_chat.voice = self
 
-    def start(self) -> None:
-        """Subscribe to the devices' listen, audio, abort and end, and start the idle watch."""
+    async def start(self) -> None:
+        """Load the models, subscribe to the devices and start the idle watch."""
+        await self.recognizer.start()
         self._unsubscribe = [
             self.hub.on_listen(self._on_listen),
             self.hub.on_audio(self._on_audio),
@@ -89,8 +125,7 @@ class VoiceService:
         )
 
     async def stop(self) -> None:
-        """Unsubscribe, stop the idle watch, close every session, the recognizer and the
-        synthesizer."""
+        """Unsubscribe, stop the idle watch, close every listener and the engines."""
         for unsubscribe in self._unsubscribe:
             unsubscribe()
         self._unsubscribe = []
@@ -98,17 +133,21 @@ class VoiceService:
             self._idle_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._idle_task
-        for session in self.sessions.values():
-            session.close()
-        self.sessions.clear()
+        for listener in self.listeners.values():
+            listener.close()
+        self.listeners.clear()
+        pending = [r.task for r in (*self._recognizing.values(), *self._early.values())]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
         self.pool.close()
         await self.recognizer.aclose()
         await self.synthesizer.aclose()
 
-    # ---- the device chat's side -------------------------------------------------------------
+    # ---- the dialogue's side ----------------------------------------------------------------
 
     def answer_for(self, conversation: Conversation, timings: TurnTimings) -> Answer | None:
-        """The spoken `Answer` of a chat turn on this conversation (the chat calls it per turn)."""
+        """The spoken `Answer` of a turn on this conversation (the dialogue calls it per turn)."""
         answer = SpokenAnswer(conversation, self.synthesizer, self.pacing, timings)
         self.answers.append(answer)
         return answer
@@ -116,40 +155,41 @@ class VoiceService:
     # ---- hub handlers -----------------------------------------------------------------------
 
     def _on_listen(self, conversation: Conversation, listen: Listen) -> None:
-        device_id = conversation.device_id
-        session = self.sessions.get(device_id)
+        listener = self.listeners.get(conversation.device_id)
         if listen.state == "start":
-            session = session or self._open(conversation)
-            if session is not None:
-                session.start(listen.mode or "auto")
-        elif session is not None:
-            session.stop() if listen.state == "stop" else session.detect()
+            listener = listener or self._open(conversation)
+            if listener is not None:
+                listener.start(listen.mode or "auto")
+        elif listener is not None:
+            listener.stop() if listen.state == "stop" else listener.detect()
 
     def _on_audio(self, conversation: Conversation, frame: AudioFrame) -> None:
-        session = self.sessions.get(conversation.device_id)
-        if session is None:
+        listener = self.listeners.get(conversation.device_id)
+        if listener is None:
             self._log(conversation.device_id).info(
                 "audio without listen start dropped", device_id=conversation.device_id
             )
             return
-        session.audio(frame.payload, self.device_chat.speaking(conversation.device_id))
+        listener.audio(frame.payload, self.device_chat.speaking(conversation.device_id))
 
     def _on_abort(self, conversation: Conversation, _abort: Abort) -> None:
-        session = self.sessions.get(conversation.device_id)
-        if session is not None:
-            session.abort()
+        listener = self.listeners.get(conversation.device_id)
+        if listener is not None:
+            listener.abort()
+        self._cancel_recognition(conversation.device_id)
 
     def _on_ended(self, conversation: Conversation, _reason: str) -> None:
-        session = self.sessions.pop(conversation.device_id, None)
-        if session is not None:
-            session.close()
+        listener = self.listeners.pop(conversation.device_id, None)
+        if listener is not None:
+            listener.close()
+        self._cancel_recognition(conversation.device_id)
         self._logs.flush(conversation.device_id)
 
-    # ---- sessions ---------------------------------------------------------------------------
+    # ---- listeners --------------------------------------------------------------------------
 
-    def _open(self, conversation: Conversation) -> VoiceSession | None:
+    def _open(self, conversation: Conversation) -> Listener | None:
         device_id = conversation.device_id
-        if len(self.sessions) >= self.settings.voice_max_sessions:
+        if len(self.listeners) >= self.settings.voice_max_sessions:
             self._log(device_id).warning(
                 "voice session refused: too many talking devices",
                 device_id=device_id,
@@ -157,71 +197,161 @@ class VoiceService:
             )
             self.device_chat.say(conversation, BUSY, "sad")
             return None
-        session = VoiceSession(
+        listener = Listener(
             conversation,
-            self.recognizer,
             self.pool,
             self._limits,
-            hints=lambda: self._hints(device_id),
-            on_utterance=self._on_utterance,
+            on_utterance=lambda utterance: self._on_utterance(conversation, utterance),
             on_speech=lambda: self._on_speech(device_id),
+            on_pause=lambda utterance: self._on_pause(conversation, utterance),
             log=self._log(device_id),
         )
-        self.sessions[device_id] = session
-        return session
-
-    def _hints(self, device_id: str) -> RecognitionHints:
-        language = self.settings.asr_language
-        if self._phrases_for is None:
-            return RecognitionHints((), language)
-        try:
-            tool_set = self.registry.require(device_id).tools
-        except BridgeError:
-            return RecognitionHints(self._phrases_for(()), language)
-        phrases = self._phrases.get(tool_set.digest)
-        if phrases is None:  # devices of one model share their tool set: computed once
-            phrases = self._phrases_for(tool_set.tools)
-            if len(self._phrases) >= PHRASE_SETS_KEPT:
-                del self._phrases[next(iter(self._phrases))]  # the oldest
-            self._phrases[tool_set.digest] = phrases
-        return RecognitionHints(phrases, language)
+        self.listeners[device_id] = listener
+        return listener
 
     def _on_speech(self, device_id: str) -> None:
-        session = self.sessions.get(device_id)
-        realtime = session is not None and session.mode == "realtime"
+        self._drop_early(device_id)  # the pause was not the end
+        listener = self.listeners.get(device_id)
+        realtime = listener is not None and listener.mode == "realtime"
         if realtime and self.device_chat.speaking(device_id):
             self.device_chat.interrupt(device_id, "interrupted by speech (barge-in)")
 
-    def _on_utterance(
-        self, conversation: Conversation, transcript: Transcript, timings: TurnTimings
+    # ---- recognition ------------------------------------------------------------------------
+
+    def hints(self, device_id: str) -> RecognitionHints:
+        """The prompt and language the recognizer hears this device's utterances with."""
+        language = self.languages(device_id) or self.settings.asr_language
+        if language is None:
+            language = self.device_chat.language_of(device_id) or "en"
+        return RecognitionHints(self._prompt(device_id), language)
+
+    def _prompt(self, device_id: str) -> str:
+        if self._prompt_for is None:
+            return ""
+        try:
+            tool_set = self.registry.require(device_id).tools
+        except BridgeError:
+            return self._prompt_for([])
+        prompt = self._prompts.get(tool_set.digest)
+        if prompt is None:  # devices of one model share their tool set: built once
+            prompt = self._prompt_for(list(tool_set.tools))
+            self._prompts[tool_set.digest] = prompt
+            if len(self._prompts) > PROMPTS_KEPT:
+                self._prompts.popitem(last=False)
+        return prompt
+
+    def _on_pause(self, conversation: Conversation, utterance: Utterance) -> None:
+        """The user paused: recognize what was said so far, if the recognizer is idle."""
+        device_id = conversation.device_id
+        if self.recognizer.backlog_s() > 0 or device_id in self._early:
+            return
+        task = self._recognize_task(device_id, utterance.pcm, "early")
+        self._early[device_id] = _Recognition(utterance.pcm, task)
+
+    def _on_utterance(self, conversation: Conversation, utterance: Utterance) -> None:
+        device_id = conversation.device_id
+        self._cancel_recognition(device_id, keep_early=True)
+        early = self._early.pop(device_id, None)
+        if early is not None and early.pcm == utterance.pcm:
+            task = early.task  # the pause was the end: its guess is the answer
+        else:
+            if early is not None:
+                early.task.cancel()
+            if self.recognizer.backlog_s() > ONE_MOMENT_S:
+                self.device_chat.say(conversation, ONE_MOMENT, "thinking")
+            task = self._recognize_task(device_id, utterance.pcm, "final")
+        self._recognizing[device_id] = _Recognition(utterance.pcm, task)
+        task.add_done_callback(lambda done: self._heard(conversation, utterance, done))
+
+    def _recognize_task(self, device_id: str, pcm: bytes, kind: str) -> "asyncio.Task[Transcript]":
+        hints = self.hints(device_id)
+        return asyncio.get_running_loop().create_task(
+            self.recognizer.recognize(pcm, hints), name=f"voice-asr-{kind} {device_id}"
+        )
+
+    def _heard(
+        self, conversation: Conversation, utterance: Utterance, task: "asyncio.Task[Transcript]"
+    ) -> None:
+        device_id = conversation.device_id
+        current = self._recognizing.get(device_id)
+        if current is not None and current.task is task:
+            del self._recognizing[device_id]
+        if task.cancelled():
+            return
+        timings = utterance.timings
+        timings.mark("recognized")
+        error = task.exception()
+        if isinstance(error, RecognizerBusy):
+            self._log(device_id).warning(
+                "utterance refused: the recognizer is busy", device_id=device_id
+            )
+            self.device_chat.say(conversation, TOO_BUSY, "sad")
+            return
+        if isinstance(error, RecognitionFailed):
+            self._log(device_id).warning(
+                "utterance not recognized", device_id=device_id, error=str(error)
+            )
+            self.device_chat.say(conversation, NOT_UNDERSTOOD, "confused")
+            return
+        if error is not None:
+            log.error("recognition failed", device_id=device_id, exc_info=error)
+            self.device_chat.say(conversation, NOT_UNDERSTOOD, "confused")
+            return
+        self._answer(conversation, task.result(), utterance)
+
+    def _answer(
+        self, conversation: Conversation, transcript: Transcript, utterance: Utterance
     ) -> None:
         text = transcript.text.strip()
-        device_id = conversation.device_id
         log.info(
             "utterance recognized",
-            device_id=device_id,
+            device_id=conversation.device_id,
             engine=transcript.engine,
+            language=transcript.language,
             chars=len(text),
+            sure=transcript.sure,
+            confidence=transcript.confidence,
+            audio_ms=round(utterance.duration_ms),
+            ended_by=utterance.why,
             fallback_reason=transcript.fallback_reason,
-            **timings.report(),
+            **utterance.timings.report(),
         )
         if not text:
             self.device_chat.say(conversation, NOT_UNDERSTOOD, "confused")
             return
-        self.device_chat.start_turn(conversation, text, timings)
+        self.device_chat.start_turn(
+            conversation, text, utterance.timings, unsure=not transcript.sure
+        )
+
+    def _cancel_recognition(self, device_id: str, *, keep_early: bool = False) -> None:
+        current = self._recognizing.pop(device_id, None)
+        if current is not None:
+            current.task.cancel()
+        if not keep_early:
+            self._drop_early(device_id)
+
+    def _drop_early(self, device_id: str) -> None:
+        early = self._early.pop(device_id, None)
+        if early is not None:
+            early.task.cancel()
+
+    # ---- idle channels ----------------------------------------------------------------------
 
     async def _close_idle_channels(self) -> None:
         idle_s = self.settings.voice_idle_close_s
         while True:
             await asyncio.sleep(min(IDLE_CHECK_S, idle_s))
             now = time.monotonic()
-            for device_id, session in list(self.sessions.items()):
-                busy = self.device_chat.running(device_id) is not None
+            for device_id, listener in list(self.listeners.items()):
+                busy = (
+                    self.device_chat.running(device_id) is not None
+                    or device_id in self._recognizing
+                )
                 if busy:
-                    session.last_heard = now
-                elif session.listening and now - session.last_heard >= idle_s:
-                    session.listening = False
-                    self._goodbye(session.conversation)
+                    listener.last_heard = now
+                elif listener.listening and now - listener.last_heard >= idle_s:
+                    listener.listening = False
+                    self._goodbye(listener.conversation)
 
     def _goodbye(self, conversation: Conversation) -> None:
         log.info("voice channel idle; closing", device_id=conversation.device_id)
@@ -252,7 +382,7 @@ class VoiceUnavailableNotice:
         self._unsubscribe: list[Unsubscribe] = []
         self._logged = False
 
-    def start(self) -> None:
+    async def start(self) -> None:
         """Subscribe to the devices' listen messages."""
         self._unsubscribe = [
             self.hub.on_listen(self._on_listen),

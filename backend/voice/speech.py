@@ -18,11 +18,11 @@ import structlog
 
 from backend.chat.language import detect_language
 from backend.devices.conversation import Conversation
+from backend.dialogue.timings import TurnTimings
 from backend.errors import BridgeError
 from backend.voice.audio import frame_bytes
 from backend.voice.codec import downlink_encoder
 from backend.voice.playout import PlayoutClock
-from backend.voice.timings import TurnTimings
 from backend.voice.tts import Synthesizer, speakable
 
 log = structlog.get_logger("voice.speech")

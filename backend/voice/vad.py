@@ -176,6 +176,7 @@ class SpeechDetector:
         self._window_pending = b""
         self._onset = 0
         self._silent_windows = 0
+        self._gate_silent_ms = 0.0
         self._unvoiced_windows = 0
         self._end_windows = max(1, round(silence_ms / WINDOW_MS))
         self.speaking = False
@@ -194,6 +195,7 @@ class SpeechDetector:
         self._preroll.clear()
         self._window_pending = b""
         self._onset = self._silent_windows = self._unvoiced_windows = 0
+        self._gate_silent_ms = 0.0
         self._waited_frames = 0
         self.speaking = False
 
@@ -206,9 +208,10 @@ class SpeechDetector:
         if self._model is None:
             triggered = self._gate_feed(pcm)
             if not triggered:
-                return self._gate_only_end() if self.speaking else None
+                return self._gate_only_end(pcm) if self.speaking else None
             if self.speaking:  # gate-only utterance continues
                 self._silent_windows = 0
+                self._gate_silent_ms = 0.0
                 return None
             self._model = self._pool.acquire()
             if self._model is None:
@@ -216,6 +219,7 @@ class SpeechDetector:
                 if self._waited_frames < MODEL_WAIT_FRAMES:
                     return None  # the pre-roll keeps the audio until a model is ready
                 self.degraded, self.speaking, self._silent_windows = True, True, 0
+                self._gate_silent_ms = 0.0
                 return VadEvent.SPEECH_START
             self._waited_frames = 0
             self.degraded = False
@@ -236,10 +240,11 @@ class SpeechDetector:
             )
         return sum(self._gate_votes) >= GATE_TRIGGER
 
-    def _gate_only_end(self) -> VadEvent | None:
-        self._silent_windows += 1  # one 60 ms frame, counted in frames
-        if self._silent_windows * 60 >= self._end_windows * WINDOW_MS:
-            self.speaking, self._silent_windows = False, 0
+    def _gate_only_end(self, pcm: bytes) -> VadEvent | None:
+        self._silent_windows += 1  # in_silence: one silent frame, whatever its length
+        self._gate_silent_ms += len(pcm) * 1000 / (RATE * 2)
+        if self._gate_silent_ms >= self._end_windows * WINDOW_MS:
+            self.speaking, self._silent_windows, self._gate_silent_ms = False, 0, 0.0
             self._gate_votes.clear()
             return VadEvent.SPEECH_END
         return None

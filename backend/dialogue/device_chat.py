@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import re
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
@@ -34,6 +35,7 @@ import structlog
 
 from backend.chat import (
     MAX_QUERY_CHARS,
+    AskBeforeChanging,
     ChatEvent,
     ChatService,
     DeviceToolBox,
@@ -45,21 +47,23 @@ from backend.chat import (
     ToolFailed,
     TurnRequest,
 )
+from backend.chat.language import detect_language
 from backend.chat.text import replace_surrogates, sentences
 from backend.devices import DeviceRegistry
 from backend.devices.conversation import Conversation as DeviceConversation
 from backend.devices.conversation import ConversationHub, Unsubscribe
 from backend.devices.registry import EventKind
+from backend.dialogue.timings import TurnTimings
 from backend.errors import BridgeError
 from backend.logs import DeviceBudgets, LogBudget
 from backend.mcp_servers.hub import McpServerHub
 from backend.metrics import record_voice_turn
 from backend.protocol import Abort, Listen
-from backend.voice.timings import TurnTimings
 
 log = structlog.get_logger("device_chat")
 
 SORRY = "Sorry, something went wrong. Please try again."
+LANGUAGES_KEPT = 10_000  # devices whose last turn's language is remembered
 # A sentence end (as `backend.chat.text.sentences` splits) with more text after it.
 _FOLLOWED_SENTENCE_END = re.compile(r"(?:(?<=[.!?…])\s+|\n+)(?=\S)")
 _MARKDOWN = re.compile(r"[*`#]+|^\s*[-•]\s+", re.MULTILINE)
@@ -203,6 +207,9 @@ class DeviceChat:
         self.voice = voice
         self._turns: dict[str, asyncio.Task[None]] = {}
         self._answers: dict[str, Answer] = {}
+        # The language of each device's last turn (outlives its links: a stock device connects
+        # anew for each conversation); the voice path's "auto" language reads it.
+        self._languages: OrderedDict[str, str] = OrderedDict()
         self._unsubscribe: list[Unsubscribe] = []
         # Per device: a device that keeps detecting and aborting costs a few lines, then counts.
         self._logs = DeviceBudgets(burst=5)  # outlives links: reconnecting buys no fresh burst
@@ -244,10 +251,29 @@ class DeviceChat:
         )
 
     def start_turn(
-        self, conversation: DeviceConversation, text: str, timings: TurnTimings | None = None
+        self,
+        conversation: DeviceConversation,
+        text: str,
+        timings: TurnTimings | None = None,
+        *,
+        unsure: bool = False,
     ) -> asyncio.Task[None]:
-        """Answer `text` (typed or recognized) on the device, replacing its running turn."""
-        return self._replace_turn(conversation, lambda: self._turn(conversation, text, timings))
+        """Answer `text` (typed or recognized) on the device, replacing its running turn.
+        `unsure`: the recognizer doubted the words, so nothing on the device changes without
+        the user's "yes" (`AskBeforeChanging`)."""
+        return self._replace_turn(
+            conversation, lambda: self._turn(conversation, text, timings, unsure)
+        )
+
+    def language_of(self, device_id: str) -> str | None:
+        """The language of the device's last turn ("en", "vi"), None before its first."""
+        return self._languages.get(device_id)
+
+    def _note_language(self, device_id: str, text: str) -> None:
+        self._languages[device_id] = detect_language(text)
+        self._languages.move_to_end(device_id)
+        while len(self._languages) > LANGUAGES_KEPT:
+            self._languages.popitem(last=False)
 
     def say(
         self, conversation: DeviceConversation, text: str, emotion: str = "neutral"
@@ -336,7 +362,11 @@ class DeviceChat:
     # ---- one turn ---------------------------------------------------------------------------
 
     async def _turn(
-        self, conversation: DeviceConversation, text: str, timings: TurnTimings | None
+        self,
+        conversation: DeviceConversation,
+        text: str,
+        timings: TurnTimings | None,
+        unsure: bool = False,
     ) -> None:
         device_id = conversation.device_id
         structlog.contextvars.bind_contextvars(device_id=device_id)
@@ -352,6 +382,9 @@ class DeviceChat:
             toolbox: ToolBox | None = DeviceToolBox(device, actor=f"device:{device_id}")
             if self.servers is not None:
                 toolbox = self.servers.toolbox_for(None, device_id, toolbox)
+            if unsure and toolbox is not None:
+                toolbox = AskBeforeChanging(toolbox)
+            self._note_language(device_id, text)
             request = TurnRequest(text=text, device_id=device_id, conversation_id=conversation_id)
             events, spoken = await self._speak_stream(request, toolbox, answer, timings)
             done = next((event for event in events if isinstance(event, Done)), None)
