@@ -5,6 +5,7 @@ Values under secret-looking keys are masked, so tokens never reach the logs.
 """
 
 import functools
+import itertools
 import logging
 import re
 import sys
@@ -15,13 +16,21 @@ from typing import Any
 
 import structlog
 
-_SECRET_KEYS = ("token", "authorization", "password", "secret")
+# Words that name a secret in a field's name (`token`, `admin_token`, `api_key`, `password`),
+# and last words that make the field a measure of one instead (`first_token_ms`, `token_source`):
+# matched by whole words, so a timing or a count is never masked as if it were a secret.
+_SECRET_WORDS = frozenset({"token", "authorization", "password", "passwd", "secret", "apikey"})
+_MEASURE_WORDS = frozenset({"ms", "s", "count", "source", "len", "at"})
+_WORD = re.compile(r"[a-z0-9]+")
 
 
 @functools.cache
 def _is_secret_key(key: str) -> bool:
-    lowered = key.lower()
-    return any(secret in lowered for secret in _SECRET_KEYS)
+    words = _WORD.findall(re.sub(r"(?<=[a-z])(?=[A-Z])", "_", key).lower())
+    if not words or words[-1] in _MEASURE_WORDS:
+        return False
+    pairs = {a + b for a, b in itertools.pairwise(words)}
+    return bool(_SECRET_WORDS.intersection(words) or "apikey" in pairs)
 
 
 def redact_secrets(

@@ -123,7 +123,12 @@ def test_logs_mask_secret_fields(monkeypatch):
     configure_logging("info", "json")
     try:
         structlog.get_logger("t").info(
-            "handshake", authorization="Bearer xyz123", device_token="q9"
+            "handshake",
+            authorization="Bearer xyz123",
+            device_token="q9",
+            api_key="k7",
+            first_token_ms=812.5,  # a timing, not a secret
+            prompt_tokens=31,
         )
         logging.getLogger("plain").info("stdlib line")
     finally:
@@ -131,5 +136,7 @@ def test_logs_mask_secret_fields(monkeypatch):
         logging.getLogger().handlers.clear()
     lines = [json.loads(line) for line in stream.getvalue().splitlines()]
     assert lines[0]["authorization"] == "***" and lines[0]["device_token"] == "***"
+    assert lines[0]["api_key"] == "***"
     assert "xyz123" not in stream.getvalue() and "q9" not in stream.getvalue()
+    assert lines[0]["first_token_ms"] == 812.5 and lines[0]["prompt_tokens"] == 31
     assert lines[1]["event"] == "stdlib line"
