@@ -302,3 +302,13 @@ async def test_every_source_cited_for_bleeding_gums_is_about_gums_or_bleeding(
 
 def test_bleed_and_bleeding_are_one_term() -> None:
     assert kb_terms("bleed")[0] == kb_terms("bleeding")[0] == kb_terms("bleeds")[0] == "bleed"
+
+
+async def test_make_the_screen_dimmer_lowers_the_brightness_a_step(offline: ChatService) -> None:
+    device = FirmwareDevice()
+    before = device.hal.get_brightness()
+    events = await collect(
+        offline.run_turn(TurnRequest(text="make the screen dimmer"), DeviceToolBox(device))
+    )
+    assert ("self.screen.set_brightness", {"brightness": before - 10}) in started(events)
+    assert device.hal.get_brightness() == before - 10

@@ -62,6 +62,8 @@ _ACTION_VERBS = frozenset(
     ]
 )
 CANCELLED = {"en": "OK, I did not run {tool}.", "vi": "Được, tôi đã không chạy {tool}."}
+# ... as a voice says it: the change in words, not the tool's name (`spoken_action`).
+CANCELLED_SPOKEN = {"en": "OK, I did not {action}.", "vi": "Được, tôi đã hủy thao tác đó."}
 DONE = {"en": "Done: {tool} → {result}", "vi": "Đã xong: {tool} → {result}"}
 # The device's own error goes to the front end in the mcp_tool error event, never into speech.
 FAILED = {

@@ -3,9 +3,10 @@ CLI) consumes.
 
 A turn is an async stream of these, in this order: zero or more `Token`s interleaved with tool
 events (`ToolStarted` then `ToolCompleted` or `ToolFailed`), then at most one `Sources`, then
-exactly one `Done`. Tokens are the spoken answer only; the sources section (a heading and the
-numbered links) travels in `Sources` so that a voice front end does not read URLs aloud, while a
-text front end appends `Sources.section`. `Done.metadata.answer` is the full stored text.
+exactly one `Done`. Tokens are the spoken answer only (a token's `speech` says how a voice
+reads it when that differs from its text); the sources section (a heading and the numbered
+links) travels in `Sources` so that a voice front end does not read URLs aloud, while a text
+front end appends `Sources.section`. `Done.metadata.answer` is the full stored text.
 
 Every event is a frozen pydantic model with a `type` discriminator, so a front end serialises
 it with `event.model_dump(mode="json")` and a client parses it back with `parse_event`.
@@ -35,10 +36,21 @@ class _Event(BaseModel):
 
 
 class Token(_Event):
-    """A piece of the answer text, as the model (or the offline answerer) produced it."""
+    """A piece of the answer text, as the model (or the offline answerer) produced it.
+
+    `speech` is what a voice says for this piece when that differs from `text`: "" for text
+    meant for screens only (the offline note, "(Offline mode: ...)"), a sentence in words for
+    text that names tools and raw results ("Done: self.audio_speaker.set_volume → true" is said
+    "Volume set to 30."). None: the text is said as it is. Text front ends ignore it."""
 
     type: Literal["token"] = "token"
     text: str
+    speech: str | None = None
+
+    @property
+    def spoken(self) -> str:
+        """What a voice says for this piece."""
+        return self.text if self.speech is None else self.speech
 
 
 class ToolStarted(_Event):

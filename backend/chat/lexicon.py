@@ -143,6 +143,7 @@ CONCEPTS: Mapping[str, tuple[str, ...]] = {
         "sáng hơn",
         "tối hơn",
         "dim",
+        "dimmer",
         "brighter",
         "darker",
         "do sang",
@@ -276,6 +277,57 @@ VALUE_SYNONYMS: Mapping[str, tuple[str, ...]] = {
 }
 # How a canonical value is said back in Vietnamese ("Đã đổi sang giao diện tối").
 VALUE_NAMES_VI: Mapping[str, str] = {"dark": "tối", "light": "sáng"}
+
+# ---- questions about the device's state (backend/chat/device_state.py) -----------------------
+
+# topic -> phrases. "sound" and "tiếng" are left out: "the speed of sound", "bao nhiêu tiếng"
+# (how many hours) are not about the speaker.
+STATE_TOPICS: Mapping[str, tuple[str, ...]] = {
+    "volume": ("volume", "loud", "loudness", "speaker", "âm lượng", "am luong", "loa"),
+    "brightness": ("brightness", "bright", "backlight", "độ sáng", "do sang"),
+    "theme": (
+        *("theme", "dark mode", "light mode", "night mode", "giao diện", "giao dien"),
+        *("chế độ tối", "chế độ sáng", "che do toi", "che do sang"),
+    ),
+    "led": ("led", "leds", "đèn", "bóng đèn", "den led"),
+    # English "light" is the LED only beside on/off ("is the light on"; not "speed of light").
+    "light": ("light", "lights", "lamp"),
+    # Not "charge": "how much do you charge" is about money.
+    "battery": ("battery", "charging", "pin", "sạc", "dung lượng pin"),
+    "network": (
+        *("network", "wifi", "wi-fi", "wi fi", "internet", "connected", "connection", "online"),
+        *("signal", "mạng", "kết nối", "ket noi", "sóng", "sóng wifi"),
+    ),
+    "firmware": (
+        *("firmware", "version", "software", "phiên bản", "phien ban", "phần mềm", "phan mem"),
+    ),
+    # The firmware from a system information tool; the status as a whole without one.
+    "system": ("system info", "system information", "thông tin hệ thống", "thong tin he thong"),
+    "temperature": ("temperature", "how hot", "nhiệt độ", "nhiet do"),
+    "screen": ("screen", "display", "màn hình", "man hinh"),
+    "status": (
+        *("status", "state", "settings", "trạng thái", "tình trạng", "trang thai"),
+        *("tinh trang", "cài đặt"),
+    ),
+}
+# Words that make a clause a question (anywhere in it); "is/are/does..." only open one.
+QUESTION_WORDS = (
+    *("what", "what's", "whats", "how", "which", "tell me", "check", "show me", "current"),
+    *("currently", "do you know", "report", "bao nhiêu", "mấy", "thế nào", "như thế nào"),
+    *("ra sao", "gì", "nào", "hiện tại", "hiện giờ", "bây giờ", "kiểm tra", "cho biết", "xem"),
+    *("bao nhieu", "the nao", "hien tai", "hien gio", "bay gio", "kiem tra", "cho biet"),
+)
+# A Vietnamese yes/no question ends with one of these ("đèn có bật không"): then bật/tắt name
+# the state asked about, not a change.
+YES_NO_ENDINGS = ("không", "chưa", "à", "hả", "nhỉ", "hay không", "phải không")
+# A clause with one of these asks for a change, not a state, whatever else it says.
+CHANGE_WORDS = (
+    *("set", "turn", "switch", "make", "change", "put", "increase", "decrease", "raise"),
+    *("lower", "adjust", "mute", "unmute", "enable", "disable", "dim", "đặt", "chỉnh"),
+    *("điều chỉnh", "tăng", "giảm", "vặn", "đổi", "chuyển", "dat", "chinh", "tang", "giam"),
+    *("doi", "chuyen", "reboot", "restart", "khởi động lại"),
+)
+SWITCH_WORDS_VI = ("bật", "tắt", "mở", "bat", "tat")  # changes unless in a yes/no question
 CLAUSE_SPLIT = re.compile(
     r"\s*(?:[;?!]|,\s*(?:and|then|và|rồi|sau đó)\s+|,\s+|\s+(?:and then|and|then|also|"
     r"và|rồi|sau đó|đồng thời|with|plus)\s+)\s*",
@@ -320,6 +372,24 @@ class PhraseMatcher:
                 hits.append(Hit(phrase, start, end))
         hits.sort(key=lambda hit: hit.start)
         return hits
+
+
+def longest_matches(matchers: Mapping[str, PhraseMatcher], text: str) -> set[str]:
+    """The keys whose phrases a text has; where phrases of two keys overlap, the longest wins
+    ("light mode" is the theme, not the light)."""
+    spans: list[tuple[int, int, int, str]] = []
+    for key, matcher in matchers.items():
+        for hit in matcher.find(text):
+            spans.append((hit.start, hit.end, hit.end - hit.start, key))
+    spans.sort(key=lambda span: (-span[2], span[0]))
+    taken: list[tuple[int, int]] = []
+    found: set[str] = set()
+    for start, end, _length, key in spans:
+        if any(start < other_end and other_start < end for other_start, other_end in taken):
+            continue
+        taken.append((start, end))
+        found.add(key)
+    return found
 
 
 def _pattern(phrase: str) -> re.Pattern[str]:

@@ -14,17 +14,23 @@ clauses; device clauses become tool calls and the rest is answered as a question
 
 A level asked up or down without a value ("turn it up", "giảm âm lượng") moves by
 `LEVEL_STEP` from the level the device's status tool reports, within the tool's range; when it
-reports none, the user is asked for a value (from a guessed level, down could mean louder).
+reports none, the user is asked for a value (from a guessed level, down could mean louder). A
+step said with its size ("raise the volume by 10", "tăng âm lượng thêm 10") moves by that size.
+A question about the device's state ("what is the volume now", "is the light on") calls the
+device's reading tool, never one that changes it, and is answered in one sentence from what it
+reports (`device_state`).
 A device request no tool of the device serves ("reboot the device" where reboot is kept for the
 user) is answered as such, never refused as off-topic.
 """
 
+import dataclasses
 import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from backend.chat.device_state import asked_topics, has_topic, state_reply
 from backend.chat.lexicon import (
     ACTION_WORDS,
     AMBIGUOUS_DENTAL,
@@ -42,6 +48,7 @@ from backend.chat.lexicon import (
     VALUE_NAMES_VI,
     VALUE_SYNONYMS,
     PhraseMatcher,
+    longest_matches,
 )
 from backend.chat.llm.base import FunctionSpec
 from backend.chat.search import SearchResult, kb_terms
@@ -54,6 +61,17 @@ DEFAULT_LEVEL = 50  # the placeholder a detected step scores with, before the de
 _NUMBER = re.compile(r"(?<![\w.])(-?\d{1,4})(?:\s*(?:%|phần trăm|percent|phan tram))?(?![\w])")
 _QUOTED = re.compile(r"[\"'“”‘’`]([A-Za-z][\w-]{0,30})[\"'“”‘’`]")
 _NAME_SPLIT = re.compile(r"[^a-z0-9]+")
+# "by 10", "thêm 10" (more), "bớt 10" (less): the size of a step, not the level to set.
+_STEP_SIZE = re.compile(
+    r"(?<!\w)(?:by|thêm|bớt)\s+(\d{1,3})(?:\s*(?:%|percent|phần trăm))?(?!\w)", re.IGNORECASE
+)
+# Words of a tool's name that only read ("self_get_device_status"), or change something.
+_READ_WORDS = frozenset({"get", "read", "list", "show", "check", "query", "describe", "fetch"})
+_READ_NOUNS = frozenset({"status", "state", "info", "information"})
+_CHANGE_WORDS = frozenset(
+    {"set", "turn", "switch", "change", "toggle", "reboot", "restart", "upgrade", "reset"}
+    | {"erase", "update", "write", "delete", "play", "stop", "start", "open", "close", "clear"}
+)
 
 _concepts = {concept: PhraseMatcher(phrases) for concept, phrases in CONCEPTS.items()}
 _dental = PhraseMatcher(DENTAL_PHRASES)
@@ -70,19 +88,7 @@ _values = {value: PhraseMatcher(words) for value, words in VALUE_SYNONYMS.items(
 
 def concepts_in(text: str) -> set[str]:
     """Device concepts a text mentions; the longest phrase wins across concepts."""
-    spans: list[tuple[int, int, int, str]] = []
-    for concept, matcher in _concepts.items():
-        for hit in matcher.find(text):
-            spans.append((hit.start, hit.end, hit.end - hit.start, concept))
-    spans.sort(key=lambda span: (-span[2], span[0]))
-    taken: list[tuple[int, int]] = []
-    found: set[str] = set()
-    for start, end, _length, concept in spans:
-        if any(start < other_end and other_start < end for other_start, other_end in taken):
-            continue
-        taken.append((start, end))
-        found.add(concept)
-    return found
+    return longest_matches(_concepts, text)
 
 
 def dental_words(text: str) -> Literal["clear", "ambiguous"] | None:
@@ -126,6 +132,7 @@ class Intent:
     missing: tuple[str, ...] = ()  # required arguments the text did not give
     problem: str | None = None  # e.g. a value outside the tool's range
     step: Step | None = None  # "turn it up": `arguments` holds the step from DEFAULT_LEVEL
+    asked: tuple[str, ...] = ()  # a question about the device's state: its topics (volume...)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +143,7 @@ class Plan:
     rejected: list[Intent] = field(default_factory=list)  # device-like but below the threshold
     question: str = ""
     unserved: list[str] = field(default_factory=list)  # device requests no function serves
+    unanswered: list[str] = field(default_factory=list)  # state questions no reading tool answers
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,8 +203,11 @@ class IntentDetector:
         scored.sort(key=lambda item: (-item[0], item[1]))
         score, _position, profile, concept = scored[0]
         ambiguous = len(scored) > 1 and scored[1][0] == score
-        arguments, missing, problem, given = fill_arguments(text, profile.spec.parameters)
-        step = _step_for(text, profile.spec.parameters, missing) if problem is None else None
+        size = _STEP_SIZE.search(text)  # "by 10": not the level to set, so not a value
+        values = text if size is None else text[: size.start()] + text[size.end() :]
+        arguments, missing, problem, given = fill_arguments(values, profile.spec.parameters)
+        amount = LEVEL_STEP if size is None else int(size.group(1))
+        step = _step_for(text, profile.spec.parameters, missing, amount) if not problem else None
         if step is not None:
             arguments = {**arguments, step.argument: _moved(step, None)}
             missing = [name for name in missing if name != step.argument]
@@ -231,12 +242,48 @@ class IntentDetector:
         return bool(wanted - served)
 
     def status_function(self, functions: Sequence[FunctionSpec]) -> FunctionSpec | None:
-        """The function that reads the device's state without arguments, if there is one."""
+        """The function that reads the device's state without arguments, if there is one (a
+        name that only reads: a question must never reach a tool that changes something)."""
         for spec in functions:
-            required = spec.parameters.get("required")
-            if self.profile(spec).weights.get("status", 0.0) >= 1.0 and not required:
+            if self.profile(spec).weights.get("status", 0.0) >= 1.0 and _reads_only(spec):
                 return spec
         return None
+
+    def called(
+        self, llm_name: str, arguments: dict[str, Any], functions: Sequence[FunctionSpec]
+    ) -> Intent:
+        """A call chosen elsewhere (confirmed by the user, made by the model) as an intent, so
+        `device_reply` can say it in words: its concept is the strongest of the tool's name."""
+        spec = next((spec for spec in functions if spec.llm_name == llm_name), None)
+        weights = self.profile(spec).weights if spec is not None else {}
+        named = [c for c, weight in weights.items() if weight >= 1.0 and c in PRIMARY_CONCEPTS]
+        return Intent(llm_name, dict(arguments), 1.0, "", named[0] if named else "")
+
+    def reading_function(
+        self, functions: Sequence[FunctionSpec], topics: Sequence[str]
+    ) -> FunctionSpec | None:
+        """The function that answers a state question: the status tool, or a system
+        information tool (`get_system_info`) for the firmware or when there is no status tool."""
+        status = self.status_function(functions)
+        info = next((spec for spec in functions if _is_info(spec)), None)
+        if {"firmware", "system"} & set(topics) and info is not None:
+            return info
+        return status or info
+
+    def state_question(
+        self, clause: str, functions: Sequence[FunctionSpec], *, questioned: bool = False
+    ) -> Intent | None:
+        """The reading call for a question about the device's state ("what is the volume"),
+        or None when the clause is no such question. The call's `llm_name` is "" when no
+        function reads the device's state."""
+        if not functions or is_dental(clause):
+            return None  # no device to ask, or "how white are my teeth"
+        topics = asked_topics(clause, questioned=questioned)
+        if not topics:
+            return None
+        reader = self.reading_function(functions, topics)
+        name = reader.llm_name if reader is not None else ""
+        return Intent(name, {}, 1.0, clause, "status", asked=topics)
 
     def plan(self, text: str, functions: Sequence[FunctionSpec]) -> Plan:
         """Split a request into device calls (at or above the threshold) and a question."""
@@ -244,7 +291,18 @@ class IntentDetector:
         rejected: list[Intent] = []
         rest: list[str] = []
         unserved: list[str] = []
-        for clause in split_clauses(text) or [text]:
+        unanswered: list[str] = []
+        asking = False  # the clause before asked about the state ("... and the battery?")
+        for clause, questioned in _clauses(text):
+            questioned = questioned or (asking and has_topic(clause))
+            question = self.state_question(clause, functions, questioned=questioned)
+            asking = question is not None
+            if question is not None and not question.llm_name:
+                unanswered.append(clause)  # no tool reads the state: never guess with a setter
+                continue
+            if question is not None:
+                intents.append(question)
+                continue
             intent = self.detect(clause, functions)
             if intent is not None and intent.confidence >= self.threshold:
                 intents.append(intent)
@@ -254,11 +312,13 @@ class IntentDetector:
                 rejected.append(intent)
             else:
                 rest.append(clause)
-        return Plan(intents, rejected, ", ".join(rest), unserved)
+        return Plan(_merged(intents), rejected, ", ".join(rest), unserved, unanswered)
 
     def is_device_request(self, text: str, functions: Sequence[FunctionSpec]) -> bool:
         """Whether some clause asks for something these functions do (for the guardrail)."""
-        for clause in split_clauses(text) or [text]:
+        for clause, questioned in _clauses(text):
+            if self.state_question(clause, functions, questioned=questioned):
+                return True
             intent = self.detect(clause, functions)
             if intent is not None and (
                 intent.confidence >= self.threshold or _actions.find(clause)
@@ -267,6 +327,48 @@ class IntentDetector:
             if functions and self.unserved(clause, functions):
                 return True
         return False
+
+
+def _clauses(text: str) -> list[tuple[str, bool]]:
+    """The request's clauses, each with whether a "?" followed it ("volume?")."""
+    found: list[tuple[str, bool]] = []
+    position = 0
+    for clause in split_clauses(text) or [text]:
+        at = text.find(clause, position)
+        position = at + len(clause) if at >= 0 else position
+        found.append((clause, at >= 0 and text[position:].lstrip().startswith("?")))
+    return found
+
+
+def _merged(intents: list[Intent]) -> list[Intent]:
+    """Questions in a row to one reading tool as one call ("the volume and the battery")."""
+    merged: list[Intent] = []
+    for intent in intents:
+        last = merged[-1] if merged else None
+        if last is not None and last.asked and intent.asked and last.llm_name == intent.llm_name:
+            asked = tuple(dict.fromkeys((*last.asked, *intent.asked)))
+            merged[-1] = dataclasses.replace(last, asked=asked)
+        else:
+            merged.append(intent)
+    return merged
+
+
+def _name_words(spec: FunctionSpec) -> list[str]:
+    return [word for word in _NAME_SPLIT.split(spec.llm_name.lower()) if word]
+
+
+def _reads_only(spec: FunctionSpec) -> bool:
+    """A function without required arguments whose name only reads ("self_get_device_status")."""
+    words = _name_words(spec)
+    if spec.parameters.get("required") or not words or _CHANGE_WORDS & set(words):
+        return False
+    return bool(_READ_WORDS & set(words)) or words[-1] in _READ_NOUNS
+
+
+def _is_info(spec: FunctionSpec) -> bool:
+    """A system information tool ("self_get_system_info")."""
+    words = set(_name_words(spec))
+    return _reads_only(spec) and bool(words & {"info", "information", "version", "firmware"})
 
 
 def _properties(spec: FunctionSpec) -> dict[str, Any]:
@@ -322,8 +424,11 @@ def fill_arguments(
     return arguments, missing, problem, given
 
 
-def _step_for(text: str, schema: dict[str, Any], missing: Sequence[str]) -> Step | None:
-    """A step for the first missing numeric argument when the text says up or down only."""
+def _step_for(
+    text: str, schema: dict[str, Any], missing: Sequence[str], amount: int = LEVEL_STEP
+) -> Step | None:
+    """A step of `amount` for the first missing numeric argument when the text says up or down
+    only."""
     up, down = bool(_up.find(text)), bool(_down.find(text))
     if up == down:
         return None
@@ -335,7 +440,7 @@ def _step_for(text: str, schema: dict[str, Any], missing: Sequence[str]) -> Step
             low, high = prop.get("minimum"), prop.get("maximum")
             return Step(
                 name,
-                LEVEL_STEP if up else -LEVEL_STEP,
+                amount if up else -amount,
                 low if isinstance(low, int) and not isinstance(low, bool) else None,
                 high if isinstance(high, int) and not isinstance(high, bool) else None,
             )
@@ -359,16 +464,7 @@ def stepped(intent: Intent, current: int | None) -> Intent | None:
     if current is None:
         return None
     arguments = {**intent.arguments, intent.step.argument: _moved(intent.step, current)}
-    return Intent(
-        intent.llm_name,
-        arguments,
-        intent.confidence,
-        intent.clause,
-        intent.concept,
-        intent.missing,
-        intent.problem,
-        intent.step,
-    )
+    return dataclasses.replace(intent, arguments=arguments)
 
 
 def current_level(status_text: str, name: str) -> int | None:
@@ -519,7 +615,7 @@ _DONE = {
     "theme": {"vi": "Đã đổi sang giao diện {value}.", "en": "Theme changed to {value}."},
     "led_on": {"vi": "Đã bật đèn.", "en": "The light is on."},
     "led_off": {"vi": "Đã tắt đèn.", "en": "The light is off."},
-    "status": {"vi": "Trạng thái thiết bị: {value}", "en": "Device status: {value}"},
+    "reboot": {"vi": "Thiết bị đang khởi động lại.", "en": "The device is restarting."},
 }
 _GENERIC_DONE = {"vi": "Đã thực hiện lệnh trên thiết bị.", "en": "Done on the device."}
 _FAILED = {
@@ -542,7 +638,8 @@ _OUT_OF_RANGE = {
 
 
 def device_reply(intent: Intent, result_text: str, ok: bool, language: Language) -> str:
-    """One sentence about a tool call, for offline answers (never the raw device error)."""
+    """One sentence about a tool call, for offline answers (never the raw device error, never
+    a status tool's JSON: the state it reports is said in words)."""
     if not ok:
         return _FAILED[language]
     key = intent.concept
@@ -550,8 +647,8 @@ def device_reply(intent: Intent, result_text: str, ok: bool, language: Language)
     if key == "led":
         key = "led_off" if intent.arguments.get("on") is False else "led_on"
     if key == "status":
-        value = clip(result_text, 200)
-    elif language == "vi" and isinstance(value, str):
+        return state_reply(intent.asked or ("status",), result_text, language)
+    if language == "vi" and isinstance(value, str):
         value = VALUE_NAMES_VI.get(value, value)
     template = _DONE.get(key)
     if template is None:

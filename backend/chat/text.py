@@ -12,7 +12,9 @@ from typing import Literal
 Language = Literal["vi", "en"]
 
 _WORD = re.compile(r"[0-9a-zà-ỹđ]+", re.IGNORECASE)
-_SENTENCE_END = re.compile(r"(?<=[.!?…])\s+|\n+")
+# Not after "e.g.", "i.e.", "vs.", "Dr.": a sentence cut there is spoken as two, with a pause.
+NOT_AN_END = r"(?<!\b[Ee]\.[Gg]\.)(?<!\b[Ii]\.[Ee]\.)(?<!\b[Vv]s\.)(?<!\bDr\.)"
+_SENTENCE_END = re.compile(rf"(?<=[.!?…]){NOT_AN_END}\s+|\n+")
 # Vietnamese letters that English text never has (NFC, lower case).
 _VI_LETTERS = frozenset("ăâđêôơưàáảãạằắẳẵặầấẩẫậèéẻẽẹềếểễệìíỉĩịòóỏõọồốổỗộờớởỡợùúủũụừứửữựỳýỷỹỵ")
 

@@ -7,6 +7,12 @@ the `PlayoutClock`, with `tts sentence_start {text}` just before each sentence's
 `finish()` sends `tts stop` only once the last frame is due to have played, plus a margin (the
 stock device resets its decoder on `stop`, cutting whatever it still holds). `halt()` stops
 the downlink at once (abort, barge-in): no frame leaves after it returns.
+
+Between two sentences of an answer go `Pacing.sentence_pause_ms` of silent frames (300 ms: 5
+frames of 60 ms), before the next sentence's mark: eSpeak ends a sentence with ~10 ms of
+silence and starts the next within ~0-50 ms, so without it sentences ran together 40-50 ms
+apart. None before the first sentence or after the last (the `tts stop` margin is apart), and
+less when the next sentence came late and the device has been silent meanwhile.
 """
 
 import asyncio
@@ -33,10 +39,12 @@ MAX_FRAMES_AHEAD = 40
 
 @dataclass(slots=True)
 class Pacing:
-    """Playout pacing: frames sent ahead of due time, margin before `tts stop` in seconds."""
+    """Playout pacing: frames sent ahead of due time, margin before `tts stop` in seconds,
+    silence between two sentences in milliseconds."""
 
     lead_frames: int = 2
     stop_margin_s: float = 0.18
+    sentence_pause_ms: int = 300
 
 
 @dataclass(slots=True)
@@ -141,12 +149,26 @@ class SpokenAnswer:
 
     async def _synthesize(self) -> None:
         try:
+            first = True
             while (sentence := await self._sentences.get()) is not None:
+                if not first:
+                    await self._pause()
+                first = False
                 await self._items.put(_Sentence(sentence))
                 await self._synthesize_sentence(sentence)
         except Exception:  # a bug here must not leave the playout waiting forever
             log.exception("synthesis failed", device_id=self._conversation.device_id)
         await self._items.put(_END)
+
+    async def _pause(self) -> None:
+        """Silent frames between two sentences (see the module docstring)."""
+        pause_s = self._pacing.sentence_pause_ms / 1000
+        last_due = self._clock.last_due
+        if last_due is not None and self._items.empty():  # the playout ran dry: already silent
+            pause_s -= max(0.0, time.perf_counter() - last_due)
+        silence = bytes(self._frame_bytes)
+        for _ in range(max(0, round(pause_s * 1000 / self._frame_ms))):
+            await self._items.put(self._encoder.encode(silence))
 
     async def _synthesize_sentence(self, sentence: str) -> None:
         pending = bytearray()

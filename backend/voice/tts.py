@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import httpx
 import structlog
 
+from backend.chat.language import detect_language
 from backend.common import clip
 from backend.config import Settings
 from backend.voice.audio import SAMPLE_BYTES, Clip
@@ -576,10 +577,55 @@ _RULES: list[tuple[re.Pattern[str], str]] = [
 
 _BLOCK_MARKER = re.compile(r"^\s{0,3}(?:#{1,6}|>+|[-*+]|\d+[.)])\s+")
 
+# Numbers, units and abbreviations as they are said, per language: "55%" -> "55 percent",
+# "2-3 minutes" -> "2 to 3 minutes", "1,450 ppm" -> "1450 parts per million", "°C" ->
+# "degrees", "e.g." -> "for example", "vs" -> "versus". A remote speech server reads "%" and
+# "ppm" as it likes, and eSpeak reads "ppm" letter by letter.
+_EAR_WORDS: Mapping[str, Mapping[str, str]] = {
+    "en": {
+        **{"%": "percent", "-": "to", "°": "degrees", "°F": "degrees Fahrenheit"},
+        **{"ppm": "parts per million", "e.g.": "for example", "i.e.": "that is", "vs": "versus"},
+    },
+    "vi": {
+        **{"%": "phần trăm", "-": "đến", "°": "độ", "°F": "độ F", "ppm": "phần triệu"},
+        **{"e.g.": "ví dụ", "i.e.": "tức là", "vs": "so với"},
+    },
+}
+# Digit groups: "1,450" in English, "1.450" in Vietnamese (whose decimal mark is the comma).
+_THOUSANDS = {
+    "en": re.compile(r"(?<![\d.,])\d{1,3}(?:,\d{3})+(?![\d]|[.,]\d)"),
+    "vi": re.compile(r"(?<![\d.,])\d{1,3}(?:\.\d{3})+(?![\d]|[.,]\d)"),
+}
+_RANGE = re.compile(r"(?<![\w.,-])(\d+(?:[.,]\d+)?)\s*[-–]\s*(\d+(?:[.,]\d+)?)(?![\w-]|[.,]\d)")
+_PERCENT = re.compile(r"(\d)\s*%")
+_DEGREES = re.compile(r"(\d)\s*°\s*([CF])?(?![A-Za-z])")
+_PPM = re.compile(r"(\d)\s*ppm\b", re.IGNORECASE)
+_FOR_EXAMPLE = re.compile(r"\be\.\s?g\.", re.IGNORECASE)
+_THAT_IS = re.compile(r"\bi\.\s?e\.", re.IGNORECASE)
+_VERSUS = re.compile(r"\bvs\b\.?", re.IGNORECASE)
 
-def speakable(text: str) -> str:
+
+def for_the_ear(text: str, language: str) -> str:
+    """Numbers, units and abbreviations of `text` as they are said in `language`."""
+    words = _EAR_WORDS.get(language, _EAR_WORDS["en"])
+    digits = _THOUSANDS.get(language, _THOUSANDS["en"])
+    text = digits.sub(lambda found: re.sub(r"[.,]", "", found.group(0)), text)
+    text = _RANGE.sub(rf"\1 {words['-']} \2", text)
+    text = _PERCENT.sub(rf"\1 {words['%']}", text)
+    text = _DEGREES.sub(
+        lambda found: f"{found.group(1)} {words['°F' if found.group(2) == 'F' else '°']}", text
+    )
+    text = _PPM.sub(rf"\1 {words['ppm']}", text)
+    text = _FOR_EXAMPLE.sub(words["e.g."], text)
+    text = _THAT_IS.sub(words["i.e."], text)
+    return _VERSUS.sub(words["vs"], text)
+
+
+def speakable(text: str, language: str | None = None) -> str:
     """`text` as it should be read aloud: no URLs, no Markdown marks, no citation numbers
-    like `[1]`, whitespace collapsed. Sources are never read; the chat sends them apart.
+    like `[1]`, numbers and units in words where they are written short (`for_the_ear`, in
+    `language`, detected when None), whitespace collapsed. Sources are never read; the chat
+    sends them apart.
 
     A heading or list item becomes a phrase of its own (a period is added), so the voice pauses
     between items instead of running them together."""
@@ -593,6 +639,7 @@ def speakable(text: str) -> str:
     text = "\n".join(lines)
     for pattern, replacement in _RULES:
         text = pattern.sub(replacement, text)
+    text = for_the_ear(text, language or detect_language(text))
     text = re.sub(r"\s+", " ", text)
     text = re.sub(r"\s+([.,;:!?])", r"\1", text)  # "see . Then" left by a removed link
     text = re.sub(r"[,;:]+(?=[.!?])", "", text)  # "More:." once the URL is gone
