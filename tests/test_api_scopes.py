@@ -27,6 +27,8 @@ ROUTES = [
         "devices:call",
     ),
     ("DELETE", f"/api/devices/{OTHER}", None, "admin"),
+    ("GET", f"/api/devices/{DEVICE}/voice", None, "devices:read"),
+    ("PUT", f"/api/devices/{DEVICE}/voice", {"language": "auto"}, "admin"),
     ("GET", "/api/keys", None, "admin"),
     ("POST", "/api/keys", {"name": "x", "scopes": ["chat:use"]}, "admin"),
     ("DELETE", "/api/keys/000000000000", None, "admin"),

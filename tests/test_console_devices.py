@@ -301,3 +301,39 @@ async def test_the_form_follows_the_schema_and_shows_markup_as_text(
         assert await page.evaluate("() => window.pwned === undefined")
         await assert_accessible(page)
         console.assert_clean()
+
+
+async def test_the_voice_language_is_chosen_per_device_and_only_by_an_admin(
+    bridge: Bridge, simulated_devices: Callable[..., Any]
+) -> None:
+    device = await simulated_devices(bridge)
+    vietnamese = "vi" in bridge.frontends.languages_available
+    chosen, heard = ("vi", "Vietnamese") if vietnamese else ("en", "English")
+    async with console_page(bridge, "/devices", ADMIN_TOKEN) as console:
+        page = console.page
+        await open_device(console, device.device_id)
+        language = page.get_by_role("combobox", name="Language it is heard in")
+        effective = page.locator("#voice-effective")
+        await expect(language).to_have_value("auto")
+        await expect(effective).to_have_text("Heard in English now.")
+        await expect(language.locator('option[value="vi"]')).to_be_enabled(enabled=vietnamese)
+        await language.select_option(chosen)
+        await expect(effective).to_have_text(f"Heard in {heard} now.")
+        await eventually(lambda: bridge.frontends.languages.setting(device.device_id) == chosen)
+        # Saved on the bridge, not only in the page: a fresh look at the device shows it.
+        await page.get_by_role("button", name="Close").click()
+        await open_device(console, device.device_id)
+        await expect(language).to_have_value(chosen)
+        await assert_accessible(page)
+        console.assert_clean()
+    reader = await create_key(bridge, "devices:call")
+    async with console_page(bridge, "/devices", reader) as console:
+        page = console.page
+        await open_device(console, device.device_id)
+        language = page.get_by_role("combobox", name="Language it is heard in")
+        await expect(page.locator("#voice-effective")).to_contain_text("needs the admin scope")
+        await expect(language).to_have_value(chosen)
+        await expect(language).to_be_disabled()
+        puts = [r for r in console.responses if r.request.method == "PUT"]
+        assert puts == []
+        console.assert_clean()

@@ -8,6 +8,7 @@
   id when only one request is pending for it; with several candidates, only by code);
 - `revoke DEVICE`: its token stops working and its live link is closed at once;
 - `transport DEVICE websocket|mqtt|default`: what its next OTA answer hands it;
+- `language DEVICE [auto|en|vi]`: the language its speech is heard in (no value: show it);
 - `enroll`: a one-time (or N-time) enrollment code for fleets: a device whose OTA URL carries
   it is approved by itself;
 - `serial-key SERIAL` / `serial-key SERIAL --remove`: the HMAC key of a device's eFuse serial;
@@ -39,6 +40,7 @@ devices_app = typer.Typer(
 )
 
 TRANSPORTS = ("websocket", "mqtt")
+VOICE_LANGUAGES = ("auto", "en", "vi")  # backend/voice/language.py
 
 
 @devices_app.callback()
@@ -197,6 +199,34 @@ def set_transport(
     with admin_client(server, token, data_dir, config) as admin:
         admin.put(path, {"transport": value})
     say(f"{device}: transport {transport}")
+
+
+@devices_app.command("language")
+def voice_language(
+    device: Annotated[str, typer.Argument(help="Device id.")],
+    language: Annotated[
+        str | None,
+        typer.Argument(help="auto (its last turns' language), en or vi; none: show it."),
+    ] = None,
+    as_json: JsonOpt = False,
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+    data_dir: DataDirOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Show or set the language the device's speech is heard in (setting it needs admin)."""
+    if language is not None and language not in VOICE_LANGUAGES:
+        raise fail("language is auto, en or vi", 2)
+    path = f"/api/devices/{quote(device, safe='')}/voice"
+    with admin_client(server, token, data_dir, config) as admin:
+        body = None if language is None else {"language": language}
+        voice = admin.get(path) if body is None else admin.put(path, body)
+    if as_json:
+        print_json(voice)
+        return
+    heard = ", ".join(voice["languages_available"])
+    say(f"{voice['device_id']}: language {voice['language']}, heard in {voice['effective']}")
+    say(f"this bridge hears: {heard}")
 
 
 @devices_app.command("enroll")

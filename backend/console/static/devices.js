@@ -1,5 +1,6 @@
 // The devices page: the live fleet from GET /api/fleet/events (no polling), a device's tools
-// with a form per tool generated from its inputSchema, and its recent audit rows.
+// with a form per tool generated from its inputSchema, its voice language, and its recent audit
+// rows.
 //
 // A fleet may hold 10,000 devices: every device is kept in a Map (id → entry) with its row
 // element made only when first shown; the filtered list is an array of ids, shown one page of
@@ -25,6 +26,13 @@ const AUDIT_ROWS = 20;
 const RETRY_MIN_MS = 1000;
 const RETRY_MAX_MS = 15000;
 const LIVE = new Set(["connecting", "initializing", "ready", "failed"]);
+// A device's voice language (GET/PUT /api/devices/{id}/voice): the setting and its label.
+const VOICE_LANGUAGES = [
+  ["auto", "Automatic (the language of its last turns)"],
+  ["en", "English"],
+  ["vi", "Vietnamese"],
+];
+const LANGUAGE_NAMES = { en: "English", vi: "Vietnamese" };
 const STATE_FILTERS = [
   ["all", "All states"],
   ["online", "Online"],
@@ -465,6 +473,7 @@ class DeviceDetail {
     this.facts = el("dl", { class: "facts" });
     this.toolsBox = el("div", { class: "tools", "aria-busy": "true" }, el("p", { class: "muted", text: "Loading tools…" }));
     this.auditBox = el("div", { class: "audit" }, el("p", { class: "muted", text: "Loading…" }));
+    this.voice = new VoiceLanguage(this);
     const parts = [
       el(
         "div",
@@ -473,6 +482,8 @@ class DeviceDetail {
         el("button", { type: "button", class: "secondary", text: "Close", on: { click: () => this.onClose() } }),
       ),
       this.facts,
+      el("h3", { text: "Voice" }),
+      this.voice.element(),
       el("h3", { text: "Tools" }),
       this.denied ? el("p", { class: "notice", id: "call-denied", text: this.denied }) : null,
       this.toolsBox,
@@ -484,6 +495,7 @@ class DeviceDetail {
     this.box.hidden = false;
     this.update(this.row);
     this.heading.focus();
+    this.voice.load();
     this.loadTools();
     this.loadAudit();
   }
@@ -535,6 +547,76 @@ class DeviceDetail {
     } catch (error) {
       if (this.controller.signal.aborted) return;
       this.auditBox.replaceChildren(el("p", { class: "error", text: `Audit: ${error.message}` }));
+    }
+  }
+}
+
+// ---- a device's voice language ---------------------------------------------------------------
+
+/** The language a device's speech is heard in: a select (admin only) and what it means now. */
+class VoiceLanguage {
+  constructor(detail) {
+    this.detail = detail;
+    this.denied = detail.me.is_admin ? null : "Changing it needs the admin scope.";
+  }
+
+  element() {
+    this.select = el(
+      "select",
+      {
+        id: "voice-language",
+        disabled: true,
+        "aria-describedby": "voice-effective",
+        on: { change: () => this.save() },
+      },
+      VOICE_LANGUAGES.map(([value, label]) => el("option", { value, text: label })),
+    );
+    this.effective = el("p", { id: "voice-effective", class: "hint", "aria-live": "polite", text: "Loading…" });
+    return el(
+      "div",
+      { class: "field voice" },
+      el("label", { for: "voice-language", text: "Language it is heard in" }),
+      this.select,
+      this.effective,
+    );
+  }
+
+  async load() {
+    try {
+      this.show(await api(`${this.detail.path}/voice`, { signal: this.detail.controller.signal }));
+    } catch (error) {
+      if (this.detail.controller.signal.aborted) return;
+      this.effective.className = "error";
+      this.effective.textContent = `Voice: ${error.message}`;
+    }
+  }
+
+  show(voice) {
+    this.saved = voice.language;
+    this.select.value = voice.language;
+    for (const option of this.select.options) {
+      // A language this bridge cannot hear is shown, not offered (the voice-vi extra is missing).
+      const missing = option.value !== "auto" && !voice.languages_available.includes(option.value);
+      option.disabled = missing;
+      if (missing) option.textContent = `${LANGUAGE_NAMES[option.value]} (not installed here)`;
+    }
+    this.select.disabled = Boolean(this.denied);
+    const heard = `Heard in ${LANGUAGE_NAMES[voice.effective] || voice.effective} now.`;
+    this.effective.className = "hint";
+    this.effective.textContent = this.denied ? `${heard} ${this.denied}` : heard;
+  }
+
+  async save() {
+    const language = this.select.value;
+    this.select.disabled = true;
+    try {
+      this.show(await api(`${this.detail.path}/voice`, { method: "PUT", body: { language } }));
+      announce(`Voice language saved: ${this.effective.textContent}`);
+    } catch (error) {
+      this.select.value = this.saved;
+      this.select.disabled = Boolean(this.denied);
+      this.effective.className = "error";
+      this.effective.textContent = `Not saved (${error.status || "network"}): ${error.message}`;
     }
   }
 }
