@@ -3,13 +3,15 @@ endpoint (`/console/device?ticket=`), driven from Python with a websockets clien
 
 Every refusal the endpoint makes is exercised (unknown, reused, expired ticket, revoked key,
 another site's Origin, a burst of bad tickets), its bounds (oversized messages, junk binary),
-and one full voice turn through it. backend/transports/browser.py.
+what the page learns beyond the stock protocol (the ticket's `voice`, the `tool_call` messages
+of the device's own turns), and one full voice turn through it. backend/transports/browser.py.
 """
 
 import asyncio
 import json
 import logging
 import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -18,8 +20,9 @@ from structlog.testing import capture_logs
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from backend.devices.registry import EventKind
 from backend.server import Bridge
-from backend.transports.browser import DEVICE_PATH, TalkTickets
+from backend.transports.browser import DEVICE_PATH, TalkTickets, tool_call_text
 from simulator.voice_client import VoiceDevice, _hello, speak_turn
 from simulator.voice_links import WebSocketLink
 from tests.helpers import ADMIN_TOKEN, ManualClock, create_key, eventually, wait_state
@@ -88,6 +91,9 @@ async def test_a_ticket_needs_the_console_talk_scope(bridge: Bridge) -> None:
     assert issued["device_id"] == f"browser-{key_id_of(talker)}"
     assert issued["path"] == DEVICE_PATH and issued["expires_in_s"] == 30
     assert len(issued["ticket"]) >= 40
+    # The tests' bridge has voice off: the page is told before it captures anything.
+    assert issued["voice"]["available"] is False
+    assert "voice_enabled" in issued["voice"]["reason"], issued
     admin = await ticket_for(bridge, ADMIN_TOKEN)
     assert admin["device_id"] == "browser-admin" and admin["ticket"] != issued["ticket"]
 
@@ -145,6 +151,61 @@ async def test_the_browser_becomes_the_device_browser_key_id_until_it_closes(
     assert bridge.registry.summary(device_id)["state"] == "offline"
     # The ticket never reaches a log line.
     assert issued["ticket"] not in json.dumps(logs, default=str)
+
+
+VOLUME_TOOL = "self.audio_speaker.set_volume"
+
+
+def tool_calls(device: VoiceDevice) -> list[dict[str, Any]]:
+    return [message for _, message in device.events if message.get("type") == "tool_call"]
+
+
+async def test_the_tool_calls_of_the_devices_own_turns_reach_its_socket(bridge: Bridge) -> None:
+    """A typed question (`listen detect`, answered in text: voice is off) that sets the volume:
+    the socket gets one `tool_call` after the `stt`; a call by anyone else is not sent."""
+    token = await create_key(bridge, "console:talk")
+    issued = await ticket_for(bridge, token)
+    device_id = issued["device_id"]
+    async with talking_device(bridge, issued["ticket"]) as device:
+        ready = await wait_state(bridge, device_id)
+        await ready.call_tool(VOLUME_TOOL, {"volume": 12}, actor="key:someone")  # not its turn
+        await device.listen_detect("Set the volume to 30.")
+        reply = await device.wait_turn()
+        assert device.mcp.calls[-1] == (VOLUME_TOOL, {"volume": 30})
+        await eventually(lambda: bool(tool_calls(device)))
+        await asyncio.sleep(0.2)  # nothing more on its way
+        [call] = tool_calls(device)
+        assert call["tool"] == VOLUME_TOOL and call["arguments"] == {"volume": 30}
+        assert call["outcome"] == "ok" and call["error"] is None and call["server"] is None
+        assert 0 <= call["duration_ms"] < 5_000
+        kinds = [message.get("type") for _, message in device.events]
+        assert kinds.index("stt") < kinds.index("tool_call"), kinds
+        assert reply.transcript == "Set the volume to 30." and reply.sentences
+    # The page has gone: a later call of its device's actor finds no socket and costs nothing.
+    await eventually(lambda: bridge.registry.get(device_id) is None)
+    actor = f"device:{device_id}"
+    bridge.registry.emit(EventKind.TOOL_CALLED, device_id, tool=VOLUME_TOOL, actor=actor)
+    assert bridge.browser is not None and not bridge.browser._sends
+
+
+@dataclass(frozen=True)
+class _Event:
+    device_id: str
+    detail: dict[str, Any] = field(default_factory=dict)
+    kind: str = "tool_called"
+    origin: str | None = None
+
+
+def test_a_tool_call_message_fits_the_link_and_names_an_external_server() -> None:
+    huge = {"text": "x" * 10_000}
+    event = _Event("mcp:search", {"tool": "web_search", "arguments": huge, "outcome": "ok"})
+    text = tool_call_text(event, 4096)
+    assert len(text.encode()) <= 4096
+    message = json.loads(text)
+    assert message["type"] == "tool_call" and message["server"] == "search"
+    assert message["tool"] == "web_search" and message["arguments"] is None
+    small = json.loads(tool_call_text(_Event("browser-x", {"tool": "t", "arguments": {}}), 4096))
+    assert small["server"] is None and small["arguments"] == {}
 
 
 async def test_the_key_scopes_do_not_follow_the_browser_device(bridge: Bridge) -> None:
@@ -285,12 +346,19 @@ async def test_a_spoken_command_through_the_browser_endpoint_is_answered_aloud(
     bridge = await bridge_factory(voice_enabled=True)
     token = await create_key(bridge, "console:talk")
     issued = await ticket_for(bridge, token)
+    assert issued["voice"] == {"available": True, "reason": None}
     async with talking_device(bridge, issued["ticket"], audio_format) as device:
         await wait_state(bridge, issued["device_id"])
         reply = await speak_turn(device, spoken("set the volume to thirty"))
         await eventually(lambda: bool(device.mcp.calls))
-    assert reply.kinds[:3] == ["stt", "llm", "tts start"], reply.kinds
-    assert reply.kinds[-1] == "tts stop" and "tts sentence_start" in reply.kinds
+        await eventually(lambda: bool(tool_calls(device)))
+        assert tool_calls(device)[-1]["arguments"] == {"volume": 30}
+    # The stock messages as a stock device gets them, and the page's `tool_call` after `stt`
+    # (usually before `llm`, which the call's result decides; the page places it either way).
+    assert reply.kinds.index("stt") < reply.kinds.index("tool_call"), reply.kinds
+    stock = [kind for kind in reply.kinds if kind != "tool_call"]
+    assert stock[:3] == ["stt", "llm", "tts start"], reply.kinds
+    assert stock[-1] == "tts stop" and "tts sentence_start" in stock
     assert (reply.transcript or "").lower().startswith("set the volume")
     assert device.mcp.calls[-1] == ("self.audio_speaker.set_volume", {"volume": 30})
     assert reply.audio.duration_ms > 500

@@ -25,22 +25,33 @@ another, its conversation gets the device rules, not the key's. Bounds are the d
 WebSocket's: `max_message_bytes` per message (1009), `write_timeout_s` per write, the session's
 inbound limit (junk binary is charged through `on_discarded`, a flood is closed 1008 and its
 next handshakes wait).
+
+Two things the page learns beyond the stock protocol (issue #30):
+
+- the ticket's `voice` says whether this bridge hears speech (`{"available": false, "reason":
+  ...}` when voice is off or its packages are missing), so the page never streams audio nobody
+  hears: it offers typed messages instead, which get text answers;
+- each tool call of the device's own turns (the registry's `tool_called` events whose actor is
+  `device:<its id>`, its own tools and external MCP servers' alike) goes to its socket as
+  `{"type": "tool_call", "tool", "server", "arguments", "outcome", "duration_ms", "error"}`
+  once it finished, so the page shows them under the turn. A stock device never gets it.
 """
 
 import asyncio
 import contextlib
 import hashlib
+import json
 import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Protocol
 from urllib.parse import urlsplit
 
 import structlog
 from fastapi import APIRouter, Depends
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from starlette.responses import PlainTextResponse
 from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketState
@@ -70,8 +81,40 @@ POLICY = 1008
 TOO_BIG = 1009
 _BROKE_A_BOUND = (POLICY, TOO_BIG)
 SHUTDOWN = "bridge shutting down"
+# backend.devices.registry.EventKind.TOOL_CALLED (a transport does not import the registry).
+TOOL_CALLED = "tool_called"
+TOOL_CALL = "tool_call"  # the page's message for one finished tool call of its device's turn
+DEVICE_ACTOR = "device:"  # the actor of a device's own turn (backend/dialogue/device_chat.py)
+EXTERNAL_SERVER = "mcp:"  # the event's device id for an external MCP server's tool
 
 ActiveKey = Callable[[str], Principal | None]
+# Why devices get no voice on this bridge (None: they do).
+VoiceUnavailable = Callable[[], str | None]
+
+
+class DeviceEventView(Protocol):
+    """What the transport reads of a registry event (`backend.devices.registry.DeviceEvent`)."""
+
+    @property
+    def kind(self) -> str:
+        """The event's name, `tool_called` for a finished or refused tool call."""
+
+    @property
+    def device_id(self) -> str:
+        """The device, or `mcp:<server>` for an external server's tool."""
+
+    @property
+    def detail(self) -> Mapping[str, Any]:
+        """tool, outcome, duration_ms, actor, arguments, confirmed, error."""
+
+    @property
+    def origin(self) -> str | None:
+        """The other bridge instance it happened on; None: this one."""
+
+
+EventListener = Callable[[DeviceEventView], None]
+# `DeviceRegistry.subscribe`: calls the listener on every event, returns the unsubscriber.
+Subscribe = Callable[[EventListener], Callable[[], None]]
 
 
 def device_id_of(key_id: str) -> str:
@@ -135,6 +178,17 @@ def _digest(ticket: str) -> str:
     return hashlib.sha256(ticket.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+class TalkVoice(BaseModel):
+    """Whether this bridge hears the page's speech and speaks its answers."""
+
+    available: bool
+    reason: str | None = Field(
+        default=None,
+        description="why not (voice turned off, packages missing): the page then offers typed "
+        "messages, answered in text",
+    )
+
+
 class TalkTicket(BaseModel):
     """A short-lived, single-use ticket that lets the console page open a device WebSocket."""
 
@@ -142,6 +196,7 @@ class TalkTicket(BaseModel):
     device_id: str
     path: str
     expires_in_s: float
+    voice: TalkVoice
 
 
 # ---- the link ----------------------------------------------------------------------------------
@@ -238,31 +293,50 @@ class BrowserTransport:
         active_key: ActiveKey,
         limits: HandshakeLimits | None = None,
         tickets: TalkTickets | None = None,
+        *,
+        voice_unavailable: VoiceUnavailable | None = None,
+        subscribe: Subscribe | None = None,
     ) -> None:
         """`active_key(key_id)` is the key's principal while it is active (None once revoked);
-        `limits` are the stock devices' handshake budgets (per address, per device)."""
+        `limits` are the stock devices' handshake budgets (per address, per device);
+        `voice_unavailable()` says why devices get no voice (None: they do; the ticket tells
+        the page); `subscribe` is the registry's, for the tool calls of each page's turns."""
         self._settings = settings
         self._active_key = active_key
         self._limits = limits
         self.tickets = tickets or TalkTickets()
+        self._voice_unavailable = voice_unavailable or (lambda: None)
+        self._subscribe = subscribe
+        self._unsubscribe: Callable[[], None] | None = None
         self._link_limits = LinkLimits(settings.max_message_bytes, settings.write_timeout_s)
         self._allowed_origins = frozenset(o.rstrip("/").lower() for o in settings.cors_origins)
         self._acceptor: LinkAcceptor | None = None
         self._links: set[BrowserLink] = set()
+        self._by_device: dict[str, BrowserLink] = {}  # the newest link of each browser device
+        self._sends: set[asyncio.Task[None]] = set()  # tool call messages on their way
         self._refusals = LogBudget(log, burst=5)  # a refused page may retry fast
         mask_uvicorn_query_tokens()  # uvicorn logs each WebSocket's path with its ?ticket=
 
     # ---- Transport ----
 
     async def start(self, acceptor: LinkAcceptor) -> None:
-        """Remember the acceptor; the routes serve on the admin listener, nothing to bind."""
+        """Remember the acceptor and follow the registry's tool calls; the routes serve on the
+        admin listener, nothing to bind."""
         self._acceptor = acceptor
+        if self._subscribe is not None and self._unsubscribe is None:
+            self._unsubscribe = self._subscribe(self.on_device_event)
 
     async def stop(self) -> None:
         """Close every browser link with 1001; later upgrades are refused (503)."""
         self._acceptor = None
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        for task in list(self._sends):
+            task.cancel()
         await asyncio.gather(
             *(link.close(GOING_AWAY, SHUTDOWN) for link in list(self._links)),
+            *list(self._sends),
             return_exceptions=True,
         )
 
@@ -290,13 +364,15 @@ class BrowserTransport:
         @router.post(TICKET_PATH, responses=errors(403))
         async def talk_ticket(principal: talker) -> TalkTicket:
             """A one-use ticket for `/console/device` (30 s): the browser becomes the device
-            `browser-<key id>`."""
+            `browser-<key id>`; `voice` says whether this bridge hears it speak."""
             tickets = self.tickets
+            reason = self._voice_unavailable()
             return TalkTicket(
                 ticket=tickets.issue(principal.key_id),
                 device_id=device_id_of(principal.key_id),
                 path=DEVICE_PATH,
                 expires_in_s=tickets.ttl_s,
+                voice=TalkVoice(available=reason is None, reason=reason),
             )
 
         return router
@@ -329,11 +405,14 @@ class BrowserTransport:
             self._links.discard(link)
             await link.close(1011, "internal error")
             raise
+        self._by_device[identity.device_id] = link  # a second tab replaces the first
         reason = "connection lost (1006)"
         try:
             reason = await self._pump(websocket, link, handler)
         finally:
             self._links.discard(link)
+            if self._by_device.get(identity.device_id) is link:
+                del self._by_device[identity.device_id]
             if link.close_sent in _BROKE_A_BOUND and self._limits is not None:
                 self._limits.penalize(identity.device_id)
             handler.on_closed(reason)
@@ -406,6 +485,60 @@ class BrowserTransport:
         finally:
             if drops is not None:
                 drops.close()
+
+    # ---- tool calls of the pages' turns ----
+
+    def on_device_event(self, event: DeviceEventView) -> None:
+        """The registry's listener: a finished tool call of a browser device's own turn goes to
+        that page (O(1) for every other event; nothing is awaited here)."""
+        if event.kind != TOOL_CALLED or event.origin is not None:
+            return
+        actor = event.detail.get("actor")
+        if not isinstance(actor, str) or not actor.startswith(DEVICE_ACTOR + DEVICE_PREFIX):
+            return
+        link = self._by_device.get(actor.removeprefix(DEVICE_ACTOR))
+        if link is None or link.close_sent is not None:
+            return
+        text = tool_call_text(event, self._link_limits.max_message_bytes)
+        try:
+            task = asyncio.get_running_loop().create_task(_send_quietly(link, text))
+        except RuntimeError:  # no loop (a test emitting by hand): nobody to tell
+            return
+        self._sends.add(task)
+        task.add_done_callback(self._sends.discard)
+
+
+def tool_call_text(event: DeviceEventView, limit: int) -> str:
+    """The page's `tool_call` message for a `tool_called` event; the arguments become null
+    when they would make it larger than `limit` bytes."""
+    detail = event.detail
+    device_id = event.device_id
+    message: dict[str, Any] = {
+        "type": TOOL_CALL,
+        "tool": str(detail.get("tool") or ""),
+        "server": device_id.removeprefix(EXTERNAL_SERVER)
+        if device_id.startswith(EXTERNAL_SERVER)
+        else None,
+        "arguments": detail.get("arguments"),
+        "outcome": detail.get("outcome"),
+        "duration_ms": detail.get("duration_ms"),
+        "error": detail.get("error"),
+    }
+    text = _json(message)
+    if len(text.encode()) > limit:
+        message["arguments"] = None
+        message["tool"] = message["tool"][:256]
+        text = _json(message)
+    return text
+
+
+def _json(message: dict[str, Any]) -> str:
+    return json.dumps(message, ensure_ascii=False, separators=(",", ":"), default=str)
+
+
+async def _send_quietly(link: BrowserLink, text: str) -> None:
+    with contextlib.suppress(LinkClosed, MessageTooLarge):  # the page left: nothing to show
+        await link.send_text(text)
 
 
 def _close_reason(link: BrowserLink, message: Mapping[str, Any]) -> str:

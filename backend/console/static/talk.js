@@ -5,8 +5,13 @@
 // hello (Opus 16 kHz 60 ms through WebCodecs, or PCM16 where WebCodecs cannot), listen
 // start/stop, abort, binary protocol version 1 (one packet per message), and MCP envelopes
 // answered by a tiny MCP server of the page (device status, speaker volume = playback gain).
+//
+// Beyond the stock protocol: the ticket says whether the bridge hears speech (`voice`); without
+// voice the page never captures or streams audio, says why, and offers typed messages (`listen
+// detect` with text, answered in text). The bridge sends `tool_call` messages for the tool calls
+// of this device's own turns, shown under the turn in the transcript.
 
-import { api, announce, can, el, lacksScope, startPage } from "/console/common.js";
+import { api, announce, can, el, formatMs, lacksScope, startPage } from "/console/common.js";
 
 const RATE = 16000; // uplink: what the stock device sends
 const FRAME_MS = 60;
@@ -14,6 +19,9 @@ const FRAME_SAMPLES = (RATE * FRAME_MS) / 1000;
 const VOICE_RMS = 0.01; // about -40 dBFS: a frame above it counts as speech (for the figures)
 const MAX_LINES = 200; // transcript lines kept on the page
 const PLAYBACK_LEAD_S = 0.05; // the first frame of an answer waits this long for the next ones
+const MAX_TYPED_CHARS = 4000; // what the bridge takes as one question (MAX_QUERY_CHARS)
+const MAX_ARGUMENTS_CHARS = 200; // a tool call's arguments shown in the transcript
+const VOICE_UNAVAILABLE = "voice unavailable"; // the bridge's alert status when it has no voice
 const OPUS_CONFIG = {
   codec: "opus",
   sampleRate: RATE,
@@ -52,9 +60,11 @@ const stats = {
   framesReceived: 0,
   audioPlayedMs: 0,
   volume: 70,
+  voice: null, // {available, reason} from the ticket, or from the bridge's alert
   transcripts: [],
   sentences: [],
-  turns: [], // finished turns, as `this.turn` (startListening) describes them
+  toolCalls: [], // every `tool_call` message: {tool, server, arguments, outcome, durationMs, error}
+  turns: [], // finished turns, as `newTurn` describes them
   errors: [],
 };
 Object.defineProperty(window, "talkStats", {
@@ -93,6 +103,8 @@ class TalkPage {
     this.lastVoiceAt = null;
     this.volume = 70;
     this.assistantLine = null;
+    this.toolAnchor = null; // the transcript line the turn's next tool call goes after
+    this.voiceOff = null; // why the bridge hears no speech (null: it does, or not known yet)
   }
 
   render() {
@@ -130,6 +142,22 @@ class TalkPage {
       on: { input: () => this.setVolume(Number(this.volumeInput.value), false) },
     });
     this.micNote = el("p", { id: "talk-mic", class: "hint" });
+    // Shown once the bridge says it has no voice (the ticket, or its alert).
+    this.voiceNote = el("p", { id: "talk-voice", class: "notice", hidden: true });
+    this.typedInput = el("input", {
+      id: "talk-text",
+      type: "text",
+      maxlength: String(MAX_TYPED_CHARS),
+      autocomplete: "off",
+      "aria-describedby": "talk-text-help",
+    });
+    this.typedForm = el(
+      "form",
+      { class: "talk-type", on: { submit: (event) => this.sendTyped(event) } },
+      el("label", { for: "talk-text", text: "Type a message" }),
+      el("div", { class: "row" }, this.typedInput, el("button", { type: "submit", text: "Send" })),
+      el("p", { id: "talk-text-help", class: "hint", text: "Sent as if you had said it; the answer plays here (or shows as text, without voice)." }),
+    );
     // The live region wraps the list: a role on the <ol> itself would hide its items' list role.
     // It scrolls once the turns fill it: focusable, so a keyboard can scroll it too.
     this.log = el("ol", { class: "talk-log", tabindex: "0" });
@@ -144,10 +172,12 @@ class TalkPage {
           text: "This tab becomes a voice device of the bridge: hold the button (or the Space key) while you speak, or turn on hands-free and just talk.",
         }),
         this.status,
+        this.voiceNote,
         el("div", { class: "row talk-controls" }, this.connectButton, this.talkButton, this.autoButton, this.abortButton),
         el("p", { id: "talk-hold-help", class: "hint", text: "Space: hold to talk. The answer plays here." }),
         el("div", { class: "row" }, el("label", { for: "talk-volume", text: "Speaker volume" }), this.volumeInput),
         this.micNote,
+        this.typedForm,
       ),
       el("section", { class: "card", "aria-labelledby": "talk-log-title" }, el("h2", { id: "talk-log-title", text: "Transcript" }), transcript),
     );
@@ -181,9 +211,10 @@ class TalkPage {
 
   updateControls() {
     const connected = Boolean(this.socket && this.socket.readyState === WebSocket.OPEN);
+    const speech = this.hasCapture && !this.voiceOff;
     this.connectButton.textContent = connected ? "Disconnect" : "Connect";
-    this.talkButton.disabled = !this.hasCapture || this.handsFree;
-    this.autoButton.disabled = !this.hasCapture;
+    this.talkButton.disabled = !speech || this.handsFree;
+    this.autoButton.disabled = !speech;
     this.autoButton.setAttribute("aria-pressed", String(this.handsFree));
     this.autoButton.textContent = this.handsFree ? "Hands-free: on" : "Hands-free";
     this.abortButton.disabled = !connected || this.state === "idle";
@@ -194,10 +225,10 @@ class TalkPage {
     this.state = state;
     stats.state = state;
     const words = {
-      idle: this.handsFree ? "Hands-free: waiting." : "Connected. Hold to talk.",
+      idle: this.voiceOff ? "Connected: type a message (no voice on this bridge)." : this.handsFree ? "Hands-free: waiting." : "Connected. Hold to talk.",
       listening: "Listening…",
       thinking: "Thinking…",
-      speaking: "Speaking…",
+      speaking: this.voiceOff ? "Answering…" : "Speaking…",
     };
     this.say(words[state] || state, state === "listening" ? "live" : "");
     this.updateControls();
@@ -234,6 +265,9 @@ class TalkPage {
     stats.uplinkFormat = this.uplinkFormat;
     const ticket = await api("/api/console/talk", { method: "POST" });
     this.deviceId = ticket.device_id;
+    // A bridge that does not say (an older one) is taken to hear: its alert says otherwise.
+    if (ticket.voice && ticket.voice.available === false) this.voiceUnavailable(ticket.voice.reason);
+    else this.voiceAvailable();
     const scheme = location.protocol === "https:" ? "wss:" : "ws:";
     const url = `${scheme}//${location.host}${ticket.path}?ticket=${encodeURIComponent(ticket.ticket)}`;
     const socket = new WebSocket(url);
@@ -286,8 +320,41 @@ class TalkPage {
     stats.downlinkFormat = this.downlink.format;
     stats.downlinkRate = this.downlink.rate;
     this.setState("idle");
-    this.say(`Connected as ${this.deviceId} (${this.uplinkFormat === "opus" ? "Opus" : "PCM16"} audio).`, "ok");
+    const how = this.voiceOff ? "text only" : `${this.uplinkFormat === "opus" ? "Opus" : "PCM16"} audio`;
+    this.say(`Connected as ${this.deviceId} (${how}).`, "ok");
     announce("Connected.");
+  }
+
+  voiceAvailable() {
+    this.voiceOff = null;
+    stats.voice = { available: true, reason: null };
+    this.voiceNote.hidden = true;
+    this.voiceNote.textContent = "";
+    this.talkButton.setAttribute("aria-describedby", "talk-hold-help");
+    this.autoButton.removeAttribute("aria-describedby");
+    this.updateControls();
+  }
+
+  // The bridge hears no speech (voice off, its packages missing): no capture, no audio sent;
+  // the buttons that would listen are disabled and the note says why. Typing still works.
+  voiceUnavailable(reason) {
+    const why = String(reason || "the bridge has no speech recognition or synthesis");
+    const first = !this.voiceOff;
+    this.voiceOff = why;
+    stats.voice = { available: false, reason: why };
+    this.handsFree = false;
+    this.pressed = false;
+    this.stopCapture();
+    if (this.state === "listening") {
+      if (this.turn) this.turn = null; // nothing was heard: no turn to report
+      this.setState("idle");
+    }
+    this.voiceNote.textContent = `Voice is unavailable: ${why}. Nothing you say is sent; type a message instead, the answers come as text.`;
+    this.voiceNote.hidden = false;
+    this.talkButton.setAttribute("aria-describedby", "talk-hold-help talk-voice");
+    this.autoButton.setAttribute("aria-describedby", "talk-voice");
+    this.updateControls();
+    if (first) announce("Voice is unavailable on this bridge: type a message instead.");
   }
 
   onClosed(socket, event) {
@@ -321,6 +388,13 @@ class TalkPage {
   async startListening(mode) {
     try {
       await this.connect();
+      if (this.voiceOff) {
+        // Nobody would hear it: the microphone is never opened.
+        this.handsFree = false;
+        this.updateControls();
+        announce("Voice is unavailable on this bridge: type a message instead.");
+        return false;
+      }
       await this.startCapture();
     } catch (error) {
       this.fail(microphoneProblem(error));
@@ -333,15 +407,7 @@ class TalkPage {
       this.stopPlayback();
     }
     this.mode = mode;
-    this.turn = {
-      transcript: null,
-      speechEndAt: null, // when the last frame louder than VOICE_RMS reached the page (auto)
-      firstFrameAt: null, // when the answer's first frame arrived
-      firstAudioAt: null, // when it starts playing (scheduled on the audio clock)
-      framesReceived: 0,
-      audioPlayedMs: 0,
-      stoppedAt: null,
-    };
+    this.turn = newTurn(false);
     this.lastVoiceAt = null;
     this.send({ type: "listen", state: "start", mode });
     this.setState("listening");
@@ -376,8 +442,35 @@ class TalkPage {
     // Space still types in fields and presses the other buttons.
     if (target !== this.talkButton && target instanceof Element && target.closest("input, textarea, select, button, a")) return;
     event.preventDefault();
-    if (!this.hasCapture) return;
+    if (!this.hasCapture || this.voiceOff) return;
     this.pressStart({});
+  }
+
+  // ---- typed messages (what a stock device sends as `listen detect` text) ----
+
+  async sendTyped(event) {
+    event.preventDefault();
+    const text = this.typedInput.value.trim();
+    if (!text) return;
+    try {
+      await this.connect();
+    } catch (error) {
+      this.fail(`Could not connect: ${error.message}`);
+      return;
+    }
+    if (this.state !== "idle") {
+      // The typed words are the question: what was heard so far is dropped (not cut into an
+      // utterance of its own) and an answer under way stops, as speaking over it does. A
+      // hands-free page listens again after the answer.
+      this.send({ type: "abort" });
+      this.stopPlayback();
+      this.setState("idle");
+    }
+    this.turn = newTurn(true);
+    this.send({ type: "listen", state: "detect", text });
+    this.typedInput.value = "";
+    // "Thinking…" comes with the bridge's `stt`: text it ignores (a wake word) leaves no
+    // turn waiting.
   }
 
   keyEnd(event) {
@@ -619,6 +712,10 @@ class TalkPage {
         break;
       case "alert":
         this.line("alert", `${message.status || "Alert"}: ${message.message || ""}`);
+        if (message.status === VOICE_UNAVAILABLE) this.voiceUnavailable(message.message);
+        break;
+      case "tool_call":
+        this.onToolCall(message);
         break;
       default:
         break; // "system", "goodbye" and future messages: nothing to show
@@ -627,10 +724,49 @@ class TalkPage {
 
   onTranscript(text) {
     stats.transcripts.push(text);
-    if (this.turn) this.turn.transcript = text;
-    this.line("user", text || "(nothing recognized)");
+    if (!this.turn) this.turn = newTurn(false); // a turn the page did not start (an apology)
+    this.turn.transcript = text;
+    this.toolAnchor = this.line("user", text || "(nothing recognized)");
     this.assistantLine = null;
-    if (this.state === "listening") this.setState("thinking");
+    if (this.state === "listening" || this.state === "idle") this.setState("thinking");
+  }
+
+  // One finished tool call of this device's turn, under the turn's words (before its answer,
+  // even when the answer's first sentence arrived first).
+  onToolCall(message) {
+    const call = {
+      tool: String(message.tool || ""),
+      server: typeof message.server === "string" ? message.server : null,
+      arguments: message.arguments === undefined ? null : message.arguments,
+      outcome: String(message.outcome || ""),
+      durationMs: typeof message.duration_ms === "number" ? message.duration_ms : null,
+      error: message.error ? String(message.error) : null,
+    };
+    stats.toolCalls.push(call);
+    if (this.turn) this.turn.toolCalls.push(call);
+    const name = call.server ? `${call.server}: ${call.tool}` : call.tool;
+    const [mark, label, kind] = outcomeOf(call);
+    const entry = el(
+      "li",
+      { class: `talk-tool ${kind}` },
+      el("span", { class: "talk-who", "aria-hidden": "true", text: "🔧 " }),
+      el("span", { class: "visually-hidden", text: "Tool call: " }),
+      el("code", { class: "talk-tool-name", text: name }),
+      " ",
+      el("code", { class: "talk-tool-arguments", text: formatArguments(call.arguments) }),
+      " ",
+      el("span", { class: "talk-tool-outcome" }, el("span", { "aria-hidden": "true", text: mark }), el("span", { class: "visually-hidden", text: label })),
+      call.durationMs === null ? null : el("span", { class: "talk-tool-duration", text: ` ${formatMs(call.durationMs)}` }),
+      call.error && kind !== "ok" ? el("span", { class: "talk-tool-error", text: ` (${errorText(call.error)})` }) : null,
+    );
+    const anchor = this.toolAnchor;
+    if (anchor && anchor.isConnected) {
+      anchor.after(entry);
+      this.trim(entry);
+    } else {
+      this.append(entry);
+    }
+    this.toolAnchor = entry;
   }
 
   onEmotion(message) {
@@ -651,6 +787,9 @@ class TalkPage {
       const words = line.querySelector(".talk-words");
       words.textContent = words.textContent ? `${words.textContent} ${text}` : text;
     } else if (message.state === "stop") {
+      // A typed question's turn starts with its `stt`: a stop before it ended the answer it
+      // replaced.
+      if (this.turn && this.turn.typed && this.turn.transcript === null) return;
       this.finishTurn();
     }
   }
@@ -691,6 +830,10 @@ class TalkPage {
 
   append(entry) {
     this.log.append(entry);
+    this.trim(entry);
+  }
+
+  trim(entry) {
     // A long hands-free session keeps the last MAX_LINES lines, not every one since the load.
     while (this.log.childElementCount > MAX_LINES) this.log.firstElementChild.remove();
     entry.scrollIntoView({ block: "nearest" });
@@ -743,6 +886,48 @@ class TalkPage {
 }
 
 // ---- helpers -----------------------------------------------------------------------------------
+
+// What the tests and the benchmark read of a turn (spoken, typed, or started by the bridge).
+function newTurn(typed) {
+  return {
+    typed,
+    transcript: null,
+    speechEndAt: null, // when the last frame louder than VOICE_RMS reached the page (auto)
+    firstFrameAt: null, // when the answer's first frame arrived
+    firstAudioAt: null, // when it starts playing (scheduled on the audio clock)
+    framesReceived: 0,
+    audioPlayedMs: 0,
+    toolCalls: [],
+    stoppedAt: null,
+  };
+}
+
+// [shown mark, what a screen reader says, class] of a tool call's outcome.
+function outcomeOf(call) {
+  if (call.outcome === "ok") return ["✓", "done", "ok"];
+  if (call.error === "ConfirmationRequired") return ["?", "not run: it needs your yes", "warn"];
+  if (call.outcome === "tool_error") return ["⚠", "the tool reported an error", "warn"];
+  if (call.outcome === "refused") return ["✗", "refused", "error"];
+  return ["✗", "failed", "error"];
+}
+
+// The bridge names an error by its class: the one a user acts on is said in words.
+function errorText(error) {
+  return error === "ConfirmationRequired" ? "waits for your yes" : error;
+}
+
+// `{volume: 30}`: keys bare when they are identifiers, values as JSON; long ones cut.
+function formatArguments(value) {
+  if (value === null || value === undefined) return "(arguments not shown)";
+  let text;
+  if (typeof value === "object" && !Array.isArray(value)) {
+    const parts = Object.entries(value).map(([key, item]) => `${/^[A-Za-z_$][\w$]*$/.test(key) ? key : JSON.stringify(key)}: ${JSON.stringify(item)}`);
+    text = `{${parts.join(", ")}}`;
+  } else {
+    text = JSON.stringify(value);
+  }
+  return text.length > MAX_ARGUMENTS_CHARS ? `${text.slice(0, MAX_ARGUMENTS_CHARS - 1)}…` : text;
+}
 
 async function chooseFormat() {
   // Opus needs both halves of WebCodecs: the encoder for the microphone, the decoder for the
