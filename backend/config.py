@@ -161,7 +161,9 @@ class Settings(BaseSettings):
     asr_language: Literal["en", "vi"] | None = None
     asr_timeout_s: float = Field(10.0, gt=0)
     asr_workers: int = Field(1, ge=1, le=16)  # decoding processes (each holds the model)
-    asr_threads: int = Field(2, ge=1, le=32)  # threads per decoding process
+    # Threads per decoding process; None: half the cores (1 on 2 cores, where one thread decoded
+    # a command faster than two and left the event loop its core: docs/benchmarks.md).
+    asr_threads: int | None = Field(None, ge=1, le=32)
     asr_queue_max: int = Field(8, ge=0, le=10_000)  # utterances waiting; more hear an apology
     asr_vietnamese: bool = True  # use the Vietnamese recognizer when `viet-asr` is installed
     # Speech synthesis: the embedded eSpeak NG (Vietnamese and English), or an OpenAI-compatible
@@ -175,7 +177,8 @@ class Settings(BaseSettings):
     tts_timeout_s: float = Field(10.0, gt=0)
     # Turn taking: silence that ends an utterance (auto and realtime modes), the longest
     # utterance kept, and how long a listening channel may hear nothing before a goodbye.
-    voice_silence_ms: int = Field(600, ge=100, le=5000)
+    # 500: on bench.voice_recognition's set, 250 to 800 ms were heard the same (docs/voice.md).
+    voice_silence_ms: int = Field(500, ge=100, le=5000)
     voice_max_utterance_s: float = Field(20.0, gt=1, le=120)
     voice_idle_close_s: float = Field(30.0, gt=0)
     # Pacing: frames sent ahead of the playout clock (the stock device buffers 40), and the

@@ -161,7 +161,11 @@ class Bridge:
         self.browser: BrowserTransport | None = None
         if settings.console_enabled:
             self.browser = BrowserTransport(
-                settings, self.frontends.keys.active, self.provisioning.handshake_limits
+                settings,
+                self.frontends.keys.active,
+                self.provisioning.handshake_limits,
+                voice_unavailable=self._voice_unavailable,
+                subscribe=self.registry.subscribe,
             )
             self.transports.append(self.browser)
         # Users' MCP servers dialing in join the hub while connected (backend/mcp_dialin).
@@ -211,6 +215,12 @@ class Bridge:
         self._api_socket: socket.socket | None = None
         self._stopped = False
         self._running = False
+
+    def _voice_unavailable(self) -> str | None:
+        """Why devices get no voice on this bridge (the `VoiceUnavailableNotice` standing in for
+        the voice loop says it); None when they do."""
+        reason = getattr(self.frontends.voice, "reason", None)
+        return reason if isinstance(reason, str) else None
 
     def _device_credentials(self) -> DeviceCredentials:
         mode = self.settings.device_auth

@@ -1,8 +1,8 @@
 """How scripts/test spreads the suite over its pytest-xdist workers (`--dist loadscope`).
 
-A test module is one unit of work, so a module-scoped fixture (the recognition set of
-test_voice_asr, the schemathesis document) is built once, not once per worker. The modules
-listed in SPREAD hold long, independent tests (benchmark runs, `serve` processes): each of
+A test module is one unit of work, so a module-scoped fixture (the recognition runs of
+test_voice_recognition, the schemathesis document) is built once, not once per worker. The
+modules listed in SPREAD hold long, independent tests (benchmark runs, `serve` processes): each of
 their tests is a unit of its own, and they are handed out first, so the longest do not start
 last and hold the phase's tail alone. Everything else keeps collection order."""
 

@@ -53,7 +53,7 @@ async def test_say_enrols_speaks_and_saves_what_the_device_heard(bridge_factory,
         env={**NO_TOKENS, "BRIDGE_ADMIN_TOKEN": ADMIN_TOKEN},
     )  # fmt: skip
     assert code == 0, err
-    assert "transcript: set the volume to 30" in out
+    assert "transcript: set the volume to 30" in out.lower()  # Whisper writes a capital
     assert 'tool call: self.audio_speaker.set_volume {"volume":30}' in out
     assert "answer: Volume set to 30." in out
     assert f"saved to {wav}" in out and f"events: {wav.with_suffix('.events.jsonl')}" in out
@@ -64,7 +64,7 @@ async def test_say_enrols_speaks_and_saves_what_the_device_heard(bridge_factory,
     messages = _messages(_events(wav))
     assert messages[0]["type"] == "hello" and messages[0]["audio_params"]["format"] == "opus"
     assert {"type": "tts", "state": "stop"}.items() <= messages[-1].items()
-    assert any(m["type"] == "stt" and m["text"] == "set the volume to 30" for m in messages)
+    assert any(m["type"] == "stt" and m["text"].lower() == "set the volume to 30" for m in messages)
 
 
 @pytest.mark.slow

@@ -145,7 +145,7 @@ def _assert_spoken_turn(text: str, data_dir: Path) -> None:
     """The demo's ending: a voice device says "set the volume to thirty"; it is recognized,
     acted on (the device's volume tool) and answered aloud, saved in the data dir."""
     spoken = text[text.index('says "set the volume to thirty" (synthesized offline)') :]
-    assert "\ntranscript: set the volume to 30\n" in spoken
+    assert "\ntranscript: set the volume to 30\n" in spoken.lower()
     assert '\ntool call: self.audio_speaker.set_volume {"volume":30}\n' in spoken
     assert "\nanswer: Volume set to 30.\n" in spoken
     wav = data_dir / "demo-answer.wav"

@@ -9,7 +9,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from backend.chat import MAX_QUERY_CHARS
-from backend.frontends.device_chat import SentenceStream
+from backend.dialogue.device_chat import SentenceStream
 from backend.server import Bridge
 from simulator.llm_server import FakeCall, Reply
 from tests.helpers import DEVICE_TOKEN, eventually, wait_state

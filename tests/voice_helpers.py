@@ -1,14 +1,14 @@
 """Speech for voice tests.
 
-The embedded recognizer (pocketsphinx) misrecognizes raw eSpeak audio ("set the volume to
-forty" → "suitable you are the") but gets the same speech right once it has passed through a
-voice codec, as a stock device's Opus uplink does. A real microphone is not eSpeak; PCM16 tests
-therefore send synthetic speech that went through one Opus round trip (16 kHz, VOIP,
-complexity 0, like the stock device), so they test the PCM16 path, not eSpeak's spectrum.
+A real microphone is not eSpeak, and a stock device sends Opus: PCM16 tests therefore send
+synthetic speech that went through one Opus round trip (16 kHz, VOIP, complexity 0, like the
+stock device), so they test the PCM16 path with the speech the recognizer hears from devices,
+not eSpeak's raw spectrum. (The recognizer before Whisper, pocketsphinx, misrecognized raw
+eSpeak audio outright; Whisper tiny.en hears both, but the tests keep the device's path.)
 
-Numbers the voice tests speak: ten, twenty, thirty, forty, seventy and ninety decoded right in
-6 of 6 renderings each; "fifty" and "sixty" came back once in 6 as 58 and 68, and "fifteen" as
-50 in 5 of 6, so the tests do not use them (the recognition set in test_voice_asr.py does).
+Numbers the voice tests speak: ten, twenty, thirty, forty, seventy and ninety. The spoken
+recognition set (tests/recognition_set.py, used by tests/test_voice_recognition.py and
+bench/voice_recognition.py) has the rest.
 """
 
 import opuslib_next

@@ -14,7 +14,7 @@
 Text must be Unicode: a string with a lone surrogate (JSON `"\ud800"`, which no UTF-8 encoder
 takes) anywhere in a body is 400 `invalid_text` naming the field, as OpenAI's API refuses a body
 it cannot read, rather than silently changed (text from a device is repaired instead, see
-backend/frontends/device_chat.py).
+backend/dialogue/device_chat.py).
 
 A turn may call a device's tools only if the caller's key may call that device; otherwise the
 turn goes on without them and the stream says why (an `mcp_tool` `error` event). An unknown

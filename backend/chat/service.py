@@ -27,15 +27,18 @@ from pydantic import BaseModel, ConfigDict, Field, SkipValidation, model_validat
 from backend.chat import prompts
 from backend.chat.confirm import (
     CANCELLED,
+    CANCELLED_SPOKEN,
     DONE,
     FAILED,
     ConfirmationBook,
     PendingConfirmation,
     answer_kind,
     question,
+    spoken_action,
 )
 from backend.chat.context import ClientTurn, client_context, without_sources
 from backend.chat.deadline import Deadline
+from backend.chat.device_state import no_reading_tool_reply
 from backend.chat.events import (
     ChatEvent,
     Confirmation,
@@ -106,7 +109,7 @@ MAX_QUERY_CHARS = 4000
 # every turn, 160 KB in every prompt after 400 turns.
 SUMMARY_MAX_CHARS = 4000
 SUMMARY_MAX_TOKENS = 1000
-_SPOKEN_RESULT_CHARS = 200  # a confirmed call's result, as said back to the user
+_SHOWN_RESULT_CHARS = 200  # a confirmed call's result, as shown back to the user
 # A whole turn (guardrail, every model round and tool call, summary) ends within this by default,
 # and an answer within this many tokens: a model that keeps talking made 104-161 s turns.
 TURN_TIMEOUT_S = 120.0
@@ -170,6 +173,8 @@ class TurnRequest(BaseModel):
     text: str | None = None
     conversation_id: str | None = Field(default=None, max_length=128)
     device_id: str | None = None
+    # The language the words were heard in (a recognizer's); None: detected from the text.
+    language: Language | None = None
     context: Literal["memory", "messages"] = "memory"
     store: bool = True
     sampling: Annotated[Sampling, SkipValidation] = Field(default=ANY_SAMPLING, exclude=True)
@@ -476,7 +481,7 @@ class ChatService:
         turn_log: _TurnLog,
     ) -> _Turn:
         began = time.perf_counter()
-        language = detect_language(query)
+        language = request.language or detect_language(query)
         functions = [with_description_choices(spec) for spec in toolbox.functions()]
         turn_log.step("language", began, language=language)
         return _Turn(
@@ -914,18 +919,13 @@ class ChatService:
         began = time.perf_counter()
         plan = self.detector.plan(turn.query, turn.functions)
         # Tools the model ran before it failed: the user hears what they did, in words.
-        parts = [
-            (DONE if run.ok else FAILED)[turn.language].format(
-                tool=run.tool, result=clip(run.outcome.text, _SPOKEN_RESULT_CHARS)
-            )
-            for run in before.runs
-        ]
+        parts = [self._said_done(turn, run) for run in before.runs]
         runs: list[ToolRun] = []
         confirmation: PendingConfirmation | None = None
         done_already = {run.tool for run in before.runs}
         unavailable = turn.toolbox.unavailable_reason
         if unavailable is not None and plan.intents:  # the turn reported it (_denied_event)
-            parts.append(_NO_PERMISSION[turn.language].format(reason=unavailable))
+            parts.append(_Said(_NO_PERMISSION[turn.language].format(reason=unavailable)))
         else:
             for intent in plan.intents:
                 if turn.toolbox.device_tool_name(intent.llm_name) in done_already:
@@ -941,7 +941,7 @@ class ChatService:
                             yield found_item
                     moved = stepped(intent, current)
                     if moved is None:  # the device does not say where it is: ask for a value
-                        parts.append(rejected_reply(intent, turn.language))
+                        parts.append(_Said(rejected_reply(intent, turn.language)))
                         continue
                     intent = moved
                 async for item in self._run_tool(turn, intent.llm_name, intent.arguments):
@@ -952,22 +952,25 @@ class ChatService:
                     else:
                         runs.append(item)
                         said = device_reply(intent, item.outcome.text, item.ok, turn.language)
-                        parts.append(said)
+                        parts.append(_Said(said))
                 if confirmation is not None:
                     break
+        if plan.unanswered:
+            parts.append(_Said(no_reading_tool_reply(turn.language)))
         if not plan.intents and plan.rejected and not plan.question:
-            parts.append(rejected_reply(plan.rejected[0], turn.language))
+            parts.append(_Said(rejected_reply(plan.rejected[0], turn.language)))
         if not plan.intents and not plan.rejected and plan.unserved:
-            parts.append(unserved_reply(turn.language))
+            parts.append(_Said(unserved_reply(turn.language)))
         question_text = plan.question if turn.functions else turn.query
         if question_text and not device_only:
             answer = extractive_answer(question_text, found.results, turn.language)
-            parts.append(f"{OFFLINE_NOTE[turn.language]}\n{answer}")
+            # The note is for screens: a voice reads the answer, not a disclaimer before it.
+            parts.append(_Said(f"{OFFLINE_NOTE[turn.language]}\n{answer}", answer))
         elif question_text and not plan.intents and not plan.rejected:
-            parts.append(extractive_answer(question_text, found.results, turn.language))
-        text, cut = _limited(turn, before.pieces, "\n\n".join(parts))
+            parts.append(_Said(extractive_answer(question_text, found.results, turn.language)))
+        text, cut = _limited(turn, before.pieces, "\n\n".join(part.text for part in parts))
         if text:
-            yield Token(text=text)
+            yield Token(text=text, speech=_speech(parts, text))
         turn.log.step(
             "offline",
             began,
@@ -1012,12 +1015,13 @@ class ChatService:
                     yield item
             assert run is not None
             runs = (run,)
-            template = DONE if run.ok else FAILED
-            result = clip(run.outcome.text, _SPOKEN_RESULT_CHARS)
-            text = template[turn.language].format(tool=asked.tool, result=result)
+            said = self._said_done(turn, run)
         else:
-            text = CANCELLED[turn.language].format(tool=asked.tool)
-        yield Token(text=text)
+            action = spoken_action(asked.tool, asked.arguments)
+            spoken = CANCELLED_SPOKEN[turn.language].format(action=action)
+            said = _Said(CANCELLED[turn.language].format(tool=asked.tool), spoken)
+        text = said.text
+        yield Token(text=text, speech=said.speech)
         record_chat_turn("confirmation")
         _record_tool_time(turn)
         reason = turn.log.offline_reason
@@ -1026,6 +1030,15 @@ class ChatService:
         yield Done(
             metadata=self._metadata(turn, verdict, answer, reason, context=context, stored=stored)
         )
+
+    def _said_done(self, turn: _Turn, run: ToolRun) -> "_Said":
+        """A call that ran, as the text shows it (the tool and its result, for the record) and
+        as a voice says it: in words, as the offline rules would ("Volume set to 30.")."""
+        template = DONE if run.ok else FAILED
+        result = clip(run.outcome.text, _SHOWN_RESULT_CHARS)
+        text = template[turn.language].format(tool=run.tool, result=result)
+        intent = self.detector.called(run.llm_name, run.arguments, turn.functions)
+        return _Said(text, device_reply(intent, run.outcome.text, run.ok, turn.language))
 
     def _sources(self, turn: _Turn, found: _Found, device_only: bool) -> Sources | None:
         if device_only or not found.results:
@@ -1209,6 +1222,37 @@ def _with_max_tokens(sampling: Sampling, max_tokens: int) -> Sampling:
     if sampling.max_tokens is not None and sampling.max_tokens <= max_tokens:
         return sampling
     return dataclasses.replace(sampling, max_tokens=max_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class _Said:
+    """A part of an answer no model wrote: its text, and what a voice says for it when that
+    differs (None: the text itself)."""
+
+    text: str
+    speech: str | None = None
+
+
+def _speech(parts: Sequence[_Said], text: str, separator: str = "\n\n") -> str | None:
+    """What a voice says for `text` (the parts joined by `separator`, maybe cut by `_limited`):
+    each part's speech; None when every part is said as written. A part with a speech of its
+    own that was cut short says nothing (half a replacement could say the wrong thing)."""
+    if all(part.speech is None for part in parts):
+        return None
+    said: list[str] = []
+    position = 0
+    for index, part in enumerate(parts):
+        lead = separator if index else ""
+        whole = lead + part.text
+        piece = text[position : position + len(whole)]
+        position += len(whole)
+        if not piece:
+            break
+        if part.speech is None:
+            said.append(piece)
+        elif piece == whole:
+            said.append(lead + part.speech)
+    return "".join(said)
 
 
 def _limited(turn: _Turn, said: Sequence[str], text: str) -> tuple[str, bool]:

@@ -14,7 +14,12 @@ permission: the device asked). The answer goes back through the conversation API
    paths, are complete before they are spoken, so their outcome is always known);
 3. one `tts sentence_start {text}` per sentence as the answer streams (never the sources
    section) — with audio when the voice loop is on (`Answer` is then a `SpokenAnswer`, paced
-   frames between the sentence marks) — and `tts stop`.
+   frames between the sentence marks) — and `tts stop`. The sentences are the answer as a
+   voice says it (`Token.spoken`): text for screens only, the offline note "(Offline mode:
+   …)", is left out with or without audio (`tts sentence_start` is the stock device's caption
+   of what it says, and a caption of something never said would puzzle), and a confirmed
+   call is "Volume set to 30.", not "Done: self.audio_speaker.set_volume → true". The stored
+   answer and the API's keep the text as written.
 
 One turn at a time per device: a new turn while one runs **cancels** the old one (the user
 spoke again, so the old answer is stale; its memory is not written) and, if it was already
@@ -48,7 +53,7 @@ from backend.chat import (
     TurnRequest,
 )
 from backend.chat.language import detect_language
-from backend.chat.text import replace_surrogates, sentences
+from backend.chat.text import NOT_AN_END, replace_surrogates, sentences
 from backend.devices import DeviceRegistry
 from backend.devices.conversation import Conversation as DeviceConversation
 from backend.devices.conversation import ConversationHub, Unsubscribe
@@ -65,7 +70,7 @@ log = structlog.get_logger("device_chat")
 SORRY = "Sorry, something went wrong. Please try again."
 LANGUAGES_KEPT = 10_000  # devices whose last turn's language is remembered
 # A sentence end (as `backend.chat.text.sentences` splits) with more text after it.
-_FOLLOWED_SENTENCE_END = re.compile(r"(?:(?<=[.!?…])\s+|\n+)(?=\S)")
+_FOLLOWED_SENTENCE_END = re.compile(rf"(?:(?<=[.!?…]){NOT_AN_END}\s+|\n+)(?=\S)")
 _MARKDOWN = re.compile(r"[*`#]+|^\s*[-•]\s+", re.MULTILINE)
 
 
@@ -98,8 +103,9 @@ def emotion_for(events: list[ChatEvent]) -> str:
 
 
 def spoken_sentences(events: list[ChatEvent]) -> list[str]:
-    """The sentences to show/speak: the answer's tokens (not the sources), without Markdown."""
-    text = "".join(event.text for event in events if isinstance(event, Token))
+    """The sentences to show/speak: the answer's tokens as said (not the sources, not text for
+    screens only), without Markdown."""
+    text = "".join(event.spoken for event in events if isinstance(event, Token))
     return sentences(_MARKDOWN.sub("", text))
 
 
@@ -257,20 +263,24 @@ class DeviceChat:
         timings: TurnTimings | None = None,
         *,
         unsure: bool = False,
+        language: str | None = None,
     ) -> asyncio.Task[None]:
         """Answer `text` (typed or recognized) on the device, replacing its running turn.
         `unsure`: the recognizer doubted the words, so nothing on the device changes without
-        the user's "yes" (`AskBeforeChanging`)."""
+        the user's "yes" (`AskBeforeChanging`). `language`: the language the recognizer heard
+        it in, which the device's next utterance is heard in when its setting is "auto" (None:
+        guessed from the text, as for typed turns; an English recognizer's garbled reading of
+        other speech must not switch the device to another recognizer)."""
         return self._replace_turn(
-            conversation, lambda: self._turn(conversation, text, timings, unsure)
+            conversation, lambda: self._turn(conversation, text, timings, unsure, language)
         )
 
     def language_of(self, device_id: str) -> str | None:
         """The language of the device's last turn ("en", "vi"), None before its first."""
         return self._languages.get(device_id)
 
-    def _note_language(self, device_id: str, text: str) -> None:
-        self._languages[device_id] = detect_language(text)
+    def _note_language(self, device_id: str, text: str, heard_in: str | None) -> None:
+        self._languages[device_id] = heard_in or detect_language(text)
         self._languages.move_to_end(device_id)
         while len(self._languages) > LANGUAGES_KEPT:
             self._languages.popitem(last=False)
@@ -367,6 +377,7 @@ class DeviceChat:
         text: str,
         timings: TurnTimings | None,
         unsure: bool = False,
+        language: str | None = None,
     ) -> None:
         device_id = conversation.device_id
         structlog.contextvars.bind_contextvars(device_id=device_id)
@@ -384,8 +395,13 @@ class DeviceChat:
                 toolbox = self.servers.toolbox_for(None, device_id, toolbox)
             if unsure and toolbox is not None:
                 toolbox = AskBeforeChanging(toolbox)
-            self._note_language(device_id, text)
-            request = TurnRequest(text=text, device_id=device_id, conversation_id=conversation_id)
+            self._note_language(device_id, text, language)
+            request = TurnRequest(
+                text=text,
+                device_id=device_id,
+                conversation_id=conversation_id,
+                language=language if language in ("en", "vi") else None,
+            )
             events, spoken = await self._speak_stream(request, toolbox, answer, timings)
             done = next((event for event in events if isinstance(event, Done)), None)
             conversation_id = done.metadata.conversation_id if done is not None else None
@@ -434,7 +450,7 @@ class DeviceChat:
             ready = []
             if isinstance(event, Token):
                 timings.mark("first_token")
-                ready = stream.feed(event.text)
+                ready = stream.feed(event.spoken)
         ready += stream.flush()
         await self._say_lines(answer, events, ready)
         return events, spoken + len(ready)

@@ -1,9 +1,9 @@
 """The front ends of the chat pipeline, wired into the bridge in one place.
 
 `FrontEnds` owns the conversation memory, the `ChatService`, the API key store, the `/mcp`
-endpoint and the device conversations, on the bridge's database, registry and conversation hub;
-`routers()` and `routes()` go into the HTTP app; `start()` after the database is open,
-`stop()` before it closes.
+endpoint, the device conversations and their voice (with each device's voice language), on the
+bridge's database, registry and conversation hub; `routers()` and `routes()` go into the HTTP
+app; `start()` after the database is open, `stop()` before it closes.
 """
 
 from fastapi import APIRouter
@@ -12,6 +12,7 @@ from starlette.routing import BaseRoute
 from backend.api.chat import allowed_models, chat_router
 from backend.api.keys import keys_router
 from backend.api.mcp_endpoint import McpEndpoint
+from backend.api.voice import voice_router
 from backend.chat import CHAT_MIGRATIONS, ChatService, SqliteMemoryStore
 from backend.config import Settings
 from backend.devices import DeviceRegistry
@@ -21,8 +22,18 @@ from backend.frontends.voice import build_voice
 from backend.keys import KEYS_MIGRATIONS, KeyStore
 from backend.mcp_servers.hub import McpServerHub
 from backend.storage import Database, Migration
+from backend.voice.language import (
+    VOICE_MIGRATIONS,
+    VoiceLanguages,
+    available_languages,
+    effective_language,
+)
 
-FRONTEND_MIGRATIONS: tuple[Migration, ...] = (*CHAT_MIGRATIONS, *KEYS_MIGRATIONS)
+FRONTEND_MIGRATIONS: tuple[Migration, ...] = (
+    *CHAT_MIGRATIONS,
+    *KEYS_MIGRATIONS,
+    *VOICE_MIGRATIONS,
+)
 
 
 class FrontEnds:
@@ -42,16 +53,34 @@ class FrontEnds:
         self.keys = KeyStore(database)
         self.mcp = McpEndpoint(registry, self.chat, host=settings.http_host)
         self.device_chat = DeviceChat(hub, registry, self.chat, servers)
-        self.voice = build_voice(settings, hub, registry, self.device_chat)
+        self.languages = VoiceLanguages(database)
+        self.voice = build_voice(
+            settings, hub, registry, self.device_chat, languages=self.languages.language
+        )
+        self.languages_available = available_languages(settings)
+        self._settings = settings
         self._registry = registry
         self._servers = servers
         self._allowed_models = allowed_models(settings)
         self._started = False
 
     def routers(self) -> list[APIRouter]:
-        """The API routers of the front ends (keys, chat)."""
+        """The API routers of the front ends (keys, chat, devices' voice languages)."""
         chat = chat_router(self.chat, self._registry, self._servers, self._allowed_models)
-        return [keys_router(self.keys), chat]
+        voice = voice_router(
+            self.languages, self._registry, self.heard_in, self.languages_available
+        )
+        return [keys_router(self.keys), chat, voice]
+
+    def heard_in(self, device_id: str) -> str:
+        """The language the device's next utterance is heard in (English where the bridge
+        cannot hear its language)."""
+        language = effective_language(
+            self.languages.language(device_id),
+            self._settings.asr_language,
+            self.device_chat.language_of(device_id),
+        )
+        return language if language in self.languages_available else "en"
 
     def routes(self) -> list[BaseRoute]:
         """The raw routes of the front ends (the MCP endpoint's WebSocket)."""
@@ -62,6 +91,8 @@ class FrontEnds:
         conversations."""
         self._started = True
         await self.keys.load()
+        await self.languages.load()
+        self.languages.follow(self._registry)
         await self.mcp.start()
         self.device_chat.start()
         await self.voice.start()
@@ -78,4 +109,5 @@ class FrontEnds:
         """Write what is left (key last-use times) and close the model client."""
         if self._started:
             await self.keys.aclose()
+            await self.languages.aclose()
         await self.chat.aclose()

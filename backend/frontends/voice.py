@@ -1,6 +1,7 @@
 """The voice loop for the bridge's settings: the real one, or a notice saying why not."""
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
@@ -10,6 +11,9 @@ from backend.devices.conversation import ConversationHub
 from backend.dialogue.device_chat import DeviceChat
 from backend.voice import missing_voice_packages
 from backend.voice.errors import VoiceUnavailable
+
+if TYPE_CHECKING:
+    from backend.voice.service import VoiceService
 
 log = structlog.get_logger("voice")
 
@@ -25,17 +29,28 @@ class VoiceLoop(Protocol):
         """Unsubscribe and release what it holds."""
 
 
+LanguageOf = Callable[[str], str | None]
+
+
 def build_voice(
-    settings: Settings, hub: ConversationHub, registry: DeviceRegistry, device_chat: DeviceChat
+    settings: Settings,
+    hub: ConversationHub,
+    registry: DeviceRegistry,
+    device_chat: DeviceChat,
+    languages: LanguageOf | None = None,
 ) -> VoiceLoop:
     """`VoiceService` when voice is on and its packages and engines load; otherwise a
-    `VoiceUnavailableNotice` (devices get text answers and are told why)."""
+    `VoiceUnavailableNotice` (devices get text answers and are told why). `languages` is each
+    device's voice language setting (None for "auto"; backend/voice/language.py)."""
     from backend.voice.service import VoiceUnavailableNotice
 
     reason = _unavailable_reason(settings)
     if reason is None:
         try:
-            return _voice_service(settings, hub, registry, device_chat)
+            service = _voice_service(settings, hub, registry, device_chat)
+            if languages is not None:
+                service.languages = languages
+            return service
         except VoiceUnavailable as exc:
             reason = str(exc)
     if settings.voice_enabled:
@@ -56,7 +71,7 @@ def _unavailable_reason(settings: Settings) -> str | None:
 
 def _voice_service(
     settings: Settings, hub: ConversationHub, registry: DeviceRegistry, device_chat: DeviceChat
-) -> VoiceLoop:
+) -> "VoiceService":
     from backend.voice.recognition import recognizer_from_settings
     from backend.voice.recognition.vocabulary import prompt_for
     from backend.voice.service import VoiceService

@@ -103,6 +103,9 @@ class Listener:
     def start(self, mode: Mode) -> None:
         """`listen start`: forget anything heard, then listen in `mode`."""
         self._forget()
+        # A fresh decoder: the state the last utterance's packets left in it (and how many of
+        # its tail were decoded before the answer began, a race) must not change this one's audio.
+        self._decoder = None
         self.mode, self.listening = mode, True
         self.last_heard = time.monotonic()
         if self._detector is None:

@@ -44,6 +44,7 @@ class Transcript:
     confidence: float | None = None  # the engine's own score, mapped to 0..1 where it has one
     sure: bool = True
     fallback_reason: str | None = None  # set when the configured provider failed
+    alternatives: tuple[str, ...] = ()  # other readings of the same audio, best first
 
 
 class Recognizer(Protocol):

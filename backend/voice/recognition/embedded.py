@@ -2,8 +2,10 @@
 
 Each utterance is decoded whole, with the device's prompt (`vocabulary.prompt_for`), and
 comes back with the model's own doubt: a transcript is *unsure* when its tokens' mean
-log-probability is below `UNSURE_LOGPROB` or the model thinks the window held no speech. An
-unsure transcript is still answered, but the assistant asks before it changes the device.
+log-probability is below `UNSURE_LOGPROB` or the model thinks the window held no speech, and
+with the beam's other readings (`Transcript.alternatives`), which `voice/understanding.py`
+weighs. An unsure transcript is still answered, but the assistant asks before it changes the
+device.
 """
 
 import math
@@ -17,6 +19,7 @@ from backend.voice.recognition.whisper import model_dir
 ENGINE = "whisper-tiny.en"
 # Measured on the recognition set (bench/voice_recognition.py): commands heard right had a mean
 # token log-probability of -0.05 to -0.45 (median -0.17); wrong ones -0.15 to -1.1 (median -0.5).
+# Below it a reading is unsure unless the beam's other readings agree (voice/understanding.py).
 UNSURE_LOGPROB = -0.45
 NO_SPEECH = 0.6  # Whisper's no-speech probability above which the text is likely invented
 # Whisper's habitual inventions on silence and noise (its training subtitles).
@@ -73,8 +76,15 @@ class WhisperRecognizer:
             text = ""
         logprob = decoded.avg_logprob if decoded.avg_logprob is not None else -10.0
         sure = logprob >= UNSURE_LOGPROB and decoded.no_speech_prob < NO_SPEECH
+        heard = normalized(text)
+        others = (normalized(without_repeats(other)) for other in decoded.alternatives)
         return Transcript(
-            normalized(text), ENGINE, "en", confidence=round(math.exp(logprob), 3), sure=sure
+            heard,
+            ENGINE,
+            "en",
+            confidence=round(math.exp(logprob), 3),
+            sure=sure,
+            alternatives=tuple(dict.fromkeys(o for o in others if o and o != heard)),
         )
 
     async def aclose(self) -> None:

@@ -41,6 +41,7 @@ class Decoded:
     avg_logprob: float | None = None
     no_speech_prob: float = 0.0
     cpu_s: float = 0.0
+    alternatives: tuple[str, ...] = ()  # the engine's next best readings, best first
 
 
 class Engine(Protocol):

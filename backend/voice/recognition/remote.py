@@ -7,6 +7,7 @@ utterance; the outage is logged once, not per utterance, and never with the key.
 """
 
 import asyncio
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import httpx
@@ -122,10 +123,8 @@ class FallbackRecognizer:
         except RecognitionFailed as exc:
             self._down(str(exc))
             heard = await self.embedded.recognize(pcm, hints)
-            reason = f"{self.primary.name}: {exc}"
-            return Transcript(
-                heard.text, heard.engine, heard.language, heard.confidence, heard.sure, reason
-            )
+            # all of the embedded transcript (its doubt, its other readings), with the reason
+            return replace(heard, fallback_reason=f"{self.primary.name}: {exc}")
         if self._outage is not None:
             log.info("asr_provider_back", provider=self.primary.name)
             self._outage = None

@@ -1,6 +1,7 @@
 """Which recognizer hears a device: built from the settings, chosen per utterance by language."""
 
 import importlib.util
+import os
 from typing import TYPE_CHECKING
 
 import structlog
@@ -58,11 +59,20 @@ def vietnamese_installed() -> bool:
     return importlib.util.find_spec("vietasr") is not None
 
 
+def decoding_threads(configured: int | None) -> int:
+    """`asr_threads`, or half the machine's cores (at least 1, at most 4)."""
+    if configured is not None:
+        return configured
+    return max(1, min(4, (os.cpu_count() or 2) // 2))
+
+
 def _embedded(settings: "Settings") -> Recognizer:
     from backend.voice.recognition.embedded import WhisperRecognizer
 
     english = WhisperRecognizer(
-        workers=settings.asr_workers, threads=settings.asr_threads, queue_max=settings.asr_queue_max
+        workers=settings.asr_workers,
+        threads=decoding_threads(settings.asr_threads),
+        queue_max=settings.asr_queue_max,
     )
     vietnamese: Recognizer | None = None
     if settings.asr_vietnamese and vietnamese_installed():

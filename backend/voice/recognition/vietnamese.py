@@ -12,6 +12,7 @@ import atexit
 import time
 from typing import Any
 
+from backend.chat.text import fold
 from backend.voice.recognition import RecognitionHints, Transcript
 from backend.voice.recognition.pool import Decoded, DecodePool, EngineSpec
 
@@ -32,6 +33,7 @@ class VietnameseEngine:
         self._np = np
         self._pipeline: Any = vietasr.Pipeline.new().add("vietasr").build()
         atexit.register(self._pipeline.close)  # before cffi is torn down at exit
+
     def decode(self, pcm: bytes, prompt: str) -> Decoded:
         """The text of one utterance of 16 kHz PCM16 (the prompt is not used)."""
         np = self._np
@@ -70,7 +72,12 @@ class VietnameseRecognizer:
     async def recognize(self, pcm: bytes, hints: RecognitionHints) -> Transcript:
         """The text of one utterance; raises RecognizerBusy or RecognitionFailed."""
         decoded = await self.pool.decode(pcm, "")
-        return Transcript(decoded.text, ENGINE, "vi", sure=False)
+        # Its commonest slip is a tone mark ("âm lương" for "âm lượng"): the text without its
+        # marks is offered as another reading, which the router reads only when the marked
+        # one asks nothing of the device (voice/understanding.py; unsure, so asked back).
+        plain = fold(decoded.text)
+        others = (plain,) if plain and plain != decoded.text.lower() else ()
+        return Transcript(decoded.text, ENGINE, "vi", sure=False, alternatives=others)
 
     async def aclose(self) -> None:
         """Stop the decoding process."""

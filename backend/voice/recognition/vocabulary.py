@@ -207,19 +207,21 @@ NUMBER_WORDS: tuple[str, ...] = (
     "one hundred",
 )
 _NUMBER_VALUES = {words: value for value, words in enumerate(NUMBER_WORDS)}
-_NUMBER_RUN = re.compile(
-    r"\b(?:" + "|".join(sorted(map(re.escape, NUMBER_WORDS), key=len, reverse=True)) + r")\b",
+_NUMBER_RUN = re.compile(  # "twenty five", "twenty-five": Whisper writes either
+    r"\b(?:"
+    + "|".join(w.replace(" ", r"[\s-]+") for w in sorted(NUMBER_WORDS, key=len, reverse=True))
+    + r")\b",
     re.IGNORECASE,
 )
 _NUMBER_CONTEXT = frozenset(["to", "at", "volume", "brightness", "level", "percent"])
 
 
 def spoken_numbers_to_digits(text: str) -> str:
-    """ "set the volume to thirty five" -> "set the volume to 35". A lone "one" stays a word
-    ("one other time") unless a setting or "to"/"at" comes before it."""
+    """ "set the volume to thirty five" (or "thirty-five") -> "set the volume to 35". A lone
+    "one" stays a word ("one other time") unless a setting or "to"/"at" comes before it."""
 
     def digits(match: re.Match[str]) -> str:
-        words = " ".join(match.group(0).lower().split())
+        words = " ".join(re.split(r"[\s-]+", match.group(0).lower()))
         if words == "one":
             before = text[: match.start()].lower().split()
             if not before or before[-1] not in _NUMBER_CONTEXT:

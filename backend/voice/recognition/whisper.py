@@ -209,18 +209,22 @@ class WhisperDecoder:
             self._ct2.StorageView.from_array(features[None]),
             [start],
             beam_size=BEAM_SIZE,
+            num_hypotheses=BEAM_SIZE,  # the beam's other readings: a check on the best one
             max_length=min(448, len(start) + 16 + int(TOKENS_PER_S * seconds)),
             return_scores=True,
             return_no_speech_prob=True,
             suppress_blank=True,
         )[0]
-        tokens = [token for token in result.sequences_ids[0] if token < self._end]
-        text = self._tokenizer.decode(tokens).strip()
+        texts = [
+            self._tokenizer.decode([token for token in ids if token < self._end]).strip()
+            for ids in result.sequences_ids
+        ]
         return Decoded(
-            text,
+            texts[0] if texts else "",
             float(result.scores[0]) if result.scores else -10.0,
             float(result.no_speech_prob),
             time.process_time() - began,
+            tuple(texts[1:]),
         )
 
 
