@@ -7,7 +7,8 @@ from bench.common import REPO, parse_args
 
 # The bridge-core benchmarks, the UDP audio channel, the MQTT transport end to end and its
 # reconnect loop, the OTA endpoint, reliability under attack (WebSocket and MQTT), fuzzing, the
-# voice loop, then the firmware's heap benchmark (needs the MicroPython unix port).
+# voice loop and speech recognition, the console pages (the talk page with the embedded voice
+# stack), then the firmware's heap benchmark (needs the MicroPython unix port).
 BENCHMARKS = (
     "tool_call",
     "metrics_overhead",
@@ -26,8 +27,10 @@ BENCHMARKS = (
     "mcp_servers",
     "mcp_dialin",
     "voice",
+    "voice_recognition",
     "console_page",
     "console_devices",
+    "console_talk",
     "db_writes",
     "cluster",
     "firmware_memory",

@@ -1,11 +1,12 @@
 """Benchmark: the talk page, end of speech in the browser to the first audio played.
 
-One process: a real `Bridge` with the embedded voice stack (pocketsphinx, the offline chat,
-eSpeak NG) and headless Chromium driven by Playwright. Chromium's fake microphone plays a WAV
-of "set the volume to thirty" (1 s of silence, the command, 5 s of silence, looped); the talk
-page (backend/console/static/talk.js) holds it in hands-free mode: `listen start` auto, Opus
-16 kHz 60 ms frames from WebCodecs, the bridge's VAD ends the utterance, the answer comes back as
-Opus at 24 kHz, decoded by WebCodecs and scheduled on a Web Audio clock. Each turn is timed by
+One process: a real `Bridge` with the embedded voice stack (Whisper tiny.en in its decoding
+process, the offline chat, eSpeak NG) and headless Chromium driven by Playwright. Chromium's
+fake microphone plays a WAV of "set the volume to thirty" (1 s of silence, the command, 5 s of
+silence, looped); the talk page (backend/console/static/talk.js) holds it in hands-free mode:
+`listen start` auto, Opus 16 kHz 60 ms frames from WebCodecs, the bridge's VAD ends the
+utterance, the answer comes back as Opus at 24 kHz, decoded by WebCodecs and scheduled on a Web
+Audio clock. Each turn is timed by
 the page (`window.talkStats`, `performance.now()`):
 
 - **speech end**: when the last 60 ms frame louder than -40 dBFS reached the page's main thread
@@ -212,7 +213,7 @@ def _report(browser: list[Turn], python: list[Turn], quick: bool, elapsed: float
             "## Talk page: the browser as a voice device (`bench/console_talk.py`)",
             "",
             f"{environment()}; {kind}, {elapsed:.1f} s. One process: the bridge (embedded voice "
-            "stack: pocketsphinx, offline chat, eSpeak NG) and headless Chromium, whose fake "
+            "stack: Whisper tiny.en, offline chat, eSpeak NG) and headless Chromium, whose fake "
             f'microphone loops a WAV of "{COMMAND}" (1 s silence, the command, 5 s silence). '
             "The page talks hands-free (auto mode: the bridge's VAD ends the utterance after "
             "600 ms of silence, which every figure below includes). The page's first counted "
