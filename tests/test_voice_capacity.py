@@ -4,6 +4,7 @@ never "One moment." followed by a refusal. The recognizer here is a stand-in who
 wait the test sets; the bridge, the device and its audio are real (WebSocket on loopback)."""
 
 import asyncio
+import sys
 from typing import Any
 
 import pytest
@@ -90,3 +91,44 @@ async def test_a_short_wait_is_not_announced(voice_bridge: Bridge) -> None:
         reply = await speak_turn(device, render("set the volume to thirty", "en", 16000))
     assert ONE_MOMENT not in reply.sentences
     assert device.mcp.calls[-1] == (VOLUME_TOOL, {"volume": 30})
+
+
+_KILLED_BRIDGE = """
+import asyncio, multiprocessing, sys
+from backend.voice.recognition.pool import DecodePool, EngineSpec
+
+async def main():
+    pool = DecodePool(EngineSpec("builtins:dict"), workers=1, nice=0)
+    pool.start()
+    await pool.wait_ready()
+    print("PIDS", *[child.pid for child in multiprocessing.active_children()], flush=True)
+    await asyncio.sleep(3600)
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+async def test_decoding_processes_leave_with_a_killed_bridge(tmp_path: Any) -> None:
+    """A bridge killed with SIGKILL cannot stop its decoding processes; they must not stay
+    (300 MB each, and holding the bridge's stdout open, which hung a supervisor reading it)."""
+    import psutil
+
+    script = tmp_path / "bridge.py"
+    script.write_text(_KILLED_BRIDGE)
+    bridge = await asyncio.create_subprocess_exec(
+        sys.executable, str(script), stdout=asyncio.subprocess.PIPE
+    )
+    assert bridge.stdout is not None
+    line = b""
+    while not line.startswith(b"PIDS"):  # the pool's log lines come first
+        line = await asyncio.wait_for(bridge.stdout.readline(), 60)
+        assert line, "the bridge ended before its pool was ready"
+    children = [psutil.Process(int(pid)) for pid in line.split()[1:]]
+    assert children and all(child.is_running() for child in children)
+    bridge.kill()
+    await bridge.wait()
+    # The pipe reaches its end only when no process holds it: the children left too.
+    assert await asyncio.wait_for(bridge.stdout.read(), 20) == b""
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert alive == []

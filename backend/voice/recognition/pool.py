@@ -16,6 +16,7 @@ import contextlib
 import importlib
 import multiprocessing
 import os
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -67,10 +68,24 @@ _engine: Engine | None = None
 _load_error = "the model is not loaded"
 
 
+ORPHAN_CHECK_S = 1.0  # how often a decoding process checks that the bridge still runs
+
+
+def _exit_with_the_bridge(bridge_pid: int) -> None:
+    """A bridge killed with SIGKILL cannot stop its decoding processes: each one leaves by
+    itself once its parent is gone (else it would hold 300 MB, and the bridge's stdout, forever)."""
+    while os.getppid() == bridge_pid:
+        time.sleep(ORPHAN_CHECK_S)
+    os._exit(0)
+
+
 def _load(spec: EngineSpec, nice: int) -> None:
-    """The decoding process's start: lower its priority, load (and check) the model. A failure
-    is kept and raised by every call, so the bridge learns why."""
+    """The decoding process's start: follow the bridge's life, lower its priority, load (and
+    check) the model. A failure is kept and raised by every call, so the bridge learns why."""
     global _engine, _load_error
+    threading.Thread(
+        target=_exit_with_the_bridge, args=(os.getppid(),), name="orphan-check", daemon=True
+    ).start()
     if nice:
         with contextlib.suppress(OSError):
             os.nice(nice)
