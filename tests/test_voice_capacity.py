@@ -100,7 +100,10 @@ from backend.voice.recognition.pool import DecodePool, EngineSpec
 async def main():
     pool = DecodePool(EngineSpec("builtins:dict"), workers=1, nice=0)
     pool.start()
-    await pool.wait_ready()
+    while not multiprocessing.active_children():
+        await asyncio.sleep(0.001)
+    if sys.argv[1] == "ready":
+        await pool.wait_ready()
     print("PIDS", *[child.pid for child in multiprocessing.active_children()], flush=True)
     await asyncio.sleep(3600)
 
@@ -109,15 +112,17 @@ if __name__ == "__main__":
 """
 
 
-async def test_decoding_processes_leave_with_a_killed_bridge(tmp_path: Any) -> None:
+@pytest.mark.parametrize("killed", ["ready", "starting"])
+async def test_decoding_processes_leave_with_a_killed_bridge(tmp_path: Any, killed: str) -> None:
     """A bridge killed with SIGKILL cannot stop its decoding processes; they must not stay
-    (300 MB each, and holding the bridge's stdout open, which hung a supervisor reading it)."""
+    (300 MB each, and holding the bridge's stdout open, which hung a supervisor reading it),
+    also when the bridge dies before they have started."""
     import psutil
 
     script = tmp_path / "bridge.py"
     script.write_text(_KILLED_BRIDGE)
     bridge = await asyncio.create_subprocess_exec(
-        sys.executable, str(script), stdout=asyncio.subprocess.PIPE
+        sys.executable, str(script), killed, stdout=asyncio.subprocess.PIPE
     )
     assert bridge.stdout is not None
     line = b""

@@ -73,18 +73,20 @@ ORPHAN_CHECK_S = 1.0  # how often a decoding process checks that the bridge stil
 
 def _exit_with_the_bridge(bridge_pid: int) -> None:
     """A bridge killed with SIGKILL cannot stop its decoding processes: each one leaves by
-    itself once its parent is gone (else it would hold 300 MB, and the bridge's stdout, forever)."""
+    itself once its parent is gone (else it would hold 300 MB, and the bridge's stdout, forever).
+    The bridge's pid comes from the bridge: one killed before this process started is gone
+    already, and `getppid()` here would name the process that adopted it."""
     while os.getppid() == bridge_pid:
         time.sleep(ORPHAN_CHECK_S)
     os._exit(0)
 
 
-def _load(spec: EngineSpec, nice: int) -> None:
+def _load(spec: EngineSpec, nice: int, bridge_pid: int) -> None:
     """The decoding process's start: follow the bridge's life, lower its priority, load (and
     check) the model. A failure is kept and raised by every call, so the bridge learns why."""
     global _engine, _load_error
     threading.Thread(
-        target=_exit_with_the_bridge, args=(os.getppid(),), name="orphan-check", daemon=True
+        target=_exit_with_the_bridge, args=(bridge_pid,), name="orphan-check", daemon=True
     ).start()
     if nice:
         with contextlib.suppress(OSError):
@@ -148,7 +150,7 @@ class DecodePool:
             max_workers=self.workers,
             mp_context=multiprocessing.get_context("spawn"),  # no fork of a threaded bridge
             initializer=_load,
-            initargs=(self.spec, self.nice),
+            initargs=(self.spec, self.nice, os.getpid()),
         )
 
     async def _warm(self, executor: ProcessPoolExecutor) -> None:
