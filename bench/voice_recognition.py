@@ -193,27 +193,48 @@ def _baseline(decoder: Any, pcm: bytes) -> str:
     return hyp.hypstr if hyp is not None else ""
 
 
-async def run(quick: bool) -> list[Result]:
-    from backend.voice.recognition import RecognitionHints
-    from backend.voice.recognition.embedded import WhisperRecognizer
-    from backend.voice.recognition.vocabulary import prompt_for
-    from backend.voice.understanding import DeviceWords, Understanding
-    from backend.voice.vad import SileroPool
-    from simulator.in_process import FirmwareDevice
+@dataclass
+class _Stack:
+    """What a bridge hears with, started once for the whole run."""
+
+    pool: Any  # SileroPool
+    recognizer: Any  # WhisperRecognizer
+    hints: Any  # RecognitionHints
+    words: Any  # DeviceWords
+    understanding: Any  # Understanding
+
+    @classmethod
+    async def start(cls) -> "_Stack":
+        from backend.voice.recognition import RecognitionHints
+        from backend.voice.recognition.embedded import WhisperRecognizer
+        from backend.voice.recognition.vocabulary import prompt_for
+        from backend.voice.understanding import DeviceWords, Understanding
+        from backend.voice.vad import SileroPool
+        from simulator.in_process import FirmwareDevice
+
+        pool = SileroPool(4)
+        pool.warm()
+        recognizer = WhisperRecognizer()
+        await recognizer.start()
+        await recognizer.pool.wait_ready()
+        while not pool.ready:  # noqa: ASYNC110 - the pool loads in a thread and has no event
+            await asyncio.sleep(0.05)
+        hints = RecognitionHints(prompt_for(FirmwareDevice().tool_list()), "en")
+        words = DeviceWords.of(FirmwareDevice().tool_list(include_user_only=False))
+        return cls(pool, recognizer, hints, words, Understanding())
+
+    async def close(self) -> None:
+        await self.recognizer.aclose()
+        self.pool.close()
+
+
+async def run(stack: _Stack, quick: bool) -> list[Result]:
     from tests import recognition_set as rs
 
     cases = rs.rotated_cases() if quick else rs.all_cases()
     audio = rs.render_cases(cases)
-    pool = SileroPool(4)
-    pool.warm()
-    recognizer = WhisperRecognizer()
-    await recognizer.start()
-    await recognizer.pool.wait_ready()
-    while not pool.ready:  # noqa: ASYNC110 - the pool loads in a thread and has no event
-        await asyncio.sleep(0.05)
-    hints = RecognitionHints(prompt_for(FirmwareDevice().tool_list()), "en")
-    words = DeviceWords.of(FirmwareDevice().tool_list(include_user_only=False))
-    understanding = Understanding()
+    pool, recognizer, hints = stack.pool, stack.recognizer, stack.hints
+    words, understanding = stack.words, stack.understanding
     judge, sphinx = Judge(), _pocketsphinx()
     results = []
     for case, pcm in zip(cases, audio, strict=True):
@@ -239,33 +260,17 @@ async def run(quick: bool) -> list[Result]:
                 alone or outcome,
             )
         )  # fmt: skip
-    await recognizer.aclose()
-    pool.close()
     return results
 
 
-async def silence_sweep(waits: Sequence[int]) -> dict[int, list[Result]]:
+async def silence_sweep(stack: _Stack, waits: Sequence[int]) -> dict[int, list[Result]]:
     """Commands and state questions (each phrase once) cut with other silence waits."""
-    from backend.voice.recognition import RecognitionHints
-    from backend.voice.recognition.embedded import WhisperRecognizer
-    from backend.voice.recognition.vocabulary import prompt_for
-    from backend.voice.understanding import DeviceWords, Understanding
-    from backend.voice.vad import SileroPool
-    from simulator.in_process import FirmwareDevice
     from tests import recognition_set as rs
 
     cases = [c for c in rs.rotated_cases() if c.phrase.kind in ("command", "state")]
     audio = rs.render_cases(cases)
-    pool = SileroPool(4)
-    pool.warm()
-    recognizer = WhisperRecognizer()
-    await recognizer.start()
-    await recognizer.pool.wait_ready()
-    while not pool.ready:  # noqa: ASYNC110 - the pool loads in a thread and has no event
-        await asyncio.sleep(0.05)
-    hints = RecognitionHints(prompt_for(FirmwareDevice().tool_list()), "en")
-    words = DeviceWords.of(FirmwareDevice().tool_list(include_user_only=False))
-    understanding, judge = Understanding(), Judge()
+    pool, recognizer, hints = stack.pool, stack.recognizer, stack.hints
+    words, understanding, judge = stack.words, stack.understanding, Judge()
     swept: dict[int, list[Result]] = {}
     for wait in waits:
         swept[wait] = []
@@ -282,8 +287,6 @@ async def silence_sweep(waits: Sequence[int]) -> dict[int, list[Result]]:
             swept[wait].append(
                 Result(case, heard, sure, None, 0.0, None, outcome, errors, count, None)
             )
-    await recognizer.aclose()
-    pool.close()
     return swept
 
 
@@ -443,8 +446,12 @@ def report(results: Sequence[Result], quick: bool, swept: dict[int, list[Result]
 
 async def _main(quick: bool) -> str:
     quiet_logging()
-    results = await run(quick)
-    swept = {} if quick else await silence_sweep((250, 400, 600, 800))
+    stack = await _Stack.start()  # one recognizer and one speech detector for both parts
+    try:
+        results = await run(stack, quick)
+        swept = {} if quick else await silence_sweep(stack, (250, 400, 600, 800))
+    finally:
+        await stack.close()
     return report(results, quick, swept)
 
 
