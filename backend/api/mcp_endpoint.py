@@ -11,14 +11,24 @@ Any MCP host (MCP Inspector, an agent) sees, according to its key's scopes:
   `a4:cf:12:34:56:78` is `a4-cf-12-34-56-78`; ids that collide that way get a `-<6 hex>` suffix
   from a hash of the real id); the tool keeps its name when it is safe (stock names are), else
   its LLM-safe name. Each tool's `_meta` holds the real `device_id` and `tool`. User-only
-  tools (`audience: ["user"]`, e.g. reboot) stay with the admin API.
+  tools (`audience: ["user"]`, e.g. reboot) stay with the admin API;
+- **tools** (`mcp:dialin`, every dialed-in server, or `mcp:dialin-<key id>`, that one): the tools
+  of the MCP servers dialed in through the MCP endpoint (backend/mcp_dialin) while they are
+  connected, named as chat turns name them, `dialin-<key id>__<tool>` (LLM-safe,
+  backend/mcp_servers/toolbox.py: never a device's `device.…` name); `_meta` holds the real
+  `server` and `tool`. A device-limited key sees only servers bound to one of its devices. A call
+  goes through the hub like a chat turn's (`audited_call`): arguments checked against the
+  inputSchema, the server's timeout and result cap, one audit row (`mcp:<server>`, actor
+  `mcp:key:<id>`). A risky tool (`destructiveHint`) is not run, as a risky device tool is not
+  here: the result says it needs a confirmation (given in a chat turn).
 
 The bearer key is checked by the API's gate before any body is read; a session is bound to the
 key that opened it (the SDK answers another key's requests for it with 404). A call without the
 scope is a JSON-RPC error -32001 with `data.required_scope` (seed 002). Device failures are tool
 results with `isError: true` (the caller's model should see them); an unknown tool or resource
 is -32602. Sessions that listed tools get `notifications/tools/list_changed` when a device
-becomes ready, changes its tools or goes away (handshake-era sessions with a GET stream open).
+becomes ready, changes its tools or goes away, and when a dialed-in server comes, goes or
+changes its tools (handshake-era sessions with a GET stream open).
 """
 
 import asyncio
@@ -60,7 +70,16 @@ from backend.devices.registry import DeviceEvent, EventKind, is_user_only
 from backend.errors import BridgeError
 from backend.keys import Principal
 from backend.keys import Scope as KeyScope
-from backend.mcp_session import McpError, ToolNameMap
+from backend.mcp_servers.hub import (
+    DIALIN_PREFIX,
+    ExternalServer,
+    McpServerError,
+    McpServerHub,
+    ServerConfirmationRequired,
+    ServerState,
+)
+from backend.mcp_servers.toolbox import audited_call, external_tool_names
+from backend.mcp_session import McpError, Tool, ToolNameMap
 
 log = structlog.get_logger("mcp")
 
@@ -74,6 +93,8 @@ WEB_SEARCH = "duckduckgo_search"
 KB_SEARCH = "knowledge_base_search"
 META_DEVICE = "esp32-mcp-bridge/device_id"
 META_TOOL = "esp32-mcp-bridge/tool"
+META_SERVER = "esp32-mcp-bridge/server"
+_DESCRIPTION_LIMIT = 1024
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 _SAFE_TOOL = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _LIST_CHANGING = frozenset({EventKind.READY, EventKind.TOOLS_CHANGED, EventKind.DISCONNECTED})
@@ -82,7 +103,8 @@ _CONTENT = TypeAdapter[types.ContentBlock](types.ContentBlock)
 INSTRUCTIONS = (
     "esp32-mcp-bridge: the dental assistant's conversation memory (resources "
     "memory://conversation/{id}), its searches (duckduckgo_search, knowledge_base_search) and "
-    "the tools of connected ESP32 voice devices, named device.<device id>.<tool>."
+    "the tools of connected ESP32 voice devices, named device.<device id>.<tool>, and of MCP "
+    "servers dialed in to the bridge, named dialin-<key id>__<tool>."
 )
 
 _QUERY_SCHEMA: dict[str, Any] = {
@@ -137,6 +159,15 @@ class DeviceTool:
     tool: str
 
 
+@dataclass(frozen=True, slots=True)
+class DialInTool:
+    """One tool of a dialed-in server as `/mcp` names it (as chat turns do)."""
+
+    mcp_name: str
+    server: ExternalServer
+    tool: Tool
+
+
 def safe_device_ids(device_ids: list[str]) -> dict[str, str]:
     """MCP-name-safe ids for these devices: unsafe characters → `-`; a `-<6 hex>` suffix from
     the real id's SHA-256 for ids that collide that way."""
@@ -183,9 +214,17 @@ class McpEndpoint:
     """The MCP server and its Streamable HTTP session manager; `start()`/`stop()` with the
     bridge, `route` goes into the API app."""
 
-    def __init__(self, registry: DeviceRegistry, chat: ChatService, *, host: str) -> None:
+    def __init__(
+        self,
+        registry: DeviceRegistry,
+        chat: ChatService,
+        *,
+        host: str,
+        servers: McpServerHub | None = None,
+    ) -> None:
         self.registry = registry
         self.chat = chat
+        self.servers = servers  # the dialed-in servers' tools come from this hub
         self.server = _BridgeServer(
             "esp32-mcp-bridge",
             version=__version__,
@@ -211,6 +250,9 @@ class McpEndpoint:
         self._notifier: asyncio.Task[None] | None = None
         self._changed = False
         self._unsubscribe = registry.subscribe(self._on_device_event)
+        self._unsubscribe_servers = (
+            servers.subscribe(self._tools_changed) if servers is not None else None
+        )
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -233,6 +275,8 @@ class McpEndpoint:
     async def stop(self) -> None:
         """End every MCP session (their GET streams close, so the HTTP server can drain)."""
         self._unsubscribe()
+        if self._unsubscribe_servers is not None:
+            self._unsubscribe_servers()
         self._stop.set()
         if self._notifier is not None:
             self._notifier.cancel()
@@ -270,6 +314,19 @@ class McpEndpoint:
                     _meta={META_DEVICE: entry.device.device_id, META_TOOL: entry.tool},
                 )
             )
+        for dialin in self._dialin_tools(principal).values():
+            source = dialin.tool
+            description = f"[MCP server {dialin.server.name}] {source.description}".strip()
+            tools.append(
+                types.Tool(
+                    name=dialin.mcp_name,
+                    title=source.title,
+                    description=description[:_DESCRIPTION_LIMIT],
+                    input_schema=source.input_schema or {"type": "object"},
+                    annotations=_annotations(source),
+                    _meta={META_SERVER: dialin.server.name, META_TOOL: source.name},
+                )
+            )
         return types.ListToolsResult(tools=tools)
 
     async def _call_tool(
@@ -283,6 +340,8 @@ class McpEndpoint:
                     f"this key lacks the scope {KeyScope.CHAT_USE}", KeyScope.CHAT_USE, principal
                 )
             return await self._search(params.name, arguments)
+        if params.name.startswith(DIALIN_PREFIX):
+            return await self._call_dialin(principal, params.name, arguments)
         entry = next(
             (t for t in self._device_tools(None, named=params.name) if t.mcp_name == params.name),
             None,
@@ -316,6 +375,80 @@ class McpEndpoint:
             structured_content=result.structured_content,
             is_error=result.is_error,
         )
+
+    async def _call_dialin(
+        self, principal: Principal, name: str, arguments: dict[str, Any]
+    ) -> types.CallToolResult:
+        """Call a dialed-in server's tool: the key's scope first (for any `dialin-` name, so a
+        key without it learns nothing of which servers are there), then the hub's call."""
+        server_name = name.partition("__")[0]
+        # Only that server's tools are named: a name never depends on other servers' tools
+        # (each begins with its own server's name), so this is the name `tools/list` gave.
+        entry = self._dialin_tools(None, only=server_name).get(name)
+        actor = f"mcp:key:{principal.key_id}"
+        if not principal.may_use_server(server_name, dialin=True):
+            if entry is not None and self.servers is not None and self.servers.audit is not None:
+                self.servers.audit(
+                    f"mcp:{entry.server.name}",
+                    tool=entry.tool.name,
+                    outcome="refused",
+                    duration_ms=0.0,
+                    actor=actor,
+                    arguments=arguments,
+                    confirmed=False,
+                    error="MissingScope",
+                )
+            raise forbidden(
+                f"this key lacks the scope {KeyScope.MCP_DIALIN} (or mcp:{server_name[:40]}) "
+                "for the tools of dialed-in MCP servers",
+                KeyScope.MCP_DIALIN,
+                principal,
+            )
+        if entry is None or not _covers(principal, entry.server):
+            raise MCPError(types.INVALID_PARAMS, f"Unknown tool: {name[:200]}")
+        server, tool = entry.server, entry.tool.name
+        log.info("mcp dial-in tool call", server=server.name, tool=tool, key_id=principal.key_id)
+        try:
+            audit = self.servers.audit if self.servers is not None else None
+            result = await audited_call(server, tool, arguments, actor=actor, audit=audit)
+        except ServerConfirmationRequired as exc:
+            return _error_result(
+                f"not run: {server.name}:{tool} needs a confirmation ({exc.reason}); risky tools "
+                "of dialed-in servers run only in a chat turn where the user says yes"
+            )
+        except McpServerError as exc:
+            return _error_result(str(exc))
+        return types.CallToolResult(
+            content=[_content(item) for item in result.content], is_error=result.is_error
+        )
+
+    def _dialin_tools(
+        self, principal: Principal | None, *, only: str | None = None
+    ) -> dict[str, DialInTool]:
+        """The tools of the ready dialed-in servers (that `principal` may use, when given;
+        only the server named `only`, when given), by their `/mcp` name."""
+        if self.servers is None:
+            return {}
+        if only is None:
+            candidates = self.servers.servers()
+        else:
+            found = self.servers.get(only)
+            candidates = [found] if found is not None else []
+        servers = [
+            server
+            for server in candidates
+            if server.kind == "dialin"
+            and server.state is ServerState.READY
+            and (
+                principal is None
+                or (
+                    principal.may_use_server(server.name, dialin=True)
+                    and _covers(principal, server)
+                )
+            )
+        ]
+        named = external_tool_names(servers, (WEB_SEARCH, KB_SEARCH))
+        return {name: DialInTool(name, server, tool) for name, (server, tool) in named.items()}
 
     async def _search(self, name: str, arguments: dict[str, Any]) -> types.CallToolResult:
         query = arguments.get("query")
@@ -455,7 +588,13 @@ class McpEndpoint:
             self._sessions.popitem(last=False)
 
     def _on_device_event(self, event: DeviceEvent) -> None:
-        if event.kind not in _LIST_CHANGING or not self._sessions or self._stop.is_set():
+        if event.kind in _LIST_CHANGING:
+            self._tools_changed()
+
+    def _tools_changed(self) -> None:
+        """A device or a dialed-in server came, went or changed its tools: notify (once for a
+        burst) the sessions that listed tools."""
+        if not self._sessions or self._stop.is_set():
             return
         self._changed = True
         if self._notifier is None or self._notifier.done():
@@ -509,6 +648,24 @@ def _content(item: dict[str, Any]) -> types.ContentBlock:
         return _CONTENT.validate_python(item)
     except ValidationError:
         return types.TextContent(type="text", text=json.dumps(item, ensure_ascii=False))
+
+
+def _covers(principal: Principal, server: ExternalServer) -> bool:
+    """Whether a device-limited key's devices include one the server is bound to (a key for
+    every device, and a server for every device, always do)."""
+    if principal.is_admin or principal.device_ids is None or server.bound_device_ids is None:
+        return True
+    return not principal.device_ids.isdisjoint(server.bound_device_ids)
+
+
+def _annotations(tool: Tool) -> types.ToolAnnotations | None:
+    """The tool's annotations (destructiveHint...) when they are well-formed, else none."""
+    if not tool.annotations:
+        return None
+    try:
+        return types.ToolAnnotations.model_validate(tool.annotations)
+    except ValidationError:
+        return None
 
 
 def _error_result(message: str) -> types.CallToolResult:

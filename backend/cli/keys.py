@@ -27,7 +27,8 @@ keys_app = typer.Typer(
 SCOPE_HELP = (
     "A scope: "
     + ", ".join(scope.value for scope in Scope)
-    + ", or mcp:<server> for an external MCP server (repeat for more)."
+    + ", or mcp:<server> for an external MCP server (repeat for more). mcp:endpoint: an MCP"
+    " server may dial in with the key; mcp:dialin: every dialed-in server's tools (chat, /mcp)."
 )
 
 

@@ -11,7 +11,8 @@ Scopes: `chat:use` (talk to the assistant), `devices:read` (list devices and too
 `metrics:read` (scrape `GET /metrics`), `admin` (everything, including key management), and
 `mcp:<server>` (use that external MCP server's tools in chat turns; backend/mcp_servers).
 `mcp:endpoint` is a scope of its own, not a server: a user's MCP server may dial in with the key
-(backend/mcp_dialin).
+(backend/mcp_dialin). `mcp:dialin` is one too: the tools of every dialed-in server (in chat turns
+and on `/mcp`), where `mcp:dialin-<key id>` grants one of them.
 
 The running bridge checks keys without touching the database: `load()` reads the active keys
 into an in-memory index (key id → hash and principal) that `create` and `revoke` keep current,
@@ -79,6 +80,9 @@ class Scope(StrEnum):
     ADMIN = "admin"
     # A user's MCP server may dial in with it (backend/mcp_dialin; the key's devices get its tools).
     MCP_ENDPOINT = "mcp:endpoint"
+    # The tools of every server dialed in through the MCP endpoint (chat turns and `/mcp`);
+    # `mcp:dialin-<key id>` (an `McpScope`) grants the one server of that key.
+    MCP_DIALIN = "mcp:dialin"
     # The browser may become a voice device on the talk page (backend/transports/browser.py).
     CONSOLE_TALK = "console:talk"
     # GET /metrics: the bridge's Prometheus metrics (docs/metrics.md), for a scraper's key.
@@ -154,9 +158,12 @@ class Principal:
         """Whether the caller holds the `admin` scope (every device, every action)."""
         return Scope.ADMIN in self.scopes
 
-    def may_use_server(self, server: str) -> bool:
-        """May use the external MCP server `server` in chat (admin, or `mcp:<server>`)."""
-        return self.is_admin or f"mcp:{server}" in self.scopes
+    def may_use_server(self, server: str, *, dialin: bool = False) -> bool:
+        """May use the external MCP server `server` (admin, or `mcp:<server>`); a server that
+        dialed in (`dialin`, backend/mcp_dialin) is also covered by `mcp:dialin`."""
+        if self.is_admin or f"mcp:{server}" in self.scopes:
+            return True
+        return dialin and Scope.MCP_DIALIN in self.scopes
 
     def has(self, scope: Scope | str) -> bool:
         """Admin has every scope; devices:call includes devices:read."""

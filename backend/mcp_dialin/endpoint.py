@@ -17,8 +17,9 @@ closed at once with the code and reason below):
 Then the bridge sends `initialize` and `tools/list` (all pages), within `init_timeout_s` — else
 4408 and nothing is registered. The server joins the MCP server hub (backend/mcp_servers/hub.py)
 as kind `dialin`, named `dialin-<key id>`, bound to the key's devices: its tools join those
-devices' conversations and the chat turns that name them, with the hub's call timeout, result
-cap, audit and confirmation rules; it shows in `GET /api/mcp/servers` while connected.
+devices' conversations and the chat turns that name them, and `/mcp` for keys with the scope
+`mcp:dialin` (or `mcp:dialin-<key id>`), with the hub's call timeout, result cap, audit and
+confirmation rules; it shows in `GET /api/mcp/servers` while connected.
 
 One key, one server: a second pipe with the same key that completes its handshake **replaces**
 the first, which is closed with 4409. A pipe that reconnects after a network blip therefore
@@ -52,6 +53,7 @@ from backend.mcp_dialin.pipe import (
 from backend.mcp_servers.hub import (
     DEFAULT_MAX_RESULT_BYTES,
     DEFAULT_TIMEOUT_S,
+    DIALIN_PREFIX,
     DuplicateServer,
     McpServerHub,
     RiskyRule,
@@ -66,7 +68,7 @@ CLOSE_FORBIDDEN = 4403
 CLOSE_INIT_TIMEOUT = 4408
 CLOSE_REPLACED = 4409
 CLOSE_HANDSHAKE_FAILED = 4400
-NAME_PREFIX = "dialin-"
+NAME_PREFIX = DIALIN_PREFIX
 REPLACED = "replaced by a newer connection with the same key"
 
 KeyResolver = Callable[[str], Principal | None]

@@ -42,7 +42,12 @@ Who sees which server: a chat turn asks `hub.toolbox_for(principal, device_id, d
 A server is offered when it is READY, bound to that device or to every device
 (`bound_device_ids is None`; a turn without a device gets only unbound servers), and the caller
 may use it: an API key needs the scope `mcp:<name>` (or `admin`); a device's own voice/text
-turn (`principal=None`) gets every server bound to it or to all.
+turn (`principal=None`) gets every server bound to it or to all. A dialed-in server (kind
+`dialin`) is also covered by the scope `mcp:dialin` (every dialed-in server).
+
+`/mcp` (backend/api/mcp_endpoint.py) offers the dialed-in servers' tools to MCP hosts too, named
+and called as here (`toolbox.external_tool_names`, `toolbox.audited_call`); it follows
+`hub.subscribe` to tell its sessions when they change.
 """
 
 import asyncio
@@ -53,10 +58,12 @@ import structlog
 
 from backend.mcp_servers.connectors import ConfiguredServer
 from backend.mcp_servers.servers import (
+    DIALIN_PREFIX,
     CallSession,
     CallTimedOut,
     DuplicateServer,
     ExternalServer,
+    InvalidToolArguments,
     McpServerError,
     RiskyRule,
     ServerBusy,
@@ -89,12 +96,14 @@ __all__ = [
     "DEFAULT_MAX_PENDING_CALLS",
     "DEFAULT_MAX_RESULT_BYTES",
     "DEFAULT_TIMEOUT_S",
+    "DIALIN_PREFIX",
     "RESERVED_NAMES",
     "SERVER_NAME",
     "CallSession",
     "CallTimedOut",
     "DuplicateServer",
     "ExternalServer",
+    "InvalidToolArguments",
     "McpServerError",
     "McpServerHub",
     "RiskyRule",
@@ -122,13 +131,34 @@ class McpServerHub:
         # Called once per external tool call, like `DeviceRegistry.emit(TOOL_CALLED, ...)`:
         # audit("mcp:<server>", tool=..., outcome=..., duration_ms=..., actor=..., ...).
         self.audit = audit
+        self._listeners: list[Callable[[], None]] = []
+
+    def subscribe(self, listener: Callable[[], None]) -> Callable[[], None]:
+        """Call `listener()` whenever a server is added or removed, or a registered one changes
+        its state or tools (`/mcp` sends `tools/list_changed` then); returns the unsubscribe."""
+        self._listeners.append(listener)
+
+        def unsubscribe() -> None:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+        return unsubscribe
+
+    def _changed(self) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener()
+            except Exception:  # one listener's bug must not stop the others, nor the caller
+                log.warning("mcp hub listener failed", exc_info=True)
 
     def add(self, server: ExternalServer) -> None:
         """Register a server (DuplicateServer when the name is taken)."""
         if server.name in self._servers:
             raise DuplicateServer(server.name)
         self._servers[server.name] = server
+        server.on_change = self._changed
         log.info("mcp server added", server=server.name, kind=server.kind)
+        self._changed()
 
     def remove(self, name: str, server: ExternalServer | None = None) -> ExternalServer | None:
         """Unregister `name` (only if it is still `server`, when given); returns what was removed.
@@ -137,7 +167,9 @@ class McpServerHub:
         if current is None or (server is not None and current is not server):
             return None
         del self._servers[name]
+        current.on_change = None
         log.info("mcp server removed", server=name, kind=current.kind)
+        self._changed()
         return current
 
     def get(self, name: str) -> ExternalServer | None:
@@ -161,7 +193,9 @@ class McpServerHub:
         for server in self.servers():
             if not server.serves_device(device_id):
                 continue
-            if principal is not None and not principal.may_use_server(server.name):
+            if principal is not None and not principal.may_use_server(
+                server.name, dialin=server.kind == "dialin"
+            ):
                 continue
             found.append(server)
         return found

@@ -5,7 +5,7 @@ connectors (connectors.py) open configured ones; the toolbox (toolbox.py) offers
 import asyncio
 import fnmatch
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -26,6 +26,9 @@ from backend.mcp_session import CallResult, Tool
 log = structlog.get_logger("mcp_servers")
 
 ServerKind = Literal["stdio", "http", "dialin"]
+# A dialed-in server is named `dialin-<key id>` (backend/mcp_dialin); `/mcp` names its tools
+# `dialin-<key id>__<tool>` (toolbox.external_tool_names).
+DIALIN_PREFIX = "dialin-"
 MAX_TOOLS_PER_SERVER = 500
 MAX_TOOL_LIST_PAGES = 50
 
@@ -72,6 +75,14 @@ class CallTimedOut(McpServerError):
 
     def __init__(self, name: str, tool: str, timeout_s: float) -> None:
         super().__init__(f"MCP server {name!r}: {tool[:80]!r} gave no answer in {timeout_s:g} s")
+
+
+class InvalidToolArguments(McpServerError):
+    """The arguments break the tool's inputSchema (checked before anything is sent)."""
+
+    def __init__(self, name: str, tool: str, reason: str) -> None:
+        super().__init__(f"invalid arguments for {name}:{tool[:80]}: {reason}")
+        self.reason = reason
 
 
 class ServerConfirmationRequired(McpServerError):
@@ -164,6 +175,8 @@ class ExternalServer:
         self.tools_version = 0  # bumped on every change of `tools` (toolboxes re-read then)
         self.calls = 0
         self.since = time.time()  # when `state` last changed
+        # Called when `state` or `tools` change; the hub sets it while the server is registered.
+        self.on_change: Callable[[], None] | None = None
 
     # ---- what the hub and the toolboxes use -----------------------------------------------------
 
@@ -234,15 +247,27 @@ class ExternalServer:
                 state=state.value,
                 error=error,
             )
+        changed = state is not self.state
         self.state = state
         if error is not None:
             self.last_error = error
+        if changed:
+            self._changed()
 
     def _set_tools(self, tools: Iterable[Tool]) -> None:
         tools = tuple(tools)
         if tools != self.tools:
             self.tools = tools
             self.tools_version += 1
+            self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is None:
+            return
+        try:
+            self.on_change()
+        except Exception:  # a listener's bug must not break the server
+            log.warning("mcp server change listener failed", server=self.name, exc_info=True)
 
 
 class SessionServer(ExternalServer):

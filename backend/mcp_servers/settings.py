@@ -19,8 +19,9 @@ DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_MAX_RESULT_BYTES = 64 * 1024
 DEFAULT_MAX_PENDING_CALLS = 32
 
-# `mcp:endpoint` is the dial-in endpoint's own scope (backend/keys/store.py), not a server's.
-RESERVED_NAMES = frozenset({"endpoint"})
+# `mcp:endpoint` (may dial in) and `mcp:dialin` (every dialed-in server) are scopes of their own
+# (backend/keys/store.py), not a server's.
+RESERVED_NAMES = frozenset({"endpoint", "dialin"})
 
 
 def check_server_name(name: str) -> str:

@@ -7,26 +7,32 @@ server's tools change (`tools/list_changed`) or a server comes or goes, so a lon
 what is there now; a call maps its LLM name back through the names the model was last shown.
 
 Every external call is audited like a device call (one `tool_called` registry event, device id
-`mcp:<server>`), bounded in time (`timeout_s`) and size (`max_result_bytes`), and never raises
-into the turn: failures come back as an error `ToolOutcome` the model is told about.
+`mcp:<server>`), its arguments checked against the tool's inputSchema first (as a device's are),
+bounded in time (`timeout_s`) and size (`max_result_bytes`), and never raises into the turn:
+failures come back as an error `ToolOutcome` the model is told about.
+
+`external_tool_names` and `audited_call` are the naming and the call on their own: `/mcp`
+(backend/api/mcp_endpoint.py) offers the dialed-in servers' tools with them, under the same names.
 """
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import structlog
 
 from backend.chat.llm.base import FunctionSpec
 from backend.chat.tools import ToolBox, ToolOutcome
+from backend.devices.validation import argument_error
 from backend.mcp_servers.servers import (
     ExternalServer,
+    InvalidToolArguments,
     McpServerError,
     ServerConfirmationRequired,
     ServerState,
 )
-from backend.mcp_session import Tool, ToolNameMap
+from backend.mcp_session import CallResult, Tool, ToolNameMap
 
 log = structlog.get_logger("mcp_servers")
 
@@ -34,6 +40,82 @@ log = structlog.get_logger("mcp_servers")
 AuditSink = Callable[..., None]
 _SEPARATOR = "__"
 _DESCRIPTION_LIMIT = 1024
+
+
+def external_tool_names(
+    servers: Iterable[ExternalServer], taken: Iterable[str] = ()
+) -> dict[str, tuple[ExternalServer, Tool]]:
+    """Every tool of `servers` by its LLM-safe name: `<server>__<tool>` through the reversible
+    `ToolNameMap` (a hash suffix when that clashes with another tool or with a name of `taken`,
+    e.g. a device's functions), never one of `taken`; in the servers' and tools' order."""
+    reserved = frozenset(taken)
+    wanted: dict[str, tuple[ExternalServer, Tool]] = {}
+    for server in servers:
+        for tool in server.tools:
+            key = f"{server.name}{_SEPARATOR}{tool.name}"
+            if key in reserved:
+                key += "\u2063"  # not LLM-safe: the map gives it a hashed, distinct name
+            wanted[key] = (server, tool)
+    names = ToolNameMap([*wanted, *reserved])
+    named: dict[str, tuple[ExternalServer, Tool]] = {}
+    for key, found in wanted.items():
+        llm_name = names.to_llm(key)
+        if llm_name not in reserved:
+            named[llm_name] = found
+    return named
+
+
+async def audited_call(
+    server: ExternalServer,
+    tool_name: str,
+    arguments: dict[str, Any],
+    *,
+    actor: str,
+    audit: AuditSink | None,
+    confirmed: bool = False,
+) -> CallResult:
+    """One call of an external server's tool, as a chat turn and `/mcp` make it.
+
+    Before anything is sent: arguments that break the tool's inputSchema raise
+    InvalidToolArguments, a risky tool without `confirmed` raises ServerConfirmationRequired.
+    Then `server.call` (its timeout and result cap; an McpServerError when the call did not
+    complete). Every call, refused ones too, ends in one `audit("mcp:<server>", ...)` row."""
+    started = time.perf_counter()
+    outcome, error = "error", None
+    try:
+        tool = server.tool(tool_name)
+        if tool is not None:
+            problem = argument_error(tool.input_schema, arguments)
+            if problem is not None:
+                raise InvalidToolArguments(server.name, tool_name, problem)
+            if not confirmed:
+                reason = server.confirmation_reason(tool)
+                if reason is not None:
+                    raise ServerConfirmationRequired(server.name, tool_name, reason)
+        result = await server.call(tool_name, arguments)
+        outcome = "tool_error" if result.is_error else "ok"
+        return result
+    except (InvalidToolArguments, ServerConfirmationRequired) as exc:
+        outcome, error = "refused", type(exc).__name__
+        raise
+    except asyncio.CancelledError:  # the caller went away (client gone, bridge stopping)
+        error = "cancelled"
+        raise
+    except Exception as exc:
+        error = type(exc).__name__
+        raise
+    finally:
+        if audit is not None:
+            audit(
+                f"mcp:{server.name}",
+                tool=tool_name,
+                outcome=outcome,
+                duration_ms=round((time.perf_counter() - started) * 1000, 3),
+                actor=actor,
+                arguments=arguments,
+                confirmed=confirmed,
+                error=error,
+            )
 
 
 class CombinedToolBox:
@@ -100,20 +182,9 @@ class CombinedToolBox:
 
     def _rebuild(self, device: list[FunctionSpec], servers: list[ExternalServer]) -> None:
         self._device_names = frozenset(spec.llm_name for spec in device)
-        wanted: dict[str, tuple[ExternalServer, Tool]] = {}
-        for server in servers:
-            for tool in server.tools:
-                key = f"{server.name}{_SEPARATOR}{tool.name}"
-                if key in self._device_names:
-                    key += "\u2063"  # not LLM-safe: the map gives it a hashed, distinct name
-                wanted[key] = (server, tool)
-        names = ToolNameMap([*wanted, *self._device_names])
         self._external = {}
         functions = []
-        for key, (server, tool) in wanted.items():
-            llm_name = names.to_llm(key)
-            if llm_name in self._device_names:
-                continue
+        for llm_name, (server, tool) in external_tool_names(servers, self._device_names).items():
             self._external[llm_name] = (server, tool.name)
             description = f"[MCP server {server.name}] {tool.description}"[:_DESCRIPTION_LIMIT]
             functions.append(FunctionSpec(llm_name, description, tool.input_schema))
@@ -152,18 +223,16 @@ class CombinedToolBox:
     async def _call_external(
         self, server: ExternalServer, tool_name: str, arguments: dict[str, Any], *, confirmed: bool
     ) -> ToolOutcome:
-        started = time.perf_counter()
-        outcome, error = "error", None
         try:
-            tool = server.tool(tool_name)
-            if tool is not None and not confirmed:
-                reason = server.confirmation_reason(tool)
-                if reason is not None:
-                    raise ServerConfirmationRequired(server.name, tool_name, reason)
-            result = await server.call(tool_name, arguments)
-            outcome = "tool_error" if result.is_error else "ok"
+            result = await audited_call(
+                server,
+                tool_name,
+                arguments,
+                actor=self.actor,
+                audit=self._audit,
+                confirmed=confirmed,
+            )
         except ServerConfirmationRequired as exc:
-            outcome, error = "refused", type(exc).__name__
             return ToolOutcome(
                 f"not run yet: {exc.reason}; the user is asked to confirm",
                 is_error=True,
@@ -171,39 +240,9 @@ class CombinedToolBox:
                 needs_confirmation=exc.reason,
             )
         except McpServerError as exc:
-            error = type(exc).__name__
             return ToolOutcome(f"error: {exc}", is_error=True, failed=True)
-        except asyncio.CancelledError:  # the turn went away (client gone, bridge stopping)
-            error = "cancelled"
-            raise
         except Exception as exc:  # a bug below: the turn goes on, the log keeps the traceback
-            error = type(exc).__name__
             log.warning("mcp server call failed", server=server.name, tool=tool_name, exc_info=True)
             return ToolOutcome(f"error: {type(exc).__name__}", is_error=True, failed=True)
-        finally:
-            self._audited(server, tool_name, arguments, outcome, error, confirmed, started)
         text = result.text or ("(no output)" if not result.is_error else "error")
         return ToolOutcome(text, is_error=result.is_error)
-
-    def _audited(
-        self,
-        server: ExternalServer,
-        tool: str,
-        arguments: dict[str, Any],
-        outcome: str,
-        error: str | None,
-        confirmed: bool,
-        started: float,
-    ) -> None:
-        if self._audit is None:
-            return
-        self._audit(
-            f"mcp:{server.name}",
-            tool=tool,
-            outcome=outcome,
-            duration_ms=round((time.perf_counter() - started) * 1000, 3),
-            actor=self.actor,
-            arguments=arguments,
-            confirmed=confirmed,
-            error=error,
-        )
