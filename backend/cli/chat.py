@@ -1,6 +1,9 @@
 """`esp32-bridge chat`: talk to the dental assistant from a terminal, through the bridge's
 `POST /api/chat/stream`. Tokens are printed as they arrive, one line per tool event; the
-conversation goes on across lines (and can be resumed with `--conversation`)."""
+conversation goes on across lines (and can be resumed with `--conversation`).
+
+Why a turn ran offline (no model service) is said once, on stderr, when it first happens or
+changes, never in the answer; `--verbose` says it, and a failed web search, for every turn."""
 
 import json
 import os
@@ -19,11 +22,19 @@ QUIT = frozenset({"/quit", "/exit", "/q"})
 
 
 class ChatPrinter:
-    """Renders seed 002's stream events: tokens inline, tool events and sources on own lines."""
+    """Renders seed 002's stream events: tokens inline, tool events and sources on own lines.
 
-    def __init__(self, out: Console) -> None:
+    `status`: where the turns' state goes (offline mode and why, on change; with `verbose`, every
+    turn's, and a failed web search); None: nowhere (the demo says it once, before it chats)."""
+
+    def __init__(
+        self, out: Console, status: Console | None = None, *, verbose: bool = False
+    ) -> None:
         self.out = out
+        self.status = status
+        self.verbose = verbose
         self._midline = False
+        self._offline: str | None = None  # the reason last said
         self.conversation_id: str | None = None
 
     def event(self, event: dict[str, Any]) -> None:
@@ -43,8 +54,26 @@ class ChatPrinter:
         elif kind == "done":
             self._newline()
             self.conversation_id = event.get("conversation_id") or self.conversation_id
+            self._turn_status(event.get("metadata") or {})
         elif kind == "error":
             self._line(f"  error: {event.get('error')}")
+
+    def _turn_status(self, metadata: dict[str, Any]) -> None:
+        if self.status is None:
+            return
+        said: list[str] = []
+        reason = (
+            str(metadata.get("offline_reason") or "offline") if metadata.get("offline") else None
+        )
+        if reason is not None and (self.verbose or reason != self._offline):
+            said.append(f"offline mode: {reason}")
+        elif reason is None and self._offline is not None:
+            said.append("the model answers again")
+        self._offline = reason
+        if self.verbose and metadata.get("search") == "failed":
+            said.append(f"web search failed: {metadata.get('search_error')}")
+        for line in said:
+            self.status.print(f"({line})", style="dim", markup=False, highlight=False)
 
     def _line(self, text: str) -> None:
         self._newline()
@@ -89,13 +118,22 @@ def chat(
     ] = None,
     data_dir: DataDirOpt = None,
     config: ConfigOpt = None,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose",
+            "-v",
+            help="Say for every turn why it ran offline and why the web search failed "
+            "(by default: offline mode once, on stderr, when it starts or its reason changes).",
+        ),
+    ] = False,
 ) -> None:
     """Chat with the dental assistant: type a line, get a streamed answer; /quit or Ctrl-D ends."""
     source = "--token"
     if not token and os.environ.get("BRIDGE_API_KEY"):
         token, source = os.environ["BRIDGE_API_KEY"], "BRIDGE_API_KEY"
     interactive = sys.stdin.isatty()
-    printer = ChatPrinter(console)
+    printer = ChatPrinter(console, err_console, verbose=verbose)
     printer.conversation_id = conversation
     with admin_client(server, token, data_dir, config, token_source=source) as client:
         if interactive:

@@ -135,7 +135,7 @@ async def _demo(settings: Settings, console: Console, throwaway: bool) -> None:
             "--data-dir DIR keeps one)",
             flush=True,
         )
-    settings = await _offline_without_model(settings, console)
+    settings = await _offline_without_network(settings, console)
     bridge = Bridge(settings)
     await bridge.start()
     # The secure path in one process: the device enrols through the OTA endpoint with a
@@ -280,24 +280,55 @@ def simulator_workers(devices: int, requested: int) -> int:
     return max(1, min(wanted, (os.cpu_count() or 1) - 1))
 
 
-async def _offline_without_model(settings: Settings, console: Console) -> Settings:
-    """The settings, with `llm_provider = none` when the configured model service does not
-    accept a connection (a fresh machine without Ollama): the demo chats in offline mode."""
-    if settings.llm_provider == "none":
-        return settings
-    url = urlsplit(settings.llm_base_url)
-    port = url.port or (443 if url.scheme == "https" else 80)
-    try:
-        async with asyncio.timeout(2):
-            _reader, writer = await asyncio.open_connection(url.hostname or "localhost", port)
-    except (OSError, TimeoutError):
+async def _offline_without_network(settings: Settings, console: Console) -> Settings:
+    """The settings, without the services that do not accept a connection, each said once in
+    a short line (instead of a log line on the chat turn that finds it down): the model service
+    (a fresh machine without Ollama: `llm_provider = none`, the demo chats in offline mode) and
+    the web search (a machine without internet: `search_enabled = false`, sources come from
+    the bundled knowledge base)."""
+    searches = _search_urls(settings) if settings.search_enabled else {}
+    model = settings.llm_provider != "none"
+    urls = [settings.llm_base_url] if model else []
+    reached = await asyncio.gather(*(_accepts(url) for url in [*urls, *searches.values()]))
+    if model and not reached[0]:
         console.print(
             f"[dim]chat: no model service at {settings.llm_base_url}: offline mode "
             "(rules for device commands, quotes from the bundled knowledge base)"
         )
-        return settings.model_copy(update={"llm_provider": "none"})
-    writer.close()
+        settings = settings.model_copy(update={"llm_provider": "none"})
+    if searches and not any(reached[len(urls) :]):
+        console.print(
+            f"[dim]chat: no web search reachable ({', '.join(searches)}): sources come from "
+            "the bundled knowledge base"
+        )
+        settings = settings.model_copy(update={"search_enabled": False})
     return settings
+
+
+# Where the web search providers are reached (backend/chat/search.py).
+DUCKDUCKGO_URL = "https://html.duckduckgo.com/html/"
+
+
+def _search_urls(settings: Settings) -> dict[str, str]:
+    urls = {
+        "duckduckgo": DUCKDUCKGO_URL,
+        "google": settings.search_google_url,
+        "searxng": settings.search_searxng_url or "",
+    }
+    return {name: urls[name] for name in settings.search_providers}
+
+
+async def _accepts(url: str, timeout_s: float = 2.0) -> bool:
+    """Whether the URL's host accepts a TCP connection (its name resolves, its port is open)."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        async with asyncio.timeout(timeout_s):
+            _reader, writer = await asyncio.open_connection(parts.hostname or "localhost", port)
+    except (OSError, TimeoutError, ValueError):
+        return False
+    writer.close()
+    return True
 
 
 async def _demo_chat(bridge: Bridge, device_id: str, console: Console) -> None:

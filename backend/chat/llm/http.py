@@ -6,19 +6,28 @@ reply without saying so; the next request on that pooled connection fails before
 answer (`RemoteProtocolError`, `ReadError`). A model call sends nothing that changes state, so it
 is sent once more, on a connection of its own. A timeout is not retried (the model is slow, not
 gone), nor is anything after the answer began.
+
+A service that fails is logged through `health` (`backend.chat.health.Reachability`): a warning
+when it starts failing or fails in a new way, debug while it stays down, a warning when it
+answers again; the error it raises is marked `reported`, so the turn that meets it does not log
+it again. Its text is a short reason ("ollama unreachable at http://localhost:11434"), the
+transport's own words go to the log only (`LlmError.detail`).
 """
 
 import contextlib
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import structlog
 
+from backend.chat.health import Reachability, quiet_libraries
 from backend.chat.llm.base import FunctionSpec, LlmError, LlmUnavailable, Message, Sampling, Usage
 from backend.common import clip
 
 log = structlog.get_logger("chat.llm")
+quiet_libraries()  # httpx logs every request at INFO: debug detail here
+_E = TypeVar("_E", bound=LlmError)
 
 
 class HttpProvider:
@@ -37,6 +46,7 @@ class HttpProvider:
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.models = models
+        self.health = Reachability(log, "chat model", provider=self.name, url=self.base_url)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         timeout = httpx.Timeout(timeout_s, connect=min(5.0, timeout_s))
         self._client = httpx.AsyncClient(headers=headers, timeout=timeout, transport=transport)
@@ -117,6 +127,7 @@ class HttpProvider:
                 if response.status_code >= 400:
                     await response.aread()
                     self._check_status(response.status_code, response.text)
+                self.health.answered()
                 yield self._lines(response)
             finally:
                 await response.aclose()
@@ -142,14 +153,42 @@ class HttpProvider:
                 yield line
 
     def _unreachable(self, exc: httpx.HTTPError) -> LlmUnavailable:
-        kind = type(exc).__name__
-        return LlmUnavailable(f"{self.name} at {self.base_url} unreachable ({kind}: {exc})")
+        """The transport failed: a short reason, the transport's words as `detail`."""
+        detail = clip(f"{type(exc).__name__}: {exc}", 200)
+        where = f"{self.name} at {self.base_url}"
+        if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+            kind, reason = "unreachable", f"{self.name} unreachable at {self.base_url}"
+        elif isinstance(exc, httpx.TimeoutException):
+            kind, reason = "timeout", f"{where} did not answer in time ({type(exc).__name__})"
+        else:  # a dropped connection, a malformed answer, a URL httpx cannot use
+            kind, reason = type(exc).__name__, f"{where} failed: {detail}"
+        error = LlmUnavailable(reason)
+        error.detail = detail
+        return self._failed(error, kind)
 
     def _check_status(self, status: int, text: str) -> None:
+        """Nothing for a good status (the service answers); else raise why, reported once."""
+        if status < 400:
+            self.health.answered()
+            return
+        said = clip(text, 160)
+        error: LlmError
         if status >= 500:
-            raise LlmUnavailable(f"{self.name} answered HTTP {status}: {clip(text, 160)}")
-        if status >= 400:
-            raise LlmError(f"{self.name} refused the request (HTTP {status}): {clip(text, 160)}")
+            error = LlmUnavailable(f"{self.name} answered HTTP {status}: {said}")
+        elif status == 401:  # the one the user must fix: say what
+            error = LlmError(
+                f"{self.name} refused the API key (HTTP 401; check llm_api_key): {said}"
+            )
+        else:
+            error = LlmError(f"{self.name} refused the request (HTTP {status}): {said}")
+        raise self._failed(error, f"HTTP {status}")
+
+    def _failed(self, error: _E, kind: str) -> _E:
+        """`error`, logged through `health` and marked `reported`."""
+        fields = {"detail": error.detail} if error.detail else {}
+        self.health.failed(kind, str(error), **fields)
+        error.reported = True
+        return error
 
 
 def model_names(items: Any, key: str) -> list[str]:
