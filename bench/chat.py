@@ -13,6 +13,13 @@
    device commands routed to the right tool with the right arguments, the share of off-topic
    requests refused, the share of dental questions answered. The test suite asserts the same
    shares (`tests/test_chat_offline.py`).
+4. Conversations (issue #31): labelled multi-turn sets in `tests/data/` (follow-ups, names,
+   greetings, device questions, relative commands, mixed requests, off-topic turns mid-way),
+   each conversation through one stored conversation: offline (rules and the knowledge base),
+   and with a strict in-process model whose guardrail answers NO to everything it is asked
+   (what passes then passed by the conversation rules; its answers say nothing, so only the
+   guardrail's decisions are judged). `chat_multiturn_dev.json` was written with the rules;
+   the two `heldout` sets were written by someone who had not read the code.
 """
 
 import asyncio
@@ -34,7 +41,12 @@ from backend.chat import (
     TurnRequest,
     collect,
 )
-from backend.chat.evaluation import evaluate_offline
+from backend.chat.evaluation import (
+    ConversationReport,
+    evaluate_conversations,
+    evaluate_offline,
+    load_conversation_set,
+)
 from backend.chat.events import Done
 from backend.chat.llm.base import (
     ANY_SAMPLING,
@@ -56,6 +68,10 @@ from simulator.in_process import FirmwareDevice
 NAME = "chat"
 TARGET_P50_MS = 5.0
 TARGET_SHARE = 0.90
+SETS = Path(__file__).resolve().parent.parent / "tests" / "data"
+CONVERSATION_SETS = ("chat_multiturn_dev", "chat_multiturn_heldout", "chat_multiturn_heldout2")
+# The issue's figures for conversations: follow-ups on topic, off-topic refused, commands.
+CONVERSATION_TARGETS = (0.90, 0.95, 0.95)
 ANSWER = (
     "Brush twice a day for about two minutes with a fluoride toothpaste, and clean between your "
     "teeth once a day. See your dentist regularly."
@@ -107,6 +123,21 @@ class ZeroLlm:
 
     async def aclose(self) -> None:
         pass
+
+
+class StrictLlm(ZeroLlm):
+    """A model whose guardrail refuses everything it is asked (one judging the last line
+    alone would refuse every follow-up)."""
+
+    async def complete(
+        self,
+        messages: Sequence[Message],
+        *,
+        model: str | None = None,
+        tools: Sequence[FunctionSpec] = (),
+        sampling: Sampling = ANY_SAMPLING,
+    ) -> Completion:
+        return Completion("NO" if model == self.models.guardrail else "Summary of the answer.")
 
 
 class ZeroSearch:
@@ -260,6 +291,68 @@ async def throughput(concurrency: int, total: int) -> float:
 # ---- 3: offline accuracy ----------------------------------------------------------------------
 
 
+# ---- 4: conversations --------------------------------------------------------------------------
+
+
+async def conversations() -> list[tuple[str, str, ConversationReport]]:
+    """Each set offline and with the strict model."""
+    reports = []
+    for name in CONVERSATION_SETS:
+        path = SETS / f"{name}.json"
+        if not path.exists():
+            continue
+        items = load_conversation_set(path)
+        offline = await evaluate_conversations(items, FirmwareDevice)
+        strict = await evaluate_conversations(
+            items, FirmwareDevice, llm=StrictLlm(), judge="guardrail"
+        )
+        reports += [(name, "offline", offline), (name, "strict model (guardrail)", strict)]
+    return reports
+
+
+def _conversation_rows(reports: list[tuple[str, str, ConversationReport]]) -> list[list[Any]]:
+    rows = []
+    for name, mode, report in reports:
+        turns = len(report.outcomes)
+        rows.append(
+            [
+                f"`{name}` ({turns} turns)",
+                mode,
+                _pct(report.follow_ups),
+                _pct(report.refused),
+                _pct(report.commands),
+                _pct(report.share("state")),
+                _pct(report.share("social")),
+            ]
+        )
+    return rows
+
+
+def _conversations_met(reports: list[tuple[str, str, ConversationReport]]) -> bool:
+    def meets(pair: tuple[int, int], target: float) -> bool:
+        return pair[1] > 0 and pair[0] / pair[1] >= target
+
+    follow, refused, commands = CONVERSATION_TARGETS
+    return all(
+        meets(r.follow_ups, follow) and meets(r.refused, refused) and meets(r.commands, commands)
+        for _name, _mode, r in reports
+    )
+
+
+def _conversation_misses(reports: list[tuple[str, str, ConversationReport]]) -> str:
+    lines = []
+    for name, mode, report in reports:
+        if name == "chat_multiturn_dev" or mode != "offline":
+            continue
+        for o in report.failures()[:12]:
+            said = "refused" if o.refused else f"calls {o.calls}" if o.calls else "answered"
+            lines.append(
+                f"- {name} #{o.conversation}.{o.index} `{o.item['text']}` "
+                f"(expected {o.item['expect']}): {said}"
+            )
+    return "\n".join(lines) or "- none"
+
+
 # ---- report -----------------------------------------------------------------------------------
 
 
@@ -281,6 +374,7 @@ async def run(quick: bool) -> str:
     single = await throughput(1, total // 3 if not quick else 60)
     many = await throughput(100, total)
     report = await evaluate_offline(FirmwareDevice)
+    talks = await conversations()
 
     rows = [[label, ms(s.p50), ms(s.p99), ms(s.mean), s.count] for label, s in stats.items()]
     met = all(stats[kind].p50 / 1e6 <= TARGET_P50_MS for kind in ("dental", "device"))
@@ -356,6 +450,32 @@ The set was written together with the rules (the word lists were tuned on it), s
 are an upper bound: phrasings the word lists do not know (relative changes such as "a bit
 louder", numbers in words, other device vocabularies) are not routed, and the assistant asks for
 a value instead of guessing.
+
+**Conversations** (each set's conversations one after another, each through one stored
+conversation and a fresh simulated device; "follow-ups": dental questions after a
+conversation's first turn answered on topic, i.e. not refused, no device call, an answer
+holding one of the words the set expects):
+
+{
+        table(
+            [
+                "set",
+                "mode",
+                "follow-ups on topic",
+                "off-topic refused",
+                "commands routed",
+                "state questions",
+                "greetings, thanks",
+            ],
+            _conversation_rows(talks),
+        )
+    }
+
+Targets (follow-ups ≥ 90 %, off-topic refused ≥ 95 %, commands ≥ 95 %, every set and mode):
+{verdict(_conversations_met(talks))}. With the strict model a command is right when it passes
+the guardrail (the model then chooses the tool; its choice is the model's, not measured here).
+Misses of the held-out sets, offline (first 12 of each):
+{_conversation_misses(talks)}
 """
 
 

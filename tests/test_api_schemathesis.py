@@ -138,6 +138,13 @@ checks.positive_data_acceptance.enabled = false
 include-path = "/v1/chat/completions"
 checks.positive_data_acceptance.enabled = false
 
+# The same rule for /v1/responses (the question is the last user message of `input`), and
+# fields the schema allows that ask for what the bridge refuses (client tools, JSON formats).
+[[operations]]
+include-path = "/v1/responses"
+include-method = "POST"
+checks.positive_data_acceptance.enabled = false
+
 # A serial number is 1 to 64 *printable* characters after stripping (str.isprintable: no
 # control, format, private-use or unassigned character), a Unicode-category rule that the
 # document's regex dialect cannot say portably; the length is in the schema.

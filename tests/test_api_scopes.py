@@ -43,6 +43,13 @@ ROUTES = [
         {"model": "dental-duckduckgo", "messages": [{"role": "user", "content": "floss?"}]},
         "chat:use",
     ),
+    (
+        "POST",
+        "/v1/responses",
+        {"model": "dental-duckduckgo", "input": "floss?", "store": False},
+        "chat:use",
+    ),
+    ("GET", "/v1/responses/resp_nope_1", None, "chat:use"),
     ("POST", "/api/chat/stream", {"message": "How often should I floss?"}, "chat:use"),
     ("GET", "/metrics", None, "metrics:read"),
 ]

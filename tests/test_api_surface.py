@@ -343,6 +343,10 @@ async def test_the_openapi_document_tells_the_truth(bridge: Bridge) -> None:
     completions = paths["/v1/chat/completions"]["post"]["responses"]
     assert {"application/json", "text/event-stream"} <= set(completions["200"]["content"])
     assert {"404", "413", "503"} <= set(completions)
+    responses = paths["/v1/responses"]["post"]["responses"]
+    assert {"application/json", "text/event-stream"} <= set(responses["200"]["content"])
+    assert {"404", "413", "503"} <= set(responses)
+    assert "404" in paths["/v1/responses/{response_id}"]["get"]["responses"]
     assert "text/event-stream" in paths["/api/chat/stream"]["post"]["responses"]["200"]["content"]
     plain = paths["/api/provisioning/mosquitto-passwd"]["get"]["responses"]["200"]["content"]
     assert set(plain) == {"text/plain"}

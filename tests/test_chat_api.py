@@ -77,12 +77,15 @@ async def test_completion_with_the_official_client(client, http, fake_llm):
     completion = raw.parse()
     conversation_id = completion.system_fingerprint
     assert conversation_id and raw.headers["x-conversation-id"] == conversation_id
-    assert completion.model_extra == {"conversation_id": conversation_id}
+    extra = completion.model_extra or {}
+    assert set(extra) == {"conversation_id", "sources"}  # the bridge's extensions
+    assert extra["conversation_id"] == conversation_id
     assert completion.model == MODEL and completion.object == "chat.completion"
     [choice] = completion.choices
     assert choice.finish_reason == "stop" and choice.message.role == "assistant"
     content = choice.message.content or ""
     assert content.startswith(ANSWER + "\n\nSources:\n1. ")  # the knowledge base's links
+    assert extra["sources"] and all(source["link"] in content for source in extra["sources"])
     assert QUESTION in fake_llm.of_kind("chat")[0].messages[-1]["content"]
 
     stored = (await http.get(f"/v1/conversations/{conversation_id}")).json()

@@ -249,9 +249,11 @@ async def test_a_device_request_no_tool_serves_is_answered_not_refused_as_off_to
     assert meta.guardrail.verdict == "passed" and meta.guardrail.reason == "device request"
     assert spoken(events).startswith(answer)
     assert device.calls == [] and device.hal.reboots == 0
-    # Without a device the same words are off topic.
-    alone = await collect(offline.run_turn(TurnRequest(text=text)))
-    assert alone[-1].metadata.guardrail.verdict == "refused"  # type: ignore[attr-defined]
+    # Without a device the turn asks which device, naming the ones the caller may use.
+    request = TurnRequest(text=text, device_choices=["kitchen", "desk"])
+    alone = await collect(offline.run_turn(request))
+    assert alone[-1].metadata.guardrail.reason == "device request, no device"  # type: ignore[attr-defined]
+    assert "kitchen, desk" in spoken(alone) and device.calls == []
 
 
 @pytest.mark.parametrize(

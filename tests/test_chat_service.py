@@ -201,8 +201,11 @@ async def test_device_request_passes_only_with_a_toolbox(
 ) -> None:
     fake.script("guardrail", Reply("NO"))
     service = ChatService(memory, openai, FakeWebSearch(WEB))
-    without = await collect(service.run_turn(TurnRequest(text="Set the volume to 30")))
-    assert done(without).metadata.guardrail.verdict == "refused"
+    # Without a device the turn asks which one, by the rules, whatever the model would say.
+    asked = TurnRequest(text="Set the volume to 30", device_choices=["kitchen"])
+    without = await collect(service.run_turn(asked))
+    assert done(without).metadata.guardrail.reason == "device request, no device"
+    assert "kitchen" in spoken(without) and not fake.of_kind("guardrail")
     device = FirmwareDevice()
     fake.script("chat", Reply("Done."))
     request = TurnRequest(text="Set the volume to 30")
@@ -458,6 +461,7 @@ async def test_events_round_trip_through_json_and_logs_stay_clean(
     steps = [line for line in logs if line["event"] == "chat step"]
     assert [line["step"] for line in steps] == [
         "language",
+        "reading",
         "guardrail",
         "memory_load",
         "search",
@@ -466,7 +470,7 @@ async def test_events_round_trip_through_json_and_logs_stay_clean(
         "summary",
     ]
     meta = done(events).metadata
-    for line in steps[2:]:
+    for line in steps[3:]:
         assert line["conversation_id"] == meta.conversation_id
         assert line["device_id"] == device.device_id and line["duration_ms"] >= 0
     assert "sk-very-secret" not in repr(logs)

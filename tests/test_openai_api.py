@@ -8,6 +8,7 @@ import json
 import os
 import sys
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,13 +74,17 @@ async def test_sync_client_gets_an_answer_with_the_models_usage(llm_bridge, key,
             )
 
     completion = await asyncio.to_thread(ask)  # the bridge runs on this loop
-    assert completion.choices[0].message.content.startswith(ANSWER)
+    content = completion.choices[0].message.content
+    assert content.startswith(ANSWER)
     assert completion.choices[0].finish_reason == "stop"
-    # The provider reported its counts: the turn's usage is their sum over every model call.
+    # The provider reported its counts: the turn's usage is their sum over every model call,
+    # plus the tokenizer's count of what the bridge wrote (the sources section).
     calls = fake_llm.requests
     assert [r.kind for r in calls] == ["chat"]  # nothing stored, so nothing summarised
     assert completion.usage.prompt_tokens == words(calls[0].messages)
-    assert completion.usage.completion_tokens == len(ANSWER.split())
+    sources = count_tokens(content) - count_tokens(ANSWER)
+    assert sources > 0
+    assert completion.usage.completion_tokens == len(ANSWER.split()) + sources
     assert completion.usage.total_tokens == (
         completion.usage.prompt_tokens + completion.usage.completion_tokens
     )
@@ -92,9 +97,11 @@ async def test_usage_is_counted_with_the_tokenizer_when_the_model_reports_none(c
     raw = await client.chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": QUESTION}], store=True
     )
-    usage = raw.parse().usage
-    # The reply texts, counted with cl100k_base: the answer, then the summary.
-    assert usage.completion_tokens == count_tokens(ANSWER) + count_tokens("Floss daily.")
+    completion = raw.parse()
+    usage = completion.usage
+    # The reply texts, counted with cl100k_base: the answer with its sources, then the summary.
+    content = completion.choices[0].message.content or ""
+    assert usage.completion_tokens == count_tokens(content) + count_tokens("Floss daily.")
     assert usage.prompt_tokens > count_tokens(QUESTION) * 2  # system prompt, search results
     assert raw.headers["x-usage-counted-by"] == "tokenizer"
 
@@ -205,7 +212,8 @@ async def test_sampling_fields_go_to_the_model_and_a_cut_says_length(client, fak
     assert (body["temperature"], body["top_p"], body["seed"]) == (0.3, 0.9, 7)
     assert body["stop"] == ["\n\n\n"]
     assert completion.choices[0].finish_reason == "length"
-    assert completion.choices[0].message.content.startswith("Brush twice a day\n\nSources:")
+    # The limit covers the whole content: the model spent it all, no room for the sources.
+    assert completion.choices[0].message.content == "Brush twice a day"
 
 
 async def test_max_tokens_cuts_an_offline_answer_too(bridge_factory):
@@ -225,6 +233,99 @@ async def test_max_tokens_cuts_an_offline_answer_too(bridge_factory):
     assert cut.usage.completion_tokens == 5
     answer = whole.choices[0].message.content or ""
     assert answer.startswith((cut.choices[0].message.content or "").split("\n\n")[0])
+
+
+# ---- stop, max_tokens and usage cover the whole content ----------------------------------------
+
+
+@pytest.fixture(params=["offline", "model"])
+async def any_client(request, bridge_factory, fake_llm) -> AsyncIterator[openai.AsyncOpenAI]:
+    """A client of a bridge with no model (offline answers), or with the fake model (which
+    then reports no usage: the bridge counts everything with its tokenizer)."""
+    if request.param == "offline":
+        bridge: Bridge = await bridge_factory(llm_provider="none")
+    else:
+        fake_llm.report_usage = False
+        bridge = await bridge_factory(llm_provider="openai", llm_base_url=fake_llm.url)
+    key = await create_key(bridge, "chat:use")
+    async with openai.AsyncOpenAI(
+        base_url=f"{bridge.api_url}/v1", api_key=key, max_retries=0, timeout=30
+    ) as made:
+        yield made
+
+
+@dataclass
+class Received:
+    content: str
+    finish: str | None
+    usage: Any
+    sources: list[dict[str, Any]]  # the bridge's extension beside the content
+
+
+async def received(client: openai.AsyncOpenAI, stream: bool, **extra: Any) -> Received:
+    """The content a client receives, its finish reason, usage and sources, streamed or not."""
+    messages: Any = [{"role": "user", "content": QUESTION}]
+    if not stream:
+        whole = await client.chat.completions.create(model=MODEL, messages=messages, **extra)
+        choice = whole.choices[0]
+        sources = (whole.model_extra or {})["sources"]
+        return Received(choice.message.content or "", choice.finish_reason, whole.usage, sources)
+    chunks = [
+        chunk
+        async for chunk in await client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            stream=True,
+            stream_options={"include_usage": True},
+            **extra,
+        )
+    ]
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    last = [c for c in chunks if c.choices][-1]
+    sources = (last.model_extra or {})["sources"]
+    return Received(content, last.choices[0].finish_reason, chunks[-1].usage, sources)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_stop_covers_the_whole_content_and_sources_go_beside_it(any_client, stream):
+    whole = await received(any_client, stream)
+    assert "teeth" in whole.content  # in the sources' titles (and in an offline answer)
+    assert "\n\nSources:\n1. " in whole.content and whole.sources
+    assert whole.usage.completion_tokens == count_tokens(whole.content) > 0
+    cut = await received(any_client, stream, stop=["teeth"])
+    assert "teeth" not in cut.content and "Sources:" not in cut.content
+    assert cut.content and whole.content.startswith(cut.content)
+    assert cut.finish == "stop"
+    assert cut.sources == whole.sources  # the references, beside the content
+    assert cut.usage.completion_tokens == count_tokens(cut.content) > 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("limit", [5, 1000])
+async def test_max_completion_tokens_covers_the_whole_content(any_client, stream, limit):
+    whole = await received(any_client, stream)
+    cut = await received(any_client, stream, max_completion_tokens=limit)
+    answer = whole.content.split("\n\nSources:")[0]
+    assert cut.content and answer.startswith(cut.content)
+    assert count_tokens(cut.content) <= limit
+    assert cut.finish == ("length" if limit == 5 else "stop")
+    if limit == 1000:  # the whole answer, with its sources beside it
+        assert cut.content == answer and cut.sources == whole.sources
+    assert cut.usage.completion_tokens == count_tokens(cut.content) > 0
+
+
+async def test_offline_answers_count_their_tokens_when_the_model_is_down(bridge_factory):
+    bridge: Bridge = await bridge_factory(
+        llm_provider="openai", llm_base_url="http://127.0.0.1:9/v1"
+    )
+    key = await create_key(bridge, "chat:use")
+    async with openai.AsyncOpenAI(
+        base_url=f"{bridge.api_url}/v1", api_key=key, max_retries=0, timeout=30
+    ) as offline:
+        answer = await received(offline, False)
+    assert answer.content.startswith("(Offline mode")
+    assert answer.finish == "stop"
+    assert answer.usage.completion_tokens == count_tokens(answer.content) > 0
 
 
 REFUSED = [

@@ -5,6 +5,8 @@
   answers with SSE chunks in OpenAI's chunk format ending with `data: [DONE]`; otherwise one
   `chat.completion`. The conversation id comes back in `system_fingerprint` (seed 000, step 11)
   and in the `X-Conversation-Id` header.
+- `POST /v1/responses`, `GET /v1/responses/{id}`: OpenAI's Responses API, in
+  backend/api/responses.py (it shares this module's checks, `ChatFront` and helpers).
 - `GET /v1/models`, `GET /v1/models/{id}`.
 - `GET /v1/conversations` (paged), `GET /v1/conversations/{id}` (history and summary),
   `DELETE /v1/conversations/{id}`.
@@ -66,7 +68,7 @@ from backend.chat.llm.base import ANY_SAMPLING, LlmError, Sampling
 from backend.chat.memory import Conversation, ConversationNotFound, check_conversation_id
 from backend.chat.text import first_surrogate
 from backend.config import Settings
-from backend.devices import DeviceRegistry
+from backend.devices import DeviceRegistry, DeviceState
 from backend.keys import Principal, Scope
 from backend.mcp_servers.hub import McpServerHub
 
@@ -75,7 +77,7 @@ _T = TypeVar("_T")
 
 CONVERSATION_HEADER = "X-Conversation-Id"
 USAGE_HEADER = "X-Usage-Counted-By"  # "provider" (the model's counts) or "tokenizer"
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _MAX_LISTED_MODELS = 1000  # a provider listing more is cut: the page shows a select
 
 Chatter = Annotated[Principal, Depends(needs(Scope.CHAT_USE))]
@@ -106,6 +108,14 @@ def unknown_model(model: str) -> ApiError:
     return ApiError(
         404, "model_not_found", f"no model {model[:80]!r}; this bridge serves {MODEL_ID!r}"
     )
+
+
+def check_openai_body(body: BaseModel, model: str) -> None:
+    """What every OpenAI-style request passes first: Unicode text everywhere, then this bridge's
+    model (404 `model_not_found` for another)."""
+    check_text(body.model_dump())
+    if model != MODEL_ID:
+        raise unknown_model(model)
 
 
 # ---- request bodies ---------------------------------------------------------------------------
@@ -253,6 +263,10 @@ def sse(data: dict[str, Any] | str) -> bytes:
 # ---- turns ------------------------------------------------------------------------------------
 
 
+_READY = frozenset({DeviceState.READY})
+_CHOICES_LISTED = 200
+
+
 @dataclass(frozen=True, slots=True)
 class PreparedTurn:
     """A checked request (pure data) and the tools its turn may use."""
@@ -286,7 +300,8 @@ class ChatFront:
     ) -> PreparedTurn:
         """A checked turn request with its conversation id settled before the turn starts
         (so a streamed answer can carry it in its headers). `client_context`: the messages are
-        the context (OpenAI clients without `chat_id`), stored only with `store`. `models`:
+        the context (OpenAI clients without `chat_id`), stored only with `store`, in a new
+        conversation or in `conversation_id` (the Responses API continuing one). `models`:
         this request's (chat, guardrail) models, None for the server's."""
         try:
             request = TurnRequest(
@@ -312,10 +327,12 @@ class ChatFront:
             toolbox = DeviceToolBox(
                 device, unavailable_reason=reason, actor=f"chat:{actor_of(principal)}"
             )
+        else:
+            request.device_choices = self._choices(principal)
         if self.servers is not None:  # external MCP servers this key may use (mcp:<name>)
             toolbox = self.servers.toolbox_for(principal, device_id, toolbox)
         if client_context:
-            request.conversation_id = uuid.uuid4().hex if store else None
+            request.conversation_id = (conversation_id or uuid.uuid4().hex) if store else None
         elif conversation_id is not None:
             request.conversation_id = check_conversation_id(conversation_id)
         elif device_id is not None:
@@ -323,6 +340,13 @@ class ChatFront:
         else:
             request.conversation_id = uuid.uuid4().hex
         return PreparedTurn(request, toolbox)
+
+    def _choices(self, principal: Principal) -> list[str]:
+        """The ready devices this key may call: named when a device request comes without a
+        device ("which device?"); the first page of the listing only."""
+        page = self.registry.listing(states=_READY, limit=_CHOICES_LISTED)
+        ids = (summary["device_id"] for summary in page.devices)
+        return [device_id for device_id in ids if principal.may_call(device_id)]
 
     async def events(
         self, prepared: PreparedTurn, principal: Principal, front: str
@@ -385,9 +409,7 @@ def chat_router(
     async def completions(
         body: CompletionRequest, principal: Chatter, http_request: Request
     ) -> Response:
-        check_text(body.model_dump())
-        if body.model != MODEL_ID:
-            raise unknown_model(body.model)
+        check_openai_body(body, body.model)
         check_supported(body)
         check_models_allowed((body.chat_model, body.guardrail_model), allowed)
         client_context = body.chat_id is None
@@ -410,13 +432,15 @@ def chat_router(
             return StreamingResponse(
                 _completion_chunks(shape, events, include_usage),
                 media_type="text/event-stream",
-                headers={**headers, **_SSE_HEADERS},
+                headers={**headers, **SSE_HEADERS},
             )
-        done = await _unless_client_leaves(http_request, _last_done(events))
+        done = await unless_client_leaves(http_request, last_done(events))
         if done is None:
             return Response(status_code=499)  # nobody is there to read it
         metadata = done.metadata
-        whole = shape.whole(metadata.answer, metadata.finish_reason, metadata.usage)
+        whole = shape.whole(
+            metadata.answer, metadata.finish_reason, metadata.usage, metadata.sources
+        )
         if metadata.usage is not None:
             headers[USAGE_HEADER] = metadata.usage.counted_by
         return Response(
@@ -480,7 +504,7 @@ def chat_router(
         return StreamingResponse(
             _seed_stream(events),
             media_type="text/event-stream",
-            headers={CONVERSATION_HEADER: conversation_id or "", **_SSE_HEADERS},
+            headers={CONVERSATION_HEADER: conversation_id or "", **SSE_HEADERS},
         )
 
     return router
@@ -499,7 +523,8 @@ async def _seed_stream(events: AsyncIterator[ChatEvent]) -> AsyncIterator[bytes]
         yield sse({"type": "error", "error": f"internal error: {type(exc).__name__}"})
 
 
-async def _last_done(events: AsyncIterator[ChatEvent]) -> Done:
+async def last_done(events: AsyncIterator[ChatEvent]) -> Done:
+    """The turn's `Done`, its other events read and dropped (a non-streamed answer)."""
     done: Done | None = None
     async for event in events:
         if isinstance(event, Done):
@@ -508,7 +533,7 @@ async def _last_done(events: AsyncIterator[ChatEvent]) -> Done:
     return done
 
 
-async def _unless_client_leaves(request: Request, work: Awaitable[_T]) -> _T | None:
+async def unless_client_leaves(request: Request, work: Awaitable[_T]) -> _T | None:
     """The work's result, or None once the client has gone (the work is then cancelled: a
     non-streamed turn kept the model busy for 719 s after its client left)."""
     task = asyncio.ensure_future(work)
@@ -540,7 +565,7 @@ async def _completion_chunks(
         async for event in events:
             if isinstance(event, Token):
                 yield sse(shape.chunk({"content": event.text}))
-            elif isinstance(event, Sources):
+            elif isinstance(event, Sources) and event.section:
                 yield sse(shape.chunk({"content": "\n\n" + event.section}))
             elif isinstance(event, Done):
                 done = event
@@ -555,7 +580,7 @@ async def _completion_chunks(
         yield sse({"error": error})
         return
     finish = done.metadata.finish_reason if done is not None else "stop"
-    yield sse(shape.chunk({}, finish))
+    yield sse(shape.last_chunk(finish, done.metadata.sources if done is not None else []))
     if include_usage:
         yield sse(shape.usage_chunk(done.metadata.usage if done is not None else None))
     yield sse("[DONE]")

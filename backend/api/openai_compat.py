@@ -6,6 +6,11 @@ Nothing is silently ignored. The fields an OpenAI client may send and what becom
 - `max_tokens`, `max_completion_tokens` (the smaller wins, and never above the bridge's
   `chat_max_answer_tokens`), `stop`, `temperature`, `top_p`, `seed`, `frequency_penalty`,
   `presence_penalty`: to the model; `finish_reason: "length"` when a limit cut the answer;
+  `stop` and the token limits cover the whole content: with either, the content is the answer
+  alone (no sources section appended after it) and the references are only in `sources`, a
+  bridge extension on every completion (and on the stream's finishing chunk);
+- `usage` covers the whole content too: the model's counts plus the tokenizer's count of every
+  part the bridge wrote (an offline answer, the sources section);
 - `stream`, `stream_options.include_usage`: SSE chunks, and a last chunk with `usage`;
 - `store`: without `chat_id`, keep this turn as a new stored conversation (its id returned);
 - `user`, `metadata`, `parallel_tool_calls`, `tool_choice: "none"|"auto"` without tools,
@@ -24,7 +29,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from backend.api.app import ApiError
 from backend.chat import InputMessage, ModelName
-from backend.chat.events import TurnUsage
+from backend.chat.events import SourceItem, TurnUsage
 from backend.chat.llm.base import Sampling
 
 MODEL_ID = "dental-duckduckgo"
@@ -114,10 +119,24 @@ class CompletionRequest(RequestModels):
         )
 
 
+CLIENT_TOOLS = (
+    "client-side tools are not supported: this assistant calls its own tools (the device's, "
+    "and the bridge's MCP servers); send no tools"
+)
+LOGPROBS = (
+    "log probabilities are not available: the answer may be written by the bridge's offline "
+    "mode, which has none"
+)
+
+
 def check_supported(body: CompletionRequest) -> None:
     """400 for a field asking for what this model cannot give, naming the field and why."""
-    for refusal in _refusals(body):
-        param, message = refusal
+    refuse_first(_refusals(body))
+
+
+def refuse_first(refusals: list[tuple[str, str]]) -> None:
+    """400 `unsupported_parameter` for the first (param, why) found, if any."""
+    for param, message in refusals:
         raise ApiError(400, "unsupported_parameter", message, param=param)
 
 
@@ -133,13 +152,7 @@ def _refusals(body: CompletionRequest) -> list[tuple[str, str]]:
         )
     if body.tools or body.functions:
         param = "tools" if body.tools else "functions"
-        found.append(
-            (
-                param,
-                "client-side tools are not supported: this assistant calls its own "
-                "tools (the device's, and the bridge's MCP servers); send no tools",
-            )
-        )
+        found.append((param, CLIENT_TOOLS))
     if body.tool_choice not in (None, "none", "auto") or body.function_call not in (
         None,
         "none",
@@ -157,13 +170,7 @@ def _refusals(body: CompletionRequest) -> list[tuple[str, str]]:
         )
     if body.logprobs or body.top_logprobs:
         param = "logprobs" if body.logprobs else "top_logprobs"
-        found.append(
-            (
-                param,
-                "log probabilities are not available: the answer may be written by "
-                "the bridge's offline mode, which has none",
-            )
-        )
+        found.append((param, LOGPROBS))
     if body.logit_bias:
         found.append(("logit_bias", "logit_bias is not supported"))
     if body.audio is not None or (body.modalities and body.modalities != ["text"]):
@@ -188,6 +195,12 @@ def _refusals(body: CompletionRequest) -> list[tuple[str, str]]:
                     )
                     break
     return found
+
+
+def sources_json(sources: list[SourceItem]) -> list[dict[str, str]]:
+    """The answer's references (`title`, `link`, `origin`): a bridge extension beside the
+    content, the only place they are when `stop` or `max_tokens` left the section out."""
+    return [item.model_dump(mode="json") for item in sources]
 
 
 def usage_json(usage: TurnUsage | None) -> dict[str, int] | None:
@@ -223,8 +236,10 @@ class CompletionShape:
             data["conversation_id"] = self.conversation_id
         return data
 
-    def whole(self, answer: str, finish: str, usage: TurnUsage | None) -> dict[str, Any]:
-        """A whole `chat.completion` (non-streamed)."""
+    def whole(
+        self, answer: str, finish: str, usage: TurnUsage | None, sources: list[SourceItem]
+    ) -> dict[str, Any]:
+        """A whole `chat.completion` (non-streamed), with the answer's `sources` beside it."""
         return {
             **self.base("chat.completion"),
             "choices": [
@@ -236,12 +251,17 @@ class CompletionShape:
                 }
             ],
             "usage": usage_json(usage),
+            "sources": sources_json(sources),
         }
 
     def chunk(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
         """One `chat.completion.chunk` with this delta."""
         choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
         return {**self.base("chat.completion.chunk"), "choices": [choice]}
+
+    def last_chunk(self, finish: str, sources: list[SourceItem]) -> dict[str, Any]:
+        """The chunk with the finish reason, and the answer's `sources` beside it."""
+        return {**self.chunk({}, finish), "sources": sources_json(sources)}
 
     def usage_chunk(self, usage: TurnUsage | None) -> dict[str, Any]:
         """The last chunk, with no choice and the turn's usage (`include_usage`)."""

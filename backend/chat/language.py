@@ -16,7 +16,9 @@ _VI_WORDS = wordset(
 _EN_WORDS = wordset(
     "i you the is are an what how why when should can could does my your to of and in on for "
     "with please tell me it this that which who teeth tooth set turn volume much many often day "
-    "brush"
+    "brush do than work better ones be a get have has there not if or so at by from was were "
+    "will would after before need still too just about like really good bad okay know want "
+    "any more they them"
 )
 
 

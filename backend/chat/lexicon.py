@@ -6,6 +6,7 @@ more syllables (a folded single syllable is ambiguous: "rang" is răng "tooth" a
 Longer phrases win: "giao diện sáng" is the theme, not "sáng" (light).
 """
 
+import functools
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -19,7 +20,9 @@ _DENTAL_WORDS = (
     "periodontal floss flossing toothpaste toothbrush cavity cavities caries enamel plaque tartar "
     "braces brace orthodontic orthodontics orthodontist aligners implant implants molar molars "
     "mouthwash halitosis whitening fluoride oral abscess teething dentures denture bruxism jaw "
-    "mouth tongue incisor incisors retainer brush brushing brushed"
+    "mouth tongue incisor incisors retainer brush brushing brushed filling fillings crown crowns "
+    "veneer veneers hygienist checkup check-up mouthguard sealant sealants canker cleaning "
+    "extraction invisalign"
 )
 DENTAL_PHRASES = [
     *_DENTAL_WORDS.split(),
@@ -63,6 +66,13 @@ DENTAL_PHRASES = [
     "áp xe",
     "ê buốt",
     "xương hàm",
+    "trám răng",
+    "hàn răng",
+    "nhổ răng",
+    "bọc răng",
+    "lấy cao răng",
+    "lợi",
+    "nhổ",
     "hàm răng",
     "lưỡi",
     "fluor",
@@ -94,6 +104,10 @@ DENTAL_PHRASES = [
     "kham rang",
     "rang mieng",
     "tay trang",
+    "nghien rang",
+    "nho rang",
+    "tram rang",
+    "han rang",
 ]
 
 
@@ -105,7 +119,9 @@ AMBIGUOUS_DENTAL = frozenset(
         *("gum", "gums", "cavity", "cavities", "plaque", "enamel", "tartar", "braces", "brace"),
         *("implant", "implants", "whitening", "oral", "abscess", "jaw", "mouth", "tongue"),
         *("retainer", "brush", "brushing", "brushed", "molar", "molars", "lưỡi", "trám"),
-        *("fluor", "áp xe", "bàn chải", "ap xe", "ban chai"),
+        *("fluor", "áp xe", "bàn chải", "ap xe", "ban chai", "filling", "fillings", "crown"),
+        *("lợi", "nhổ"),
+        *("crowns", "cleaning", "extraction", "veneer", "veneers", "sealant", "sealants"),
     }
 )
 
@@ -250,6 +266,7 @@ UP_WORDS = (
     "higher",
     "brighter",
     "sáng hơn",
+    "more",
 )
 DOWN_WORDS = (
     "down",
@@ -265,6 +282,7 @@ DOWN_WORDS = (
     "dim",
     "darker",
     "tối hơn",
+    "less",
 )
 MAX_WORDS = ("tối đa", "max", "maximum", "full", "hết cỡ", "to nhất", "cao nhất", "toi da")
 MIN_WORDS = ("tối thiểu", "min", "minimum", "thấp nhất", "nhỏ nhất", "toi thieu")
@@ -355,15 +373,22 @@ class PhraseMatcher:
             key=lambda p: (-len(p), p),
         )
         self._folded = [(p, _pattern(p)) for p in folded]
+        # The phrases by their first word: only those whose first word the text holds are
+        # scanned for (most texts hold none of a list's phrases).
+        self._by_first_accented = _by_first_word(self._accented)
+        self._by_first_folded = _by_first_word(self._folded)
 
     def find(self, text: str) -> list[Hit]:
         """The phrases in `text`, longest first where they overlap, in linear time."""
-        accented = has_vietnamese_letters(text)
-        subject = nfc_lower(text) if accented else fold(text)
+        accented, subject, tokens = _subject(text)
         table = self._accented if accented else self._folded
+        by_first = self._by_first_accented if accented else self._by_first_folded
+        candidates = sorted({i for token in tokens for i in by_first.get(token, ())})
+        if not candidates:
+            return []
         taken = bytearray(len(subject))  # 1 where a longer phrase already matched: linear time
         hits: list[Hit] = []
-        for phrase, pattern in table:
+        for phrase, pattern in (table[i] for i in candidates):  # still longest first
             for match in pattern.finditer(subject):
                 start, end = match.span()
                 if taken.find(1, start, end) != -1:
@@ -392,6 +417,31 @@ def longest_matches(matchers: Mapping[str, PhraseMatcher], text: str) -> set[str
     return found
 
 
+@functools.lru_cache(maxsize=256)
+def _subject(text: str) -> tuple[bool, str, frozenset[str]]:
+    """Whether the text is written with Vietnamese letters; the text as matched (lowered, or
+    folded too when typed without accents); its words, and each without a plural "s" (as
+    `_pattern` matches them). Cached: a turn's rules read the same text with forty matchers."""
+    accented = has_vietnamese_letters(text)
+    subject = nfc_lower(text) if accented else fold(text)
+    tokens = _WORD.findall(subject)
+    singular = [token[:-1] for token in tokens if token.endswith("s")]
+    singular += [token[:-2] for token in tokens if token.endswith("es")]
+    return accented, subject, frozenset((*tokens, *singular))
+
+
+_WORD = re.compile(r"\w+")
+
+
+def _by_first_word(table: list[tuple[str, re.Pattern[str]]]) -> dict[str, tuple[int, ...]]:
+    index: dict[str, list[int]] = {}
+    for position, (phrase, _pattern) in enumerate(table):
+        words = _WORD.findall(phrase)
+        if words:
+            index.setdefault(words[0], []).append(position)
+    return {word: tuple(positions) for word, positions in index.items()}
+
+
 def _pattern(phrase: str) -> re.Pattern[str]:
     body = r"\s+".join(re.escape(part) for part in phrase.split())
-    return re.compile(rf"(?<![\w]){body}s?(?![\w])")
+    return re.compile(rf"(?<![\w]){body}(?:e?s)?(?![\w])")

@@ -52,7 +52,7 @@ from backend.chat.lexicon import (
 )
 from backend.chat.llm.base import FunctionSpec
 from backend.chat.search import SearchResult, kb_terms
-from backend.chat.text import Language, sentences
+from backend.chat.text import Language, sentences, wordset
 from backend.common import clip
 
 DEFAULT_THRESHOLD = 0.7
@@ -102,6 +102,42 @@ def dental_words(text: str) -> Literal["clear", "ambiguous"] | None:
 def is_dental(text: str) -> bool:
     """Whether the text names a dental topic."""
     return dental_words(text) is not None
+
+
+def asks_a_device(text: str) -> bool:
+    """Whether a text asks something of a device, judged without any device's tools (a turn
+    with no device chosen: "set the volume to 10", "what is the volume?")."""
+    wanted = concepts_in(text) & PRIMARY_CONCEPTS
+    if wanted and (_actions.find(text) or _up.find(text) or _down.find(text)):
+        return True
+    return any(asked_topics(clause, questioned=questioned) for clause, questioned in _clauses(text))
+
+
+# Words of a tool's name and description that say nothing of what it is for.
+_GENERIC_TOOL_WORDS = wordset(
+    "get set the a an of for to and or with from by in on is are this that it its use "
+    "used using return returns tool tools current value values self call calls given "
+    "name names list data info information request requests new make run"
+)
+
+
+def serving_function(text: str, functions: Sequence[FunctionSpec]) -> FunctionSpec | None:
+    """An external function whose name or description shares a telling word with the text
+    ("what time is it in Tokyo" and `get_current_time`): the guardrail lets such a request
+    through to the model, which may call it, instead of refusing it as off-topic."""
+    asked = {_stem_word(word) for word in _NAME_SPLIT.split(text.lower()) if len(word) > 2}
+    asked -= _GENERIC_TOOL_WORDS
+    for spec in functions:
+        first = spec.description.split(".", 1)[0]
+        said = _NAME_SPLIT.split(f"{spec.llm_name} {first}".lower())
+        words = {_stem_word(word) for word in said if len(word) > 2} - _GENERIC_TOOL_WORDS
+        if asked & words:
+            return spec
+    return None
+
+
+def _stem_word(word: str) -> str:
+    return word[:-1] if word.endswith("s") and len(word) > 3 else word
 
 
 def split_clauses(text: str) -> list[str]:
@@ -341,7 +377,12 @@ def _clauses(text: str) -> list[tuple[str, bool]]:
 
 
 def _merged(intents: list[Intent]) -> list[Intent]:
-    """Questions in a row to one reading tool as one call ("the volume and the battery")."""
+    """Questions in a row to one reading tool as one call ("the volume and the battery"); of
+    two changes by one tool the later ("the screen's kind of dim, can you make it brighter?",
+    "make it 30, no, 40")."""
+    changes = [intent for intent in intents if not intent.asked]
+    last_of = {intent.llm_name: intent for intent in changes}
+    intents = [i for i in intents if i.asked or last_of[i.llm_name] is i]
     merged: list[Intent] = []
     for intent in intents:
         last = merged[-1] if merged else None
@@ -576,14 +617,22 @@ NOTHING_FOUND = {
 
 
 def extractive_answer(
-    question: str, results: Sequence[SearchResult], language: Language, max_sentences: int = 3
+    question: str,
+    results: Sequence[SearchResult],
+    language: Language,
+    max_sentences: int = 3,
+    *,
+    stress: str = "",
 ) -> str:
-    """The sentences of `results` closest to `question`, in their original order."""
+    """The sentences of `results` closest to `question`, in their original order; a
+    sentence with the words of `stress` (a follow-up's own: "for children") counts them twice."""
     wanted = set(kb_terms(question))
+    stressed = set(kb_terms(stress))
     candidates: list[tuple[float, int, int, str]] = []
     for rank, result in enumerate(results[:3]):
         for position, sentence in enumerate(sentences(result.content)):
-            overlap = len(wanted & set(kb_terms(sentence)))
+            terms = set(kb_terms(sentence))
+            overlap = len(wanted & terms) + len(stressed & terms)
             if overlap:
                 # Earlier results and earlier sentences break ties.
                 candidates.append((overlap - 0.5 * rank, rank, position, sentence))

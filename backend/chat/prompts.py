@@ -1,6 +1,9 @@
 """Prompt templates, Vietnamese and English (after seed 003 `PromptManager`)."""
 
+from collections.abc import Sequence
+
 from backend.chat.text import Language
+from backend.common import clip
 
 SYSTEM = {
     "vi": (
@@ -113,11 +116,12 @@ _GUARDRAIL = {
     "vi": (
         "Bạn là hệ thống kiểm duyệt của trợ lý nha khoa. Yêu cầu dưới đây có "
         "liên quan đến NHA KHOA (răng, nướu, miệng, vệ sinh răng miệng, điều trị nha khoa){device}"
-        " không?\n\nYêu cầu: {question}\n\nTrả lời CHỈ một từ: YES hoặc NO."
+        " không?{recent}\n\nYêu cầu: {question}\n\nTrả lời CHỈ một từ: YES hoặc NO."
     ),
     "en": (
         "You are the moderation system of a dental assistant. Is the request "
-        "below about DENTISTRY (teeth, gums, mouth, oral hygiene, dental treatment){device}?\n\n"
+        "below about DENTISTRY (teeth, gums, mouth, oral hygiene, dental treatment){device}? A "
+        "follow-up of an earlier dental or device request counts as one.{recent}\n\n"
         "Request: {question}\n\nAnswer with ONLY one word: YES or NO."
     ),
 }
@@ -130,10 +134,25 @@ _GUARDRAIL_DEVICE = {
 GUARDRAIL_OPENINGS = tuple(template.split("{", 1)[0] for template in _GUARDRAIL.values())
 
 
-def guardrail_prompt(language: Language, question: str, functions: list[str]) -> str:
-    """The prompt asking the model whether the question is in scope (dental, or the device)."""
+_GUARDRAIL_RECENT = {
+    "vi": "\n\nCác lượt trước của người dùng (cũ trước):\n{turns}",
+    "en": "\n\nThe user's earlier turns (oldest first):\n{turns}",
+}
+GUARDRAIL_RECENT_TURNS = 4  # the guardrail model sees this many earlier user turns...
+GUARDRAIL_TURN_CHARS = 200  # ...each cut to this many characters
+
+
+def guardrail_prompt(
+    language: Language, question: str, functions: list[str], recent: Sequence[str] = ()
+) -> str:
+    """The prompt asking the model whether the question is in scope (dental, or the device),
+    with the user's recent turns (bounded) so that a follow-up is judged in its conversation."""
     device = _GUARDRAIL_DEVICE[language].format(functions="; ".join(functions)) if functions else ""
-    return _GUARDRAIL[language].format(question=question, device=device)
+    shown = [clip(" ".join(turn.split()), GUARDRAIL_TURN_CHARS) for turn in recent if turn.strip()]
+    shown = shown[-GUARDRAIL_RECENT_TURNS:]
+    turns = "\n".join(f"- {turn}" for turn in shown)
+    recent_text = _GUARDRAIL_RECENT[language].format(turns=turns) if shown else ""
+    return _GUARDRAIL[language].format(question=question, device=device, recent=recent_text)
 
 
 REFUSAL = {
@@ -147,6 +166,63 @@ REFUSAL = {
     ),
 }
 _REFUSAL_DEVICE = {"vi": " và điều khiển thiết bị này", "en": " and with controlling this device"}
+
+
+_SOCIAL = {
+    "greeting": {
+        "vi": "Xin chào! Tôi là trợ lý nha khoa: bạn có thể hỏi tôi về răng, nướu và cách chăm "
+        "sóc răng miệng{device}.",
+        "en": "Hello! I'm a dental assistant: ask me about teeth, gums and looking after your "
+        "mouth{device}.",
+    },
+    "thanks": {
+        "vi": "Không có gì! Bạn còn câu hỏi nào về răng miệng{device_short} không?",
+        "en": "You're welcome! Anything else about your teeth{device_short}?",
+    },
+    "goodbye": {
+        "vi": "Tạm biệt! Chúc bạn luôn có hàm răng khỏe.",
+        "en": "Goodbye! Take good care of your teeth.",
+    },
+}
+_SOCIAL_DEVICE = {
+    "vi": (", hoặc nhờ tôi chỉnh thiết bị này (âm lượng, độ sáng, đèn...)", " hay thiết bị này"),
+    "en": (", or ask me to change this device (volume, brightness, light...)", " or this device"),
+}
+
+
+def social_reply(kind: str, language: Language, with_device: bool) -> str:
+    """A short answer to a greeting, thanks or goodbye, saying what the assistant can do."""
+    device, device_short = _SOCIAL_DEVICE[language] if with_device else ("", "")
+    template = _SOCIAL.get(kind, _SOCIAL["greeting"])[language]
+    return template.format(device=device, device_short=device_short)
+
+
+_WHICH_DEVICE = {
+    "vi": "Bạn muốn dùng thiết bị nào? Bạn có thể chọn: {devices}.",
+    "en": "Which device do you mean? You can use: {devices}.",
+}
+_NO_DEVICE = {
+    "vi": "Không có thiết bị nào của bạn đang trực tuyến, nên tôi chưa làm được việc đó.",
+    "en": "None of your devices is online, so I can't do that right now.",
+}
+_UNKNOWN_DEVICES = {
+    "vi": "Bạn muốn dùng thiết bị nào? Hãy chọn một thiết bị cho cuộc trò chuyện này.",
+    "en": "Which device do you mean? Choose a device for this chat first.",
+}
+WHICH_DEVICE_SHOWN = 10  # devices named in the question; the rest are counted
+
+
+def which_device(language: Language, devices: Sequence[str] | None) -> str:
+    """The question back to a device request made with no device chosen."""
+    if devices is None:
+        return _UNKNOWN_DEVICES[language]
+    if not devices:
+        return _NO_DEVICE[language]
+    named = ", ".join(devices[:WHICH_DEVICE_SHOWN])
+    more = len(devices) - WHICH_DEVICE_SHOWN
+    if more > 0:
+        named += f" (+{more})"
+    return _WHICH_DEVICE[language].format(devices=named)
 
 
 def refusal(language: Language, with_device: bool) -> str:

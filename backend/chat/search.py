@@ -7,11 +7,14 @@ All give `SearchResult(title, content, link, origin)`; `origin` names who found 
 ("duckduckgo", "google", "searxng", "kb") and travels to the turn's `Sources`. `format_results`
 renders results as `Title / Content / Link` blocks separated by `---`, the prompt format of the
 seed design. Web search is optional: any failure is reported to the caller as `SearchFailed` and
-the turn goes on with the knowledge base.
+the turn goes on with the knowledge base. `FallbackSearch` logs a provider that fails once, when
+it starts failing (and when it answers again), not on every turn (`backend.chat.health`); the
+turn's metadata says it every time (`search_error`).
 """
 
 import asyncio
 import functools
+import importlib
 import itertools
 import json
 import logging
@@ -28,6 +31,7 @@ import httpx
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from backend.chat.health import Reachability, quiet_libraries
 from backend.chat.text import Language, folded_words, wordset
 from backend.common import clip
 from backend.errors import BridgeError
@@ -67,7 +71,15 @@ class SearchResult:
 
 
 class SearchFailed(BridgeError):
-    """The web search failed (network, rate limit, timeout, no results page)."""
+    """The web search failed (network, rate limit, timeout, no results page).
+
+    `kind` tells failures apart in the log ("unreachable", "timeout", "HTTP 403"; None: the text
+    does); `detail`: the library's own words, for the log only."""
+
+    def __init__(self, message: str, *, kind: str | None = None, detail: str | None = None):
+        super().__init__(message)
+        self.kind = kind
+        self.detail = detail
 
 
 class WebSearch(Protocol):
@@ -122,7 +134,9 @@ class DdgsSearch:
             async with asyncio.timeout(self.timeout_s + 1.0):
                 rows = await asyncio.to_thread(self._search_sync, query, n)
         except TimeoutError:
-            raise SearchFailed(f"web search timed out after {self.timeout_s:g} s") from None
+            raise SearchFailed(
+                f"web search timed out after {self.timeout_s:g} s", kind="timeout"
+            ) from None
         return [_web_result(row) for row in rows[:n] if isinstance(row, dict) and row.get("href")]
 
     def _search_sync(self, query: str, n: int) -> list[dict[str, Any]]:
@@ -130,6 +144,7 @@ class DdgsSearch:
         from ddgs import DDGS
         from ddgs.exceptions import DDGSException
 
+        _quiet_ddgs()
         try:
             rows = DDGS(timeout=max(1, math.ceil(self.timeout_s))).text(
                 query,
@@ -139,8 +154,36 @@ class DdgsSearch:
                 backend=self.backend,
             )
         except DDGSException as exc:
-            raise SearchFailed(f"web search failed: {_one_line(exc)}") from None
+            raise _ddgs_failure(exc) from None
         return list(rows)
+
+
+@functools.cache
+def _quiet_ddgs() -> None:
+    """ddgs logs each failed engine at INFO (`Error in engine duckduckgo: DNSError(...)`) from
+    loggers that exist once its modules are loaded (`DDGS` loads them on first use): debug
+    detail (the failure is reported once)."""
+    importlib.import_module("ddgs.ddgs")
+    quiet_libraries()
+
+
+def _ddgs_failure(exc: Exception) -> SearchFailed:
+    """A ddgs error as a short reason: the library words a failed DNS lookup as a page of Rust
+    error chain (`DNSError('error sending request for url (...) > error resolving DNS > ...')`),
+    which stays in `detail`."""
+    text = _one_line(exc)
+    words = f"{type(exc).__name__} {text}".lower()
+    if "dns" in words:
+        kind, reason = "unreachable", "unreachable (DNS lookup failed)"
+    elif "connect" in words:
+        kind, reason = "unreachable", "unreachable (connection failed)"
+    elif "ratelimit" in words or "429" in words:
+        kind, reason = "rate limited", "rate limited"
+    elif "timeout" in words or "timed out" in words:
+        kind, reason = "timeout", "timed out"
+    else:
+        return SearchFailed(f"web search failed: {text}", detail=text)
+    return SearchFailed(reason, kind=kind, detail=text)
 
 
 def _web_result(row: dict[str, Any]) -> SearchResult:
@@ -225,8 +268,8 @@ class _HttpSearch:
         self._transport = transport
         self._secrets: tuple[str, ...] = ()
 
-    def _failed(self, reason: str) -> SearchFailed:
-        return SearchFailed(f"{self.name}: {_redact(reason, self._secrets)}")
+    def _failed(self, reason: str, kind: str | None = None) -> SearchFailed:
+        return SearchFailed(f"{self.name}: {_redact(reason, self._secrets)}", kind=kind)
 
     async def _get_json(self, url: str, params: dict[str, str | int]) -> Any:
         timeout = httpx.Timeout(self.timeout_s, connect=min(5.0, self.timeout_s))
@@ -241,11 +284,13 @@ class _HttpSearch:
                 body = await self._read(r)
                 status = r.status_code
         except TimeoutError:
-            raise self._failed(f"no answer within {self.timeout_s:g} s") from None
+            raise self._failed(f"no answer within {self.timeout_s:g} s", "timeout") from None
         except httpx.HTTPError as exc:  # connection refused, DNS, TLS, a broken answer
-            raise self._failed(f"{type(exc).__name__}: {_one_line(exc)}") from None
+            kind = type(exc).__name__
+            raise self._failed(f"{kind}: {_one_line(exc)}", kind) from None
         if status != 200:
-            raise self._failed(f"HTTP {status}{self._status_detail(status, body)}")
+            detail = self._status_detail(status, body)
+            raise self._failed(f"HTTP {status}{detail}", f"HTTP {status}")
         try:
             return json.loads(body)
         except (ValueError, RecursionError):  # not UTF-8, not JSON, nested past the stack
@@ -425,6 +470,10 @@ class FallbackSearch:
         if not providers:
             raise ValueError("FallbackSearch needs at least one provider")
         self.providers = list(providers)
+        self._health = [
+            Reachability(log, "search provider", "error", provider=provider_name(provider))
+            for provider in self.providers
+        ]
 
     @property
     def names(self) -> list[str]:
@@ -435,15 +484,17 @@ class FallbackSearch:
         """The first results any provider finds, in order; raises SearchFailed when all fail."""
         failures: list[str] = []
         answered = False
-        for provider in self.providers:
+        for provider, health in zip(self.providers, self._health, strict=True):
             name = provider_name(provider)
             began = time.perf_counter()
             try:
                 results = await provider.search(query, n)
             except SearchFailed as exc:
                 failures.append(str(exc) if str(exc).startswith(f"{name}:") else f"{name}: {exc}")
-                log.warning("search provider failed", provider=name, error=failures[-1])
+                detail = {"detail": exc.detail} if exc.detail else {}
+                health.failed(exc.kind or failures[-1], failures[-1], **detail)
                 continue
+            health.answered()
             answered = True
             ms = round((time.perf_counter() - began) * 1000, 3)
             log.info("search answered", provider=name, results=len(results), duration_ms=ms)
@@ -579,6 +630,21 @@ class KnowledgeBase:
         """The knowledge base shipped in `data/dental_kb.json`."""
         text = resources.files("backend.chat").joinpath("data/dental_kb.json").read_text("utf-8")
         return cls(_KbFile.model_validate(json.loads(text)).entries, min_score=min_score)
+
+    def knows(self, word: str) -> bool:
+        """Whether some entry holds the word (folded, stemmed), or it is a stop word."""
+        terms = [_stem(token) for token in folded_words(word)]
+        return all(term in self._idf or term in _STOPWORDS for term in terms)
+
+    def known_part(self, query: str) -> str | None:
+        """The words of the query some entry holds, when they are at least half of its words
+        that are not stop words ("Could that cause cavities?" → "cause cavities"); None when
+        most are unknown ("Do dentists like listening to music?") or all are known."""
+        words = [word for word in folded_words(query) if _stem(word) not in _STOPWORDS]
+        kept = [word for word in words if _stem(word) in self._idf]
+        if not kept or len(kept) == len(words) or len(kept) * 2 < len(words):
+            return None
+        return " ".join(kept)
 
     def scores(self, query: str) -> list[float]:
         """The BM25 score of every entry for the query, in entry order."""

@@ -37,6 +37,7 @@ from backend.chat.confirm import (
     spoken_action,
 )
 from backend.chat.context import ClientTurn, client_context, without_sources
+from backend.chat.conversation import Reading, read_turn
 from backend.chat.deadline import Deadline
 from backend.chat.device_state import no_reading_tool_reply
 from backend.chat.events import (
@@ -74,12 +75,16 @@ from backend.chat.offline import (
     OFFLINE_NOTE,
     Intent,
     IntentDetector,
+    asks_a_device,
+    concepts_in,
     current_level,
     dental_words,
     device_reply,
     extractive_answer,
     extractive_summary,
+    is_dental,
     rejected_reply,
+    serving_function,
     stepped,
     unserved_reply,
     with_description_choices,
@@ -182,6 +187,9 @@ class TurnRequest(BaseModel):
     # This request's models (the console's settings); None: the server's configured ones.
     chat_model: ModelName | None = None
     guardrail_model: ModelName | None = None
+    # The devices the caller may use, for a device request made with no device chosen ("which
+    # device?"); None: not known here (the turn asks to choose one).
+    device_choices: list[str] | None = Field(default=None, exclude=True)
 
     @model_validator(mode="after")
     def _has_query(self) -> "TurnRequest":
@@ -267,6 +275,9 @@ class _Turn:
     deadline: Deadline
     log: _TurnLog
     usage: _TokenUsage
+    # The message read in its conversation (conversation.py), and the user's earlier messages.
+    reading: Reading = field(default_factory=lambda: Reading(""))
+    earlier: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,6 +296,15 @@ class _Context:
     history: tuple[Message, ...] = ()
     summary: str = ""
     instructions: str = ""  # the client's system/developer messages
+
+
+@dataclass(frozen=True, slots=True)
+class _Peeked:
+    """The stored talk read before the guardrail, without creating a conversation (a refused
+    turn stores nothing): the conversation's id and its recent messages."""
+
+    conversation_id: str | None = None
+    messages: tuple[StoredMessage, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -485,7 +505,15 @@ class ChatService:
         functions = [with_description_choices(spec) for spec in toolbox.functions()]
         turn_log.step("language", began, language=language)
         return _Turn(
-            request, query, language, toolbox, functions, deadline, turn_log, _TokenUsage()
+            request,
+            query,
+            language,
+            toolbox,
+            functions,
+            deadline,
+            turn_log,
+            _TokenUsage(),
+            Reading(query),
         )
 
     async def _turn_events(self, turn: _Turn) -> AsyncIterator[ChatEvent]:
@@ -499,6 +527,11 @@ class ChatService:
                 return
 
         began = time.perf_counter()
+        peeked = await self._peek(turn)
+        turn = self._read(turn, peeked)
+        turn.log.step("reading", began, follows=turn.reading.follows is not None)
+
+        began = time.perf_counter()
         verdict = await self._guardrail(turn)
         offline_reason = turn.log.offline_reason or verdict.offline_reason
         turn.log.offline_reason = offline_reason
@@ -508,7 +541,7 @@ class ChatService:
         about_device = bool(turn.functions) and (
             verdict.guardrail.by != "rules"
             or not verdict.dental
-            or self.detector.is_device_request(turn.query, turn.functions)
+            or self.detector.is_device_request(turn.reading.text, turn.functions)
         )
         guardrail = verdict.guardrail
         turn.log.step("guardrail", began, verdict=guardrail.verdict, by=guardrail.by)
@@ -521,8 +554,14 @@ class ChatService:
             return
 
         began = time.perf_counter()
-        context = await self._load_memory(turn)
+        context = await self._load_memory(turn, peeked)
         turn.log.step("memory_load", began, history=len(context.history))
+
+        ruled = self._rules_answer(turn, verdict)
+        if ruled is not None:  # a greeting offline, a device request with no device chosen
+            async for event in self._answer_by_rules(turn, guardrail, context, ruled):
+                yield event
+            return
 
         device_only = not verdict.dental
         began = time.perf_counter()
@@ -559,11 +598,13 @@ class ChatService:
         record_chat_turn("offline" if offline_reason is not None else "llm")
         _record_tool_time(turn)
 
-        sources = self._sources(turn, found, device_only)
+        if pending is not None:  # the question above is the bridge's words: counted as such
+            _count_added(turn, answer.pieces[:-1], answer.pieces[-1])
+        spoken = answer.text.strip()
+        sources = self._sources(turn, found, device_only, spoken)
         if sources is not None:
             yield sources
-        spoken = answer.text.strip()
-        full = f"{spoken}\n\n{sources.section}" if sources is not None else spoken
+        full = f"{spoken}\n\n{sources.section}" if sources and sources.section else spoken
         began = time.perf_counter()
         # Nothing empty is stored or summarised (an empty answer's summary was invented).
         stored = bool(spoken) and await self._store(
@@ -589,17 +630,29 @@ class ChatService:
     # ---- stages -------------------------------------------------------------------------------
 
     async def _guardrail(self, turn: _Turn) -> _Verdict:
-        dental = dental_words(turn.query)
-        if dental == "clear":
-            return _Verdict(Guardrail(verdict="passed", reason="dental question", by="rules"), True)
-        if turn.functions and self.detector.is_device_request(turn.query, turn.functions):
+        text = turn.reading.text
+        if turn.reading.social is not None:
+            return _Verdict(Guardrail(verdict="passed", reason="social", by="rules"), False)
+        dental = dental_words(text)
+        if dental == "clear" and (turn.reading.sure or self.llm is None):
+            reason = "follow-up" if turn.reading.follows else "dental question"
+            return _Verdict(Guardrail(verdict="passed", reason=reason, by="rules"), True)
+        if turn.functions and self.detector.is_device_request(text, turn.functions):
             # The device request passed; an ambiguous dental word beside it is taken as meant.
             passed = Guardrail(verdict="passed", reason="device request", by="rules")
             return _Verdict(passed, bool(dental))
+        if not turn.functions and not dental and asks_a_device(text):
+            passed = Guardrail(verdict="passed", reason="device request, no device", by="rules")
+            return _Verdict(passed, False)
+        external = serving_function(text, turn.toolbox.external_functions())
+        if external is not None and not dental:
+            # A tool of an external or dialed-in server serves it: the model may call it.
+            passed = Guardrail(verdict="passed", reason="external tool", by="rules")
+            return _Verdict(passed, False)
         failure: str | None = None
         if self.llm is not None:
             names = [f"{spec.llm_name}: {spec.description}" for spec in turn.functions]
-            prompt = prompts.guardrail_prompt(turn.language, turn.query, names)
+            prompt = prompts.guardrail_prompt(turn.language, turn.query, names, turn.earlier)
             sent = [Message("user", prompt)]
             sampling = _with_max_tokens(DETERMINISTIC, 3)
             try:
@@ -609,13 +662,79 @@ class ChatService:
                 failure = _went_offline(turn, exc)
             else:
                 return _model_verdict(reply.text)
+        if dental is not None and not turn.reading.sure:  # a follow-up the model could not judge
+            passed = Guardrail(verdict="passed", reason="follow-up (unchecked)", by="rules")
+            return _Verdict(passed, True, failure)
         if dental == "ambiguous":  # no model to judge "brush", "gum"...: answer rather than refuse
             passed = Guardrail(verdict="passed", reason="dental word (unchecked)", by="rules")
             return _Verdict(passed, True, failure)
         refused = Guardrail(verdict="refused", reason="no dental or device words", by="rules")
         return _Verdict(refused, False, failure)
 
-    async def _load_memory(self, turn: _Turn) -> _Context:
+    async def _peek(self, turn: _Turn) -> _Peeked:
+        """The stored conversation's recent messages, read without creating one."""
+        request = turn.request
+        if request.context == "messages":
+            return _Peeked(request.conversation_id)
+        try:
+            conversation_id = request.conversation_id
+            if conversation_id is None and request.device_id is not None:
+                conversation_id = await self.memory.device_conversation_id(request.device_id)
+            if conversation_id is None:
+                return _Peeked()
+            stored = await self.memory.recent(conversation_id, self.history_messages)
+        except BridgeError as exc:
+            log.warning("chat memory unavailable", error=str(exc), device_id=request.device_id)
+            return _Peeked()
+        return _Peeked(conversation_id, tuple(stored))
+
+    def _read(self, turn: _Turn, peeked: _Peeked) -> _Turn:
+        """The turn with its message read in the conversation: follow-ups, greetings, names."""
+        if turn.request.context == "messages":
+            earlier = [t.text for t in turn.request.earlier() if t.role == "user"]
+        else:
+            earlier = [m.content for m in peeked.messages if m.role == "user"]
+
+        def on_topic(text: str) -> bool:
+            """Dental, or a device request the rules would act on by itself (not one short
+            of a value: "put it back to light" after a theme change is a follow-up)."""
+            if is_dental(text):
+                return True
+            if turn.functions:
+                plan = self.detector.plan(text, turn.functions)
+                return bool(plan.intents or plan.unserved or plan.unanswered)
+            return asks_a_device(text)
+
+        def known(word: str) -> bool:
+            return self.knowledge.knows(word) or is_dental(word) or bool(concepts_in(word))
+
+        reading = read_turn(turn.query, earlier, turn.language, on_topic=on_topic, known=known)
+        return dataclasses.replace(turn, reading=reading, earlier=tuple(earlier))
+
+    def _rules_answer(self, turn: _Turn, verdict: _Verdict) -> "_Said | None":
+        """An answer the rules give whatever model there is: a device request with no device
+        chosen ("which device?"); a greeting or thanks when no model answers."""
+        if verdict.guardrail.reason == "device request, no device":
+            return _Said(prompts.which_device(turn.language, turn.request.device_choices))
+        social = turn.reading.social
+        if social is not None and (self.llm is None or turn.log.offline_reason is not None):
+            return _Said(prompts.social_reply(social, turn.language, bool(turn.functions)))
+        return None
+
+    async def _answer_by_rules(
+        self, turn: _Turn, guardrail: Guardrail, context: _Context, said: "_Said"
+    ) -> AsyncIterator[ChatEvent]:
+        text, _cut = _limited(turn, (), said.text)
+        yield Token(text=text)
+        record_chat_turn("offline" if turn.log.offline_reason is not None else "rules")
+        answer = _Answer((text,))
+        reason = turn.log.offline_reason
+        stored = bool(text) and await self._store(turn, context, text, None, (), reason)
+        yield Done(
+            metadata=self._metadata(turn, guardrail, answer, reason, context=context, stored=stored)
+        )
+
+    async def _load_memory(self, turn: _Turn, peeked: _Peeked | None = None) -> _Context:
         request = turn.request
         if request.context == "messages":
             context = client_context(request.earlier(), self.history_messages, turn.language)
@@ -635,7 +754,10 @@ class ChatService:
                     request.conversation_id, device_id=request.device_id
                 )
             turn.log.conversation_id = conversation.id
-            stored = await self.memory.recent(conversation.id, self.history_messages)
+            if peeked is not None and peeked.conversation_id == conversation.id:
+                stored = list(peeked.messages)
+            else:
+                stored = await self.memory.recent(conversation.id, self.history_messages)
         except BridgeError as exc:
             log.warning("chat memory unavailable", error=str(exc), device_id=request.device_id)
             return _Context(conversation)  # found but unread: the turn is still stored there
@@ -661,17 +783,37 @@ class ChatService:
         results: list[SearchResult] = []
         status: Literal["ok", "failed", "skipped"] = "skipped"
         error: str | None = None
+        question = self._question(turn)
         if self.web is not None:
             try:
-                results = await self.web.search(turn.query, self.search_results)
+                results = await self.web.search(question, self.search_results)
             except SearchFailed as exc:
                 status, error = "failed", str(exc)
             else:
                 status = "ok"
-        kb = self.knowledge.search(turn.query, self.kb_results, language=turn.language)
+        if turn.reading.own:  # a follow-up: the entries about what it adds come first
+            kb = self.knowledge.search(question, self.kb_results + 2, language=turn.language)
+            own = self.knowledge.search(turn.reading.own, language=turn.language)
+            links = {result.link for result in own}
+            kb = sorted(kb, key=lambda result: result.link not in links)
+            kb += [result for result in own if result not in kb]
+            kb = kb[: self.kb_results]
+        else:
+            kb = self.knowledge.search(question, self.kb_results, language=turn.language)
+        known = self.knowledge.known_part(question) if not kb and is_dental(question) else None
+        if known:  # a dental question whose other words no entry holds ("the difference")
+            kb = self.knowledge.search(known, self.kb_results, language=turn.language)
         seen = {result.link for result in results}
         results += [result for result in kb if result.link not in seen]
         return _Found(tuple(results), status, error)
+
+    def _question(self, turn: _Turn) -> str:
+        """What the turn asks to know, for search: the message read in its conversation,
+        without its device requests ("set the volume to 25 and tell me how often to floss")."""
+        text = turn.reading.text
+        if turn.functions:
+            return self.detector.plan(text, turn.functions).question or text
+        return text
 
     def _denied_event(self, turn: _Turn) -> ToolFailed | None:
         """The refusal of the first device call the request asks for, when the key may not call
@@ -679,7 +821,7 @@ class ChatService:
         reason = turn.toolbox.unavailable_reason
         if reason is None:
             return None
-        for intent in self.detector.plan(turn.query, turn.functions).intents:
+        for intent in self.detector.plan(turn.reading.text, turn.functions).intents:
             tool = turn.toolbox.device_tool_name(intent.llm_name)
             return ToolFailed(tool=tool, llm_name=intent.llm_name, error=reason)
         return None
@@ -917,7 +1059,7 @@ class ChatService:
         """The rules' answer: device calls the request asks for, an extractive answer to its
         question. `before`: what the model said and did before it failed."""
         began = time.perf_counter()
-        plan = self.detector.plan(turn.query, turn.functions)
+        plan = self.detector.plan(turn.reading.text, turn.functions)
         # Tools the model ran before it failed: the user hears what they did, in words.
         parts = [self._said_done(turn, run) for run in before.runs]
         runs: list[ToolRun] = []
@@ -957,13 +1099,15 @@ class ChatService:
                     break
         if plan.unanswered:
             parts.append(_Said(no_reading_tool_reply(turn.language)))
-        if not plan.intents and plan.rejected and not plan.question:
+        if not plan.intents and plan.rejected and (not plan.question or device_only):
             parts.append(_Said(rejected_reply(plan.rejected[0], turn.language)))
         if not plan.intents and not plan.rejected and plan.unserved:
             parts.append(_Said(unserved_reply(turn.language)))
-        question_text = plan.question if turn.functions else turn.query
+        question_text = plan.question if turn.functions else turn.reading.text
         if question_text and not device_only:
-            answer = extractive_answer(question_text, found.results, turn.language)
+            answer = extractive_answer(
+                question_text, found.results, turn.language, stress=turn.reading.own
+            )
             # The note is for screens: a voice reads the answer, not a disclaimer before it.
             parts.append(_Said(f"{OFFLINE_NOTE[turn.language]}\n{answer}", answer))
         elif question_text and not plan.intents and not plan.rejected:
@@ -1040,7 +1184,12 @@ class ChatService:
         intent = self.detector.called(run.llm_name, run.arguments, turn.functions)
         return _Said(text, device_reply(intent, run.outcome.text, run.ok, turn.language))
 
-    def _sources(self, turn: _Turn, found: _Found, device_only: bool) -> Sources | None:
+    def _sources(
+        self, turn: _Turn, found: _Found, device_only: bool, spoken: str
+    ) -> Sources | None:
+        """The references and the section that follows the answer (`spoken`), its tokens
+        counted. When the client set `stop` or `max_tokens`, which cover the whole content, the
+        section is empty: the content is the answer alone and the references go beside it."""
         if device_only or not found.results:
             return None
         items: list[SourceItem] = []
@@ -1052,7 +1201,12 @@ class ChatService:
             items.append(SourceItem(title=result.title, link=result.link, origin=result.origin))
         lines = [prompts.SOURCES_HEADING[turn.language]]
         lines += [f"{i}. {item.title} - {item.link}" for i, item in enumerate(items, 1)]
-        return Sources(items=items, section="\n".join(lines))
+        sampling = turn.request.sampling
+        if sampling.stop or sampling.max_tokens is not None:
+            return Sources(items=items, section="")
+        section = "\n".join(lines)
+        _count_added(turn, (spoken,), f"\n\n{section}")
+        return Sources(items=items, section=section)
 
     async def _store(
         self,
@@ -1166,10 +1320,11 @@ def _record_tool_time(turn: _Turn) -> None:
 
 
 def _went_offline(turn: _Turn, exc: LlmError) -> str:
-    """Why no model answers this turn (logged once, as it happens)."""
+    """Why no model answers this turn: a warning, or debug when the provider logged it already
+    (a model service that stays down is logged once when it goes down, not on every turn)."""
     reason = str(exc)
     turn.log.offline_reason = reason
-    log.warning(
+    (log.debug if exc.reported else log.warning)(
         "chat offline mode",
         reason=reason,
         conversation_id=turn.log.conversation_id,
@@ -1179,16 +1334,20 @@ def _went_offline(turn: _Turn, exc: LlmError) -> str:
 
 
 def _usage(turn: _Turn, answer: _Answer) -> TurnUsage | None:
-    """The model's own counts of every call of the turn; the tokenizer's where it gave none,
-    and for an answer no model wrote (offline, refused): the question and the answer."""
+    """The model's own counts of every call of the turn (the tokenizer's where it gave none),
+    plus the tokenizer's count of every part of the content the bridge wrote, as `_limited`
+    and `_count_added` counted it (an offline answer, a question, the sources section); an
+    answer no model wrote and nothing counted (a refusal or a confirmed call, which do not go
+    through `_limited`) is counted here. With no model call, the prompt is the question."""
     usage = turn.usage
     nothing = usage.prompt == usage.completion == 0
     if not turn.request.count_usage and (usage.counted or nothing):
         return None  # counting is the OpenAI front end's need, not every turn's cost
     prompt, completion, counted = usage.prompt, usage.completion, usage.counted
-    if prompt == 0 and completion == 0:
-        prompt = count_prompt([turn.query])
+    if nothing:
         completion = count_tokens(answer.text.strip())
+    if prompt == 0:  # no model was asked
+        prompt = count_prompt([turn.query])
         counted = True
     return TurnUsage(
         prompt_tokens=prompt,
@@ -1256,18 +1415,42 @@ def _speech(parts: Sequence[_Said], text: str, separator: str = "\n\n") -> str |
 
 
 def _limited(turn: _Turn, said: Sequence[str], text: str) -> tuple[str, bool]:
-    """An answer no model wrote, within the client's `stop` and `max_tokens` (`said`: what
-    the turn said before it); and whether it was cut for length."""
+    """An answer no model wrote, after what the turn said before it (`said`), within the
+    client's `stop` and `max_tokens` (`_within`) and counted into the turn's completion tokens
+    (`_count_added`); and whether it was cut for length."""
+    text, cut = _within(turn, said, text)
+    _count_added(turn, said, text)
+    return text, cut
+
+
+def _within(turn: _Turn, said: Sequence[str], text: str) -> tuple[str, bool]:
+    """`text` as the bridge may add it after `said`: the client's `stop` and `max_tokens` hold
+    for the whole content, so it ends before any stop sequence in `said + text` (nothing after
+    one `said` already holds) and within what `said` left of `max_tokens` (the tokenizer's
+    count); and whether it was cut for length."""
     sampling = turn.request.sampling
+    before = "".join(said)
     for stop in sampling.stop:
-        if stop in text:
-            text = text[: text.index(stop)]
-    if sampling.max_tokens is not None:
-        budget = sampling.max_tokens - sum(count_tokens(piece) for piece in said)
-        cut = cut_to_tokens(text, max(0, budget))
-        if cut != text:
-            return cut, True
+        at = (before + text).find(stop)
+        if at != -1:  # the spaces before the stop go too: a whole answer is sent stripped
+            text = text[: max(0, at - len(before))].rstrip()
+    if sampling.max_tokens is not None and text:
+        budget = max(0, sampling.max_tokens - count_tokens(before))
+        kept = cut_to_tokens(text, budget)
+        if kept != text:
+            return kept.rstrip(), True
     return text, False
+
+
+def _count_added(turn: _Turn, said: Sequence[str], text: str) -> None:
+    """Add the tokens of text the bridge wrote after `said` (an offline answer, a question, the
+    sources section) to the turn's completion tokens, when the front end reports `usage`: what
+    the text adds to the whole content's count, so the pieces of an answer no model wrote sum
+    to the count of the content."""
+    if not turn.request.count_usage or not text:
+        return
+    before = "".join(said)
+    turn.usage.completion += count_tokens(before + text) - count_tokens(before)
 
 
 def _history_message(message: StoredMessage) -> Message:

@@ -12,6 +12,7 @@ from starlette.routing import BaseRoute
 from backend.api.chat import allowed_models, chat_router
 from backend.api.keys import keys_router
 from backend.api.mcp_endpoint import McpEndpoint
+from backend.api.responses import responses_router
 from backend.api.voice import voice_router
 from backend.chat import CHAT_MIGRATIONS, ChatService, SqliteMemoryStore
 from backend.config import Settings
@@ -51,7 +52,7 @@ class FrontEnds:
         self.memory = SqliteMemoryStore(database)
         self.chat = ChatService.from_settings(settings, self.memory)
         self.keys = KeyStore(database)
-        self.mcp = McpEndpoint(registry, self.chat, host=settings.http_host)
+        self.mcp = McpEndpoint(registry, self.chat, host=settings.http_host, servers=servers)
         self.device_chat = DeviceChat(hub, registry, self.chat, servers)
         self.languages = VoiceLanguages(database)
         self.voice = build_voice(
@@ -65,12 +66,13 @@ class FrontEnds:
         self._started = False
 
     def routers(self) -> list[APIRouter]:
-        """The API routers of the front ends (keys, chat, devices' voice languages)."""
+        """The API routers of the front ends (keys, chat, responses, devices' voice languages)."""
         chat = chat_router(self.chat, self._registry, self._servers, self._allowed_models)
+        responses = responses_router(self.chat, self._registry, self._servers, self._allowed_models)
         voice = voice_router(
             self.languages, self._registry, self.heard_in, self.languages_available
         )
-        return [keys_router(self.keys), chat, voice]
+        return [keys_router(self.keys), chat, responses, voice]
 
     def heard_in(self, device_id: str) -> str:
         """The language the device's next utterance is heard in (English where the bridge
