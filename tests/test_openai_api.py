@@ -434,3 +434,35 @@ async def test_the_llm_tool_streams_answers_and_continues_a_conversation(
     assert [m["role"] for m in sent] == ["system", "user", "assistant", "user"]
     assert sent[1]["content"] == "How often should I floss?"
     assert sent[2]["content"].startswith("Floss once a day.")
+
+
+async def test_a_refusal_and_a_greeting_keep_to_stop_and_max_tokens(bridge) -> None:
+    """The bridge's own words (the guardrail's refusal, a greeting's answer) end at a stop
+    sequence and within max_completion_tokens like any answer."""
+    import openai
+
+    from backend.chat.tokens import count_tokens
+    from tests.helpers import create_key
+
+    key = await create_key(bridge, "chat:use")
+    async with openai.AsyncOpenAI(
+        base_url=f"{bridge.api_url}/v1", api_key=key, max_retries=0, timeout=30
+    ) as client:
+        for question in ("Who won the football match last night?", "hello"):
+            stopped = await client.chat.completions.create(
+                model="dental-duckduckgo",
+                messages=[{"role": "user", "content": question}],
+                stop=["assistant"],
+            )
+            content = stopped.choices[0].message.content or ""
+            assert content and "assistant" not in content
+            short = await client.chat.completions.create(
+                model="dental-duckduckgo",
+                messages=[{"role": "user", "content": question}],
+                max_completion_tokens=4,
+            )
+            content = short.choices[0].message.content or ""
+            assert 0 < count_tokens(content) <= 4
+            assert short.usage is not None and short.usage.completion_tokens == count_tokens(
+                content
+            )

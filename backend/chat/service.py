@@ -546,7 +546,7 @@ class ChatService:
         guardrail = verdict.guardrail
         turn.log.step("guardrail", began, verdict=guardrail.verdict, by=guardrail.by)
         if guardrail.verdict == "refused":
-            text = prompts.refusal(turn.language, bool(turn.functions))
+            text, _cut = _limited(turn, (), prompts.refusal(turn.language, bool(turn.functions)))
             yield Token(text=text)
             record_chat_turn("refused")
             answer = _Answer((text,))
@@ -589,11 +589,13 @@ class ChatService:
                     yield item
         pending = answer.confirmation
         if pending is not None:
-            text = ("\n\n" if answer.pieces else "") + question(
+            asked = ("\n\n" if answer.pieces else "") + question(
                 turn.language, pending, _compact(pending.arguments)
             )
+            text, _cut = _within(turn, answer.pieces, asked)  # the client's stop and max_tokens
             answer = dataclasses.replace(answer, pieces=(*answer.pieces, text))
-            yield Token(text=text)
+            if text:
+                yield Token(text=text)
             self.confirmations.remember(_confirmation_keys(request, context.conversation), pending)
         record_chat_turn("offline" if offline_reason is not None else "llm")
         _record_tool_time(turn)
