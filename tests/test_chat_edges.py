@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from backend.chat.service import SUMMARY_MAX_CHARS, SUMMARY_MAX_TOKENS
+from backend.chat.history import SUMMARY_MAX_CHARS, SUMMARY_MAX_TOKENS
 from backend.chat.text import bounded_summary, estimated_tokens
 from backend.devices.confirm import ConfirmationPolicy, normalized_name
 from backend.mcp_session import Tool

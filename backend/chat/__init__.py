@@ -28,6 +28,7 @@ from backend.chat.memory import (
     SqliteMemoryStore,
     StoredMessage,
 )
+from backend.chat.request import MAX_QUERY_CHARS, InputMessage, ModelName, TurnRequest
 from backend.chat.search import (
     DdgsSearch,
     FallbackSearch,
@@ -40,14 +41,7 @@ from backend.chat.search import (
     format_results,
     web_search_from_settings,
 )
-from backend.chat.service import (
-    MAX_QUERY_CHARS,
-    ChatService,
-    InputMessage,
-    ModelName,
-    TurnRequest,
-    collect,
-)
+from backend.chat.service import ChatService, collect
 from backend.chat.tools import (
     AskBeforeChanging,
     DeviceToolBox,

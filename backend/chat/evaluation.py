@@ -16,7 +16,8 @@ from backend.chat.events import Done, ToolCompleted, ToolFailed, ToolStarted
 from backend.chat.llm.base import LlmProvider
 from backend.chat.memory import CHAT_MIGRATIONS, SqliteMemoryStore
 from backend.chat.offline import current_level
-from backend.chat.service import ChatService, TurnRequest, collect
+from backend.chat.request import TurnRequest
+from backend.chat.service import ChatService, collect
 from backend.chat.text import fold
 from backend.chat.tools import DeviceToolBox, ToolSource
 from backend.storage import Database

@@ -11,7 +11,8 @@ functions visible for intent detection, but the turn offers no tools and reports
 
 A risky tool (reboot, upgrade, settings: `backend.devices.confirm`) comes back unrun with
 `needs_confirmation`; the turn asks the user and calls it again with `confirmed=True` only after
-a "yes" in the next turn (backend/chat/service.py). `actor` names who asks, for the audit log.
+a "yes" in the next turn (backend/chat/confirmation.py). `actor` names who asks, for the audit
+log.
 """
 
 from dataclasses import dataclass
