@@ -345,3 +345,42 @@ async def test_a_request_an_external_tool_serves_is_not_refused(
     other = await collect(service.run_turn(TurnRequest(text="Who won the match?"), box))
     assert done(other).metadata.guardrail.verdict == "refused" and len(box.calls) == 1
     await service.aclose()
+
+
+async def test_killed_stored_turns_leave_no_empty_conversations(
+    fake_llm: FakeLlm, memory: SqliteMemoryStore
+) -> None:
+    """A client that goes away mid-answer (the turn's generator closed after its first token)
+    leaves no conversation row behind, with a model and offline alike."""
+    service = ChatService(
+        memory, make_provider(Settings(llm_provider="openai", llm_base_url=fake_llm.url))
+    )
+    offline = ChatService(memory, None)
+    for index, chat in enumerate((service, offline, service, offline)):
+        request = TurnRequest(text="How long should I brush my teeth?", conversation_id=f"k{index}")
+        events = chat.run_turn(request, DeviceToolBox(FirmwareDevice()))
+        async for event in events:
+            if isinstance(event, Token):
+                break
+        await events.aclose()  # type: ignore[attr-defined]
+    assert (await memory.list_conversations()).total == 0
+    whole = await collect(
+        offline.run_turn(TurnRequest(text="How often floss?", conversation_id="k9"))
+    )
+    assert done(whole).metadata.stored and (await memory.list_conversations()).total == 1
+    await service.aclose()
+
+
+def test_a_turn_offers_the_model_a_bounded_and_relevant_set_of_functions() -> None:
+    from backend.chat.llm import FunctionSpec
+    from backend.chat.tool_budget import declared_bytes, within_budget
+
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(900)}}
+    small = {"type": "object", "properties": {"volume": {"type": "integer"}}}
+    flood = [FunctionSpec(f"x__tool_{i}", f"Does thing {i}.", big) for i in range(500)]
+    volume = FunctionSpec("self_audio_speaker_set_volume", "Set the speaker volume.", small)
+    functions = [*flood[:250], volume, *flood[250:]]
+    offered = within_budget(functions, "set the volume to 30", max_tools=32, max_bytes=65536)
+    assert volume in offered  # the relevant one, though it came 251st
+    assert len(offered) <= 32 and sum(map(declared_bytes, offered)) <= 65536
+    assert within_budget([volume], "anything") == [volume]  # what fits is offered whole

@@ -59,9 +59,31 @@ async def test_list_delete_and_errors(db: Database) -> None:
     with pytest.raises(ConversationNotFound):
         await store.get(ids[0])
     with pytest.raises(ConversationNotFound):
-        await store.append_pair("missing", "q", "a")
+        await store.set_summary("missing", "s")
     with pytest.raises(InvalidConversationId):
         await store.get_or_create("x" * 500)
+    with pytest.raises(InvalidConversationId):
+        await store.open("x" * 500)
+
+
+async def test_an_opened_conversation_is_stored_only_with_its_first_messages(
+    db: Database,
+) -> None:
+    """A turn killed between opening its conversation and storing its answer leaves nothing
+    (issue #32: 4 empty conversations after 4 killed `store: true` turns)."""
+    store = SqliteMemoryStore(db)
+    opened = await store.open("new_chat", device_id="dev")
+    device_new = await store.open(device_id="dev2")
+    assert opened.id == "new_chat" and opened.message_count == 0
+    assert (await store.list_conversations()).total == 0  # nothing written yet
+    with pytest.raises(ConversationNotFound):
+        await store.get(device_new.id)
+    await store.append_pair(opened.id, "q", "a", device_id="dev")
+    stored = await store.get("new_chat", with_messages=True)
+    assert stored.device_id == "dev" and [m.role for m in stored.messages] == ["user", "assistant"]
+    assert (await store.open(device_id="dev")).id == "new_chat"  # the device's current one
+    await store.append_pair(opened.id, "q2", "a2", device_id="other")  # an existing one: kept
+    assert (await store.get("new_chat")).message_count == 4
 
 
 async def test_device_conversation_survives_reopening(database_target: Path | str) -> None:

@@ -79,12 +79,10 @@ class History:
             )
         conversation: Conversation | None = None
         try:
-            if request.conversation_id is None and request.device_id is not None:
-                conversation = await self.memory.conversation_for_device(request.device_id)
-            else:
-                conversation = await self.memory.get_or_create(
-                    request.conversation_id, device_id=request.device_id
-                )
+            # Not stored until the turn's answer is (`store`): a turn killed before leaves none.
+            conversation = await self.memory.open(
+                request.conversation_id, device_id=request.device_id
+            )
             turn.log.conversation_id = conversation.id
             if peeked is not None and peeked.conversation_id == conversation.id:
                 stored = list(peeked.messages)
@@ -100,7 +98,7 @@ class History:
         """A new stored conversation for a client that sent its own history with `store`."""
         request = turn.request
         try:
-            conversation = await self.memory.get_or_create(
+            conversation = await self.memory.open(
                 request.conversation_id, device_id=request.device_id
             )
         except BridgeError as exc:
@@ -130,7 +128,11 @@ class History:
         }
         try:
             await self.memory.append_pair(
-                context.conversation.id, turn.query, answer, metadata=metadata
+                context.conversation.id,
+                turn.query,
+                answer,
+                metadata=metadata,
+                device_id=context.conversation.device_id,
             )
         except BridgeError as exc:
             log.warning("chat memory write failed", error=str(exc), device_id=turn.log.device_id)

@@ -113,6 +113,14 @@ class MemoryStore(Protocol):
         """The device's current conversation (its most recently used), created if none."""
         ...
 
+    async def open(
+        self, conversation_id: str | None = None, *, device_id: str | None = None
+    ) -> Conversation:
+        """The conversation with that id, or the device's current one (no id, a device); when
+        there is none, a new one that is not stored yet: its first `append_pair` stores it with
+        its first messages, so a turn killed before then leaves no empty conversation."""
+        ...
+
     async def device_conversation_id(self, device_id: str) -> str:
         """The id of the device's current conversation, or a new id that the device's first
         stored turn creates (a refused turn leaves nothing behind)."""
@@ -133,8 +141,10 @@ class MemoryStore(Protocol):
         assistant: str,
         *,
         metadata: dict[str, Any] | None = None,
+        device_id: str | None = None,
     ) -> None:
-        """Both messages of a turn, atomically; the assistant message carries `metadata`."""
+        """Both messages of a turn, atomically; the assistant message carries `metadata`. A
+        conversation not stored yet (`open`) is stored with them, as `device_id`'s."""
         ...
 
     async def set_summary(self, conversation_id: str, summary: str) -> None:
@@ -220,6 +230,25 @@ class SqliteMemoryStore:
 
         return await self.db.run(work)
 
+    async def open(
+        self, conversation_id: str | None = None, *, device_id: str | None = None
+    ) -> Conversation:
+        """See `MemoryStore.open`; raises InvalidConversationId."""
+        wanted = check_conversation_id(conversation_id) if conversation_id else None
+
+        def work(c: Connection) -> Conversation:
+            found_id = wanted
+            if found_id is None and device_id is not None:
+                found_id = _current_of_device(c, device_id)
+            found = _fetch(c, found_id) if found_id is not None else None
+            if found is not None:
+                return found
+            moment = now()
+            new_id = found_id or uuid.uuid4().hex
+            return Conversation(new_id, device_id, "", "", moment, moment)
+
+        return await self.db.run(work)
+
     async def device_conversation_id(self, device_id: str) -> str:
         """See `MemoryStore.device_conversation_id`."""
 
@@ -264,13 +293,20 @@ class SqliteMemoryStore:
         assistant: str,
         *,
         metadata: dict[str, Any] | None = None,
+        device_id: str | None = None,
     ) -> None:
-        """See `MemoryStore.append_pair`: both messages in one transaction."""
+        """See `MemoryStore.append_pair`: both messages, and the conversation when it is not
+        stored yet, in one transaction."""
         meta = json.dumps(metadata or {}, ensure_ascii=False, default=str)
 
         def work(c: Connection) -> None:
             first = now()
             second = max(now(), first)
+            c.execute(
+                "INSERT INTO chat_conversations (id, device_id, created_at, updated_at)"
+                " VALUES (?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
+                (conversation_id, device_id, _iso(first), _iso(first)),
+            )
             changed = c.execute(
                 "UPDATE chat_conversations SET updated_at = ?, message_count = message_count + 2,"
                 " title = CASE WHEN title = '' THEN ? ELSE title END WHERE id = ?",

@@ -27,6 +27,11 @@ from backend.chat.llm.base import (
 )
 from backend.chat.search import format_results
 from backend.chat.tokens import count_prompt, count_tokens, cut_to_tokens
+from backend.chat.tool_budget import (
+    MAX_TOOL_BYTES_PER_TURN,
+    MAX_TOOLS_PER_TURN,
+    within_budget,
+)
 from backend.chat.tool_runs import run_tool
 from backend.chat.turn import (
     Answer,
@@ -45,11 +50,19 @@ class ModelAnswer:
     """The model stage of a turn; `llm` None: no model (the service never asks this stage)."""
 
     def __init__(
-        self, llm: LlmProvider | None, *, max_tool_rounds: int, max_answer_tokens: int
+        self,
+        llm: LlmProvider | None,
+        *,
+        max_tool_rounds: int,
+        max_answer_tokens: int,
+        max_tools: int = MAX_TOOLS_PER_TURN,
+        max_tool_bytes: int = MAX_TOOL_BYTES_PER_TURN,
     ) -> None:
         self.llm = llm
         self.max_tool_rounds = max_tool_rounds
         self.max_answer_tokens = max_answer_tokens
+        self.max_tools = max_tools  # functions offered per turn (tool_budget.py)
+        self.max_tool_bytes = max_tool_bytes
 
     async def answer(
         self, turn: Turn, context: Context, found: Found, about_device: bool
@@ -60,6 +73,12 @@ class ModelAnswer:
         offered = list(toolbox.functions()) if about_device and unavailable is None else []
         if not offered:  # external MCP servers' tools are not device tools (backend/mcp_servers)
             offered = toolbox.external_functions()
+        offered = within_budget(
+            offered,
+            turn.reading.text,
+            max_tools=self.max_tools,
+            max_bytes=self.max_tool_bytes,
+        )
         user = prompts.user_prompt(
             turn.language,
             turn.query,

@@ -58,6 +58,7 @@ from backend.chat.request import TurnRequest
 from backend.chat.search import KnowledgeBase, SearchFailed, SearchResult, WebSearch
 from backend.chat.text import replace_surrogates
 from backend.chat.tokens import count_prompt, count_tokens
+from backend.chat.tool_budget import MAX_TOOL_BYTES_PER_TURN, MAX_TOOLS_PER_TURN
 from backend.chat.tool_runs import denied_event, record_tool_time
 from backend.chat.tools import NoTools, ToolBox
 from backend.chat.turn import (
@@ -105,6 +106,8 @@ class ChatService:
         summary_max_tokens: int = SUMMARY_MAX_TOKENS,
         turn_timeout_s: float = TURN_TIMEOUT_S,
         max_answer_tokens: int = MAX_ANSWER_TOKENS,
+        max_tools: int = MAX_TOOLS_PER_TURN,
+        max_tool_bytes: int = MAX_TOOL_BYTES_PER_TURN,
     ) -> None:
         self.memory = memory
         self.turn_timeout_s = turn_timeout_s
@@ -124,7 +127,11 @@ class ChatService:
             summary_max_tokens=summary_max_tokens,
         )
         self.model_answer = ModelAnswer(
-            llm, max_tool_rounds=max_tool_rounds, max_answer_tokens=max_answer_tokens
+            llm,
+            max_tool_rounds=max_tool_rounds,
+            max_answer_tokens=max_answer_tokens,
+            max_tools=max_tools,
+            max_tool_bytes=max_tool_bytes,
         )
         self.offline_answer = OfflineAnswer(self.detector)
         self.confirmations = Confirmations(ConfirmationBook(), self.detector)
@@ -145,6 +152,8 @@ class ChatService:
             summary_max_tokens=settings.chat_summary_max_tokens,
             turn_timeout_s=settings.chat_turn_timeout_s,
             max_answer_tokens=settings.chat_max_answer_tokens,
+            max_tools=settings.chat_max_tools_per_turn,
+            max_tool_bytes=settings.chat_max_tool_bytes_per_turn,
         )
 
     def bounded(self, summary: str) -> str:
