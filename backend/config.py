@@ -85,6 +85,15 @@ class Settings(BaseSettings):
     # Admin API: localhost only unless explicitly changed.
     http_host: str = "127.0.0.1"
     http_port: int = Field(8003, ge=0, le=65535)
+    # Connections to the admin listener and the metrics listener (docs/reliability.md): a whole
+    # request head within http_head_timeout_s of opening or of the last response, an idle
+    # kept-alive one closed after http_keep_alive_s; at most http_max_connections open (never
+    # over a quarter of the open-file limit), http_max_connections_per_address from one address
+    # outside rate_limit_exempt, which opens at most rate_limits.connection_ip new ones.
+    http_head_timeout_s: float = Field(10.0, gt=0)
+    http_keep_alive_s: float = Field(5.0, gt=0)
+    http_max_connections: int = Field(1024, ge=1)
+    http_max_connections_per_address: int = Field(64, ge=1)
     # Tokens; when unset, `serve` creates them in data_dir (mode 0600).
     admin_token: SecretStr | None = None
     device_token: SecretStr | None = None
@@ -421,12 +430,22 @@ class Settings(BaseSettings):
     # ask for less, never more.
     chat_turn_timeout_s: float = Field(120.0, gt=0, le=3600)
     chat_max_answer_tokens: int = Field(1024, ge=16, le=128_000)
+    # The functions a turn offers the model: at most this many, and this many bytes of their
+    # declarations; the most relevant to the request when there are more (chat/tool_budget.py).
+    chat_max_tools_per_turn: int = Field(32, ge=1, le=1024)
+    chat_max_tool_bytes_per_turn: int = Field(64 * 1024, ge=1024, le=16 * 1024 * 1024)
 
     # ---- provisioning (backend/provisioning, docs/provisioning.md) -------------------------------
     # The device-facing HTTP listener: the OTA/activation endpoint and firmware downloads.
     device_http_host: str = "0.0.0.0"
     device_http_port: int = Field(8002, ge=0, le=65535)
     device_http_max_connections: int = Field(1024, ge=1)  # more at once: 503 at once
+    # An OTA or activation body must arrive whole within this after its head (408, closed).
+    device_http_body_timeout_s: float = Field(10.0, gt=0)
+    # The audit log (docs/provisioning.md#audit-log): rows older than this many days, and the
+    # oldest rows past `audit_max_rows`, are deleted every hour; 0 keeps them.
+    audit_retention_days: float = Field(90.0, ge=0)
+    audit_max_rows: int = Field(1_000_000, ge=0)
     ota_path: str = "/xiaozhi/ota/"
     # What the OTA answer tells devices; by default built from the Host the device used.
     ota_websocket_url: str | None = None

@@ -12,17 +12,16 @@ changes.
 import asyncio
 import contextlib
 import signal
-import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 
 import structlog
-import uvicorn
 
 from backend.api import create_app
 from backend.api.device_events import DeviceStreams
+from backend.api.listener import HttpListener, ListenerLimits
 from backend.api.metrics import MetricsListener, metrics_app, metrics_router
 from backend.api.provisioning import provisioning_router
 from backend.auth import Tokens, ensure_tokens
@@ -70,14 +69,6 @@ MIGRATIONS: tuple[Migration, ...] = (
 )
 
 
-class _ApiServer(uvicorn.Server):
-    """uvicorn without its own signal handling: the bridge owns SIGINT/SIGTERM."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
 class Bridge:
     """Starts the transports, the admin API and the database; `stop()` drains them all."""
 
@@ -106,7 +97,12 @@ class Bridge:
         self.catalog = DeviceCatalog(self.database, self.registry)
         # Several instances on one fleet (docs/cluster.md): leases, fleet events, forwarding.
         self.cluster: ClusterNode | None = None
-        self.audit = AuditLog(self.database, self.registry)
+        self.audit = AuditLog(
+            self.database,
+            self.registry,
+            retention_s=settings.audit_retention_days * 86400.0,
+            max_rows=settings.audit_max_rows,
+        )
         # OTA endpoint, per-device credentials, firmware offers (docs/provisioning.md).
         self.provisioning = Provisioning(
             settings,
@@ -207,12 +203,12 @@ class Bridge:
                 ),
                 settings.metrics_host,
                 settings.metrics_port,
+                ListenerLimits.of(settings),
             )
         self._loop_lag: asyncio.Task[None] | None = None
         self._started: list[Transport] = []
-        self._api: _ApiServer | None = None
-        self._api_task: asyncio.Task[None] | None = None
-        self._api_socket: socket.socket | None = None
+        # The admin listener (backend/api/listener.py: head deadline, connection caps).
+        self.api_listener: HttpListener | None = None
         self._stopped = False
         self._running = False
 
@@ -239,9 +235,8 @@ class Bridge:
     @property
     def http_port(self) -> int:
         """The bound port of the API listener."""
-        assert self._api_socket is not None, "bridge not started"
-        port: int = self._api_socket.getsockname()[1]
-        return port
+        assert self.api_listener is not None, "bridge not started"
+        return self.api_listener.port
 
     @property
     def api_url(self) -> str:
@@ -316,23 +311,17 @@ class Bridge:
     async def _start_api(self) -> None:
         host, port = self.settings.http_host, self.settings.http_port
         with listen_errors("the admin API", host, port, "http"):
-            self._api_socket = tcp_listener(host, port)
-        config = uvicorn.Config(
+            sock = tcp_listener(host, port)
+        self.api_listener = HttpListener(
             self.app,
-            log_config=None,
-            access_log=False,
-            lifespan="off",
+            sock,
+            ListenerLimits.of(self.settings),
+            "admin",
             # The only WebSocket here is the MCP endpoint: a bigger frame is refused (1009)
             # before it is buffered whole.
             ws_max_size=self.settings.mcp_endpoint_max_frame_bytes,
         )
-        self._api = _ApiServer(config)
-        self._api_task = asyncio.create_task(self._api.serve(sockets=[self._api_socket]))
-        while not self._api.started:
-            if self._api_task.done():
-                await self._api_task  # surfaces the startup error
-                raise RuntimeError("admin API stopped during startup")
-            await asyncio.sleep(0.01)
+        await self.api_listener.start("admin API")
 
     async def stop(self) -> None:
         """Take devices offline (pending calls fail, links close 1001), then drain the rest."""
@@ -353,9 +342,8 @@ class Bridge:
         await self.mcp_servers.stop()
         # Endless event streams end first: the HTTP server waits for its open responses.
         self.device_streams.close()
-        if self._api is not None and self._api_task is not None:
-            self._api.should_exit = True
-            await self._api_task
+        if self.api_listener is not None:
+            await self.api_listener.stop()
         await self.frontends.close()
         if self.database.is_open:
             with contextlib.suppress(Exception):

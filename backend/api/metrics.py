@@ -7,14 +7,11 @@ on a listener of its own (on `metrics_host`, loopback by default), behind the sa
 nothing but `/metrics`.
 """
 
-import asyncio
 import contextlib
 import socket
-from collections.abc import Iterator
 from typing import Annotated
 
 import structlog
-import uvicorn
 from fastapi import APIRouter, Depends
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -24,6 +21,7 @@ from starlette.routing import Route
 
 from backend.api.errors import error_body, errors
 from backend.api.gate import PRINCIPAL, AdminGate, AsgiApp, KeyResolver
+from backend.api.listener import HttpListener, ListenerLimits
 from backend.api.scopes import needs
 from backend.common import reachable_host, tcp_listener, url_host
 from backend.errors import listen_errors
@@ -83,54 +81,44 @@ def metrics_app(admin_token: str, resolve_key: KeyResolver, *, auth: bool) -> As
     return AdminGate(app, admin_token, resolve_key=resolve_key)
 
 
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handling: the bridge owns SIGINT/SIGTERM."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
 class MetricsListener:
     """The optional listener of `metrics_port`."""
 
-    def __init__(self, app: AsgiApp, host: str, port: int) -> None:
+    def __init__(self, app: AsgiApp, host: str, port: int, limits: ListenerLimits) -> None:
         self._app = app
         self._host = host
         self._port = port
-        self._socket: socket.socket | None = None
-        self._server: _Server | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._limits = limits  # head deadline, connection caps (backend/api/listener.py)
+        self.listener: HttpListener | None = None
+        self._socket: socket.socket | None = None  # bound, until stop()
 
     @property
     def url(self) -> str:
         """The URL of `/metrics` on this listener."""
-        assert self._socket is not None, "metrics listener not started"
-        port: int = self._socket.getsockname()[1]
+        assert self.listener is not None, "metrics listener not started"
+        port = self.listener.port
         return f"http://{url_host(reachable_host(self._host))}:{port}{METRICS_PATH}"
 
     async def start(self) -> None:
         """Bind the listener and serve until `stop`; raises a clear error when the port is taken."""
         with listen_errors("metrics", self._host, self._port, "metrics"):
-            self._socket = tcp_listener(self._host, self._port, backlog=128)
-        config = uvicorn.Config(self._app, log_config=None, access_log=False, lifespan="off")
-        self._server = _Server(config)
-        self._task = asyncio.create_task(self._server.serve(sockets=[self._socket]))
-        while not self._server.started:
-            if self._task.done():
-                await self.stop()  # the socket closed, the fields cleared: stop() may follow
-                raise RuntimeError("metrics listener stopped during startup")
-            await asyncio.sleep(0.01)
+            sock = self._socket = tcp_listener(self._host, self._port, backlog=128)
+        self.listener = HttpListener(self._app, sock, self._limits, "metrics")
+        try:
+            await self.listener.start("metrics listener")
+        except BaseException:
+            await self.stop()  # the socket closed, the field cleared: stop() may follow
+            raise
 
     async def stop(self) -> None:
         """Stop serving and close the socket."""
-        if self._server is not None and self._task is not None:
-            self._server.should_exit = True
+        listener, self.listener = self.listener, None
+        if listener is not None:
             # A server that died at startup (uvicorn exits with SystemExit) must not keep the
             # bridge's own stop() from closing everything else.
             with contextlib.suppress(BaseException):
-                await self._task
-        self._server = self._task = None
+                await listener.stop()
+            listener.socket.close()
         if self._socket is not None:
             self._socket.close()
             self._socket = None
