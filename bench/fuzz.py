@@ -22,7 +22,7 @@ from hypothesis.strategies import SearchStrategy
 from backend.firmware.tools import find_tool
 from bench.common import bench_main, table, verdict
 from bench.report import environment
-from simulator import firmware_fuzzing, fuzzing
+from simulator import firmware_fuzzing, fuzzing, mcp_server_fuzzing
 
 NAME = "fuzz"
 FULL = 100_000
@@ -55,6 +55,11 @@ PARSERS: dict[str, tuple[SearchStrategy[Any], Callable[..., None], bool]] = {
         fuzzing.mqtt_streams,
         fuzzing.check_mqtt_stream,
         False,
+    ),
+    "external MCP servers: dial-in frames, tools/list pages, tools/call results": (
+        mcp_server_fuzzing.server_inputs,
+        mcp_server_fuzzing.check_server_input,
+        True,
     ),
     "firmware MCP server `McpServer.handle` (CPython)": (
         firmware_fuzzing.handle_inputs,

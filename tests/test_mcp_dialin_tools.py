@@ -253,11 +253,12 @@ async def test_hostile_names_arguments_and_results(bridge_factory) -> None:
     pipe, name = await _dial_in(bridge, HostilePipe, tools=[ECHO_TOOL, DUMP, SLOW, odd])
     async with mcp_session(bridge, await create_key(bridge, "mcp:dialin")) as session:
         tools = {tool.name: tool for tool in (await session.list_tools()).tools}
-        [odd_name] = [n for n, t in tools.items() if t.meta["esp32-mcp-bridge/tool"] == "say/ü hi"]
-        assert odd_name.startswith(f"{name}__say_") and len(odd_name) <= 64
-        assert len(tools[odd_name].description or "") <= 1024
-        said = await session.call_tool(odd_name, {"text": "odd"})
-        assert [block.text for block in said.content] == ["echo: odd"]
+        # A name outside the MCP tool-name pattern is dropped (tests/test_mcp_server_bounds.py).
+        assert sorted(t.meta["esp32-mcp-bridge/tool"] for t in tools.values()) == [
+            "dump",
+            "echo",
+            "slow",
+        ]
 
         for unknown in (f"{name}__nope", f"{name}__", f"{name}__echo" + "x" * 5000):
             with pytest.raises(MCPError) as caught:
@@ -277,10 +278,9 @@ async def test_hostile_names_arguments_and_results(bridge_factory) -> None:
 
         slow = await session.call_tool(f"{name}__slow", {})
         assert slow.is_error and "gave no answer in 0.5 s" in slow.content[0].text
-    assert [call["name"] for call in pipe.calls] == ["say/ü hi", "dump", "slow"]
-    audit = await _audit(bridge, name, 6)
+    assert [call["name"] for call in pipe.calls] == ["dump", "slow"]
+    audit = await _audit(bridge, name, 5)
     assert [(r["tool"], r["outcome"]) for r in audit] == [
-        ("say/ü hi", "ok"),
         *[("echo", "refused")] * 3,
         ("dump", "ok"),
         ("slow", "error"),

@@ -53,11 +53,14 @@ from backend.mcp_dialin.pipe import (
 from backend.mcp_servers.hub import (
     DEFAULT_MAX_RESULT_BYTES,
     DEFAULT_TIMEOUT_S,
+    DEFAULT_TOOL_BOUNDS,
     DIALIN_PREFIX,
     DuplicateServer,
     McpServerHub,
     RiskyRule,
     SessionServer,
+    ToolBounds,
+    release_memory,
 )
 
 log = structlog.get_logger("mcp_dialin")
@@ -84,6 +87,7 @@ class DialInLimits:
     max_frame_bytes: int = 1 << 20
     call_timeout_s: float = DEFAULT_TIMEOUT_S
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
+    tool_bounds: ToolBounds = DEFAULT_TOOL_BOUNDS  # what of a tools/list is kept
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +202,7 @@ class DialInEndpoint:
             risky=RiskyRule.from_setting(None),
             timeout_s=self.limits.call_timeout_s,
             max_result_bytes=self.limits.max_result_bytes,
+            tool_bounds=self.limits.tool_bounds,
         )
         with bound:
             try:
@@ -222,6 +227,8 @@ class DialInEndpoint:
                     reason=info.reason if info else None,
                     by_peer=info.by_peer if info else None,
                 )
+        # The session, its pages and the server are unreferenced now: give their memory back.
+        release_memory()
 
     async def _handshake(
         self, pipe: WebSocketPipe, session: ClientSession, server: SessionServer

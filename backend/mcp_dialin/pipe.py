@@ -106,16 +106,11 @@ class WebSocketPipe:
                 CLOSE_UNSUPPORTED, "binary frame: send one JSON-RPC message per text frame"
             )
             return None
-        # A character is at most 4 bytes: only count them when the text could be over the cap.
-        if len(text) * 4 > self._max_frame_bytes and len(text.encode()) > self._max_frame_bytes:
-            await self.close(CLOSE_TOO_BIG, f"frame larger than {self._max_frame_bytes} bytes")
+        parsed = parse_frame(text, self._max_frame_bytes)
+        if isinstance(parsed, CloseInfo):
+            await self.close(parsed.code, parsed.reason)
             return None
-        try:
-            parsed = mcp_types.jsonrpc_message_adapter.validate_json(text, by_name=False)
-        except ValueError:
-            await self.close(CLOSE_INVALID_PAYLOAD, "frame is not a JSON-RPC message")
-            return None
-        return SessionMessage(parsed)
+        return parsed
 
     async def write_from(self, source: MemoryObjectReceiveStream[SessionMessage]) -> None:
         """Send every message the session writes as one text frame."""
@@ -127,6 +122,19 @@ class WebSocketPipe:
                 except (WebSocketDisconnect, RuntimeError, OSError):
                     self._peer_closed(CLOSE_GOING_AWAY)
                     return
+
+
+def parse_frame(text: str, max_frame_bytes: int) -> SessionMessage | CloseInfo:
+    """A text frame as the session's message, or why the socket is closed for it (1009: over
+    `max_frame_bytes`, 1007: not one JSON-RPC message). Never raises."""
+    # A character is at most 4 bytes: only count them when the text could be over the cap.
+    if len(text) * 4 > max_frame_bytes and len(text.encode("utf-8", "replace")) > max_frame_bytes:
+        return CloseInfo(CLOSE_TOO_BIG, f"frame larger than {max_frame_bytes} bytes", by_peer=False)
+    try:
+        parsed = mcp_types.jsonrpc_message_adapter.validate_json(text, by_name=False)
+    except (ValueError, RecursionError):
+        return CloseInfo(CLOSE_INVALID_PAYLOAD, "frame is not a JSON-RPC message", by_peer=False)
+    return SessionMessage(parsed)
 
 
 def _blank(frame: Mapping[str, Any]) -> bool:

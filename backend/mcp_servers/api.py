@@ -1,13 +1,17 @@
 """`GET /api/mcp/servers`: the external MCP servers, their state and tools (scope `devices:read`
-or `admin`). Never shows a command's arguments, environment, headers or tokens."""
+or `admin`). Never shows a command's arguments, environment, headers or tokens; a server's URL
+(`target`) and every URL quoted in `last_error` are shown without their secrets, to every
+reader (`backend.logs.redact_url`: userinfo, query values, secret-looking path segments;
+docs/mcp-servers.md, "Secrets in URLs")."""
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict
 
 from backend.api.scopes import needs
 from backend.keys import Principal, Scope
+from backend.logs import redact_url, redact_urls
 from backend.mcp_servers.hub import McpServerHub
 
 Reader = Annotated[Principal, Depends(needs(Scope.DEVICES_READ))]
@@ -38,6 +42,18 @@ class ServerView(BaseModel):
     tools: list[ServerToolView]
 
 
+def shown(summary: dict[str, Any]) -> dict[str, Any]:
+    """A server's summary as the API shows it: its URL and error without secrets (a second pass
+    over what the connectors already redact, so a server kind added later cannot leak one)."""
+    data = dict(summary)
+    target = data.get("target")
+    if isinstance(target, str) and data.get("kind") != "stdio":
+        data["target"] = redact_url(target)
+    if isinstance(data.get("last_error"), str):
+        data["last_error"] = redact_urls(data["last_error"])
+    return data
+
+
 class ServerList(BaseModel):
     """The answer of `GET /api/mcp/servers`."""
 
@@ -50,6 +66,6 @@ def mcp_servers_router(hub: McpServerHub) -> APIRouter:
 
     @router.get("/servers")
     async def list_servers(_reader: Reader) -> ServerList:
-        return ServerList.model_validate({"servers": hub.listing()})
+        return ServerList.model_validate({"servers": [shown(item) for item in hub.listing()]})
 
     return router

@@ -27,6 +27,7 @@ from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
 from mcp_types import CONNECTION_CLOSED
 
+from backend.logs import redact_library_urls, redact_url
 from backend.mcp_servers.servers import (
     CallTimedOut,
     McpServerError,
@@ -67,6 +68,7 @@ class ConfiguredServer(SessionServer):
             timeout_s=settings.timeout_s,
             max_result_bytes=settings.max_result_bytes,
             max_pending_calls=settings.max_pending_calls,
+            tool_bounds=settings.tool_bounds(),
         )
         self.settings = settings
         self.backoff_initial_s = backoff_initial_s
@@ -84,6 +86,7 @@ class ConfiguredServer(SessionServer):
     async def start(self) -> None:
         """Start the supervisor task that connects and reconnects (idempotent)."""
         if self._task is None or self._task.done():
+            redact_library_urls()  # the SDK and httpx log the url, with its secrets, at INFO
             self._stopping = False
             self._task = asyncio.get_running_loop().create_task(
                 self._supervise(), name=f"mcp-server-{self.name}"
@@ -117,7 +120,8 @@ class ConfiguredServer(SessionServer):
         data["connects"] = self.connects
         data["relists"] = self.relists
         data["next_attempt_in_s"] = self.next_attempt_in_s
-        data["target"] = self.settings.command or self.settings.url  # never args, env, headers
+        url = self.settings.url  # never args, env, headers; a url without its secrets
+        data["target"] = self.settings.command or (redact_url(url) if url is not None else None)
         return data
 
     async def call(
@@ -221,7 +225,12 @@ class ConfiguredServer(SessionServer):
             )
             return stdio_client(parameters, errlog=sys.stderr)
         assert settings.url is not None
-        return _http_transport(settings.url, settings.http_headers(), settings.connect_timeout_s)
+        return _http_transport(
+            settings.url,
+            settings.http_headers(),
+            settings.connect_timeout_s,
+            settings.max_message_bytes,
+        )
 
     async def message_handler(self, message: Any) -> None:
         """Note a closed connection (to reconnect), then handle the message as usual."""
@@ -232,12 +241,16 @@ class ConfiguredServer(SessionServer):
 
 @contextlib.asynccontextmanager
 async def _http_transport(
-    url: str, headers: dict[str, str], connect_timeout_s: float
+    url: str, headers: dict[str, str], connect_timeout_s: float, max_message_bytes: int
 ) -> AsyncIterator[Any]:
+    """The SDK's Streamable HTTP transport; an SSE event over `max_message_bytes` is refused
+    while it is read (a plain JSON response body is read whole by the SDK: no bound but time)."""
     timeout = httpx2.Timeout(connect_timeout_s, read=300.0)
     async with (
         create_mcp_http_client(headers=headers, timeout=timeout) as client,
-        streamable_http_client(url, http_client=client) as streams,
+        streamable_http_client(
+            url, http_client=client, max_sse_event_size=max_message_bytes
+        ) as streams,
     ):
         yield streams
 

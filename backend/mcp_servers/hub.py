@@ -20,6 +20,7 @@ Registering a dial-in session (the endpoint's side)::
         risky=RiskyRule.from_setting(None),  # None: tools marked destructiveHint need a "yes"
         timeout_s=30.0,
         max_result_bytes=65536,
+        tool_bounds=ToolBounds(),   # what of its tools/list is kept (DEFAULT_TOOL_BOUNDS)
     )
     session = ClientSession(read, write, message_handler=server.message_handler)
     async with session:
@@ -72,18 +73,26 @@ from backend.mcp_servers.servers import (
     ServerNotReady,
     ServerState,
     SessionServer,
+    ToolListing,
     UnknownServerTool,
     bounded_result,
     describe_error,
+    json_depth,
     list_all_tools,
+    list_tools_bounded,
+    release_memory,
+    tool_problem,
 )
 from backend.mcp_servers.settings import (
     DEFAULT_MAX_PENDING_CALLS,
     DEFAULT_MAX_RESULT_BYTES,
     DEFAULT_TIMEOUT_S,
+    DEFAULT_TOOL_BOUNDS,
     RESERVED_NAMES,
     SERVER_NAME,
+    TOOL_NAME,
     McpServerSettings,
+    ToolBounds,
     check_server_name,
 )
 from backend.mcp_servers.toolbox import CombinedToolBox
@@ -96,9 +105,11 @@ __all__ = [
     "DEFAULT_MAX_PENDING_CALLS",
     "DEFAULT_MAX_RESULT_BYTES",
     "DEFAULT_TIMEOUT_S",
+    "DEFAULT_TOOL_BOUNDS",
     "DIALIN_PREFIX",
     "RESERVED_NAMES",
     "SERVER_NAME",
+    "TOOL_NAME",
     "CallSession",
     "CallTimedOut",
     "DuplicateServer",
@@ -113,11 +124,17 @@ __all__ = [
     "ServerNotReady",
     "ServerState",
     "SessionServer",
+    "ToolBounds",
+    "ToolListing",
     "UnknownServerTool",
     "bounded_result",
     "check_server_name",
     "describe_error",
+    "json_depth",
     "list_all_tools",
+    "list_tools_bounded",
+    "release_memory",
+    "tool_problem",
 ]
 
 log = structlog.get_logger("mcp_servers")

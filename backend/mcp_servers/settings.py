@@ -5,9 +5,14 @@ its tools' LLM names), then either `command` (+ `args`, `env`, `cwd`) for a stdi
 `url` (Streamable HTTP, + `headers` or `bearer_token`). Header values and the bearer token are
 `SecretStr`s: never logged, never shown by the API. `risky` is true (every tool needs a "yes"
 first), false (none), a list of tool-name patterns, or unset (tools marked `destructiveHint`).
+
+`ToolBounds` bounds what a server (configured or dialed in) may declare: tools, name length and
+charset, each input schema's size and depth, bytes of declarations, `tools/list` pages. The
+`max_*` fields of an entry set them per configured server; dial-ins use `DEFAULT_TOOL_BOUNDS`.
 """
 
 import re
+from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -18,6 +23,34 @@ SERVER_NAME = re.compile(r"[a-z0-9_-]{1,32}")
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_MAX_RESULT_BYTES = 64 * 1024
 DEFAULT_MAX_PENDING_CALLS = 32
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
+# The MCP tool-name pattern (2025-11-25 spec: `[A-Za-z0-9_.-]`, case-sensitive); others dropped.
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
+
+
+@dataclass(frozen=True, slots=True)
+class ToolBounds:
+    """How much of an external server's tool list the bridge keeps (docs/mcp-servers.md,
+    "Bounds"); mirrors a device's `ToolLimits`, tighter since a server is not a device.
+
+    - `max_tools`: tools kept; the rest are dropped (one warning);
+    - `max_name_chars`: a longer name, or one outside `[A-Za-z0-9_.-]`, drops the tool;
+    - `max_schema_bytes` / `max_schema_depth`: an inputSchema (or outputSchema) over either,
+      serialized compactly / nested deeper, drops the tool;
+    - `max_tool_bytes`: bytes of declarations read, kept or dropped; past it no further page is
+      requested;
+    - `max_pages`: `tools/list` pages requested per listing; the tools read so far are kept.
+    """
+
+    max_tools: int = 256
+    max_name_chars: int = 64
+    max_schema_bytes: int = 8 * 1024
+    max_schema_depth: int = 8
+    max_tool_bytes: int = 1 << 20
+    max_pages: int = 16
+
+
+DEFAULT_TOOL_BOUNDS = ToolBounds()
 
 # `mcp:endpoint` (may dial in) and `mcp:dialin` (every dialed-in server) are scopes of their own
 # (backend/keys/store.py), not a server's.
@@ -55,6 +88,14 @@ class McpServerSettings(BaseModel):
     connect_timeout_s: float = Field(30.0, gt=0, le=600)
     max_result_bytes: int = Field(DEFAULT_MAX_RESULT_BYTES, ge=256, le=16 << 20)
     max_pending_calls: int = Field(DEFAULT_MAX_PENDING_CALLS, ge=1, le=10_000)
+    max_tools: int = Field(DEFAULT_TOOL_BOUNDS.max_tools, ge=1, le=4096)
+    max_tool_name_chars: int = Field(DEFAULT_TOOL_BOUNDS.max_name_chars, ge=1, le=128)
+    max_schema_bytes: int = Field(DEFAULT_TOOL_BOUNDS.max_schema_bytes, ge=64, le=1 << 20)
+    max_schema_depth: int = Field(DEFAULT_TOOL_BOUNDS.max_schema_depth, ge=1, le=64)
+    max_tool_bytes: int = Field(DEFAULT_TOOL_BOUNDS.max_tool_bytes, ge=1024, le=16 << 20)
+    max_tool_list_pages: int = Field(DEFAULT_TOOL_BOUNDS.max_pages, ge=1, le=256)
+    # http: one Server-Sent Event of the server's at most this (the SDK's max_sse_event_size)
+    max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=64 * 1024, le=64 << 20)
 
     @field_validator("name")
     @classmethod
@@ -78,6 +119,17 @@ class McpServerSettings(BaseModel):
     def kind(self) -> Literal["stdio", "http"]:
         """`stdio` when a command is set, else `http`."""
         return "stdio" if self.command is not None else "http"
+
+    def tool_bounds(self) -> ToolBounds:
+        """The bounds of this server's tool list (its `max_*` fields)."""
+        return ToolBounds(
+            max_tools=self.max_tools,
+            max_name_chars=self.max_tool_name_chars,
+            max_schema_bytes=self.max_schema_bytes,
+            max_schema_depth=self.max_schema_depth,
+            max_tool_bytes=self.max_tool_bytes,
+            max_pages=self.max_tool_list_pages,
+        )
 
     def http_headers(self) -> dict[str, str]:
         """The request headers, secrets revealed (for the HTTP client only)."""
