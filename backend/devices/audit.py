@@ -11,8 +11,13 @@ row each too (`record_upload`: tool `vision.explain`, the upload's size in `byte
 image). Rows are digested and written off the call path, batched, at most every
 `flush_interval_s`; past `max_buffer` unwritten rows (a database that stopped answering) new
 ones are counted as `dropped` rather than kept.
+
+Retention: every `prune_interval_s` (an hour) rows older than `retention_s` are deleted, then the
+oldest rows past `max_rows` (settings `audit_retention_days`, 90, and `audit_max_rows`,
+1,000,000; 0 turns either off), in batches of `PRUNE_BATCH` rows so no transaction is long.
 """
 
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -51,6 +56,9 @@ AUDIT_MIGRATIONS = (
     Migration("audit", 2, "ALTER TABLE audit_log ADD COLUMN bytes INTEGER;"),
 )
 
+
+PRUNE_INTERVAL_S = 3600.0
+PRUNE_BATCH = 10_000
 
 _CANONICAL = json.JSONEncoder(sort_keys=True, ensure_ascii=False, separators=(",", ":"))
 
@@ -107,7 +115,15 @@ class AuditLog:
         *,
         flush_interval_s: float = 0.5,
         max_buffer: int = 100_000,
+        retention_s: float = 90 * 86400.0,
+        max_rows: int = 1_000_000,
+        prune_interval_s: float = PRUNE_INTERVAL_S,
     ) -> None:
+        self.retention_s = retention_s  # 0: rows are kept whatever their age
+        self.max_rows = max_rows  # 0: no cap
+        self._prune_interval_s = prune_interval_s
+        self._pruner: asyncio.Task[None] | None = None
+        self.pruned = 0
         self._db = database
         self._registry = registry
         self._max_buffer = max_buffer
@@ -126,6 +142,8 @@ class AuditLog:
         """Follow the registry's `tool_called` events and start the periodic writer."""
         self._unsubscribe = self._registry.subscribe(self._on_event)
         self._writer.start()
+        if self.retention_s > 0 or self.max_rows > 0:
+            self._pruner = asyncio.create_task(self._prune_periodically(), name="audit-prune")
 
     async def stop(self) -> None:
         """Stop following events and write what is buffered (a failing database loses only those
@@ -133,6 +151,11 @@ class AuditLog:
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
+        if self._pruner is not None:
+            self._pruner.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pruner
+            self._pruner = None
         await self._writer.stop()
         with contextlib.suppress(DatabaseError):
             await self.flush()
@@ -166,9 +189,12 @@ class AuditLog:
         outcome: str,
         error: str | None,
         duration_ms: float,
+        actor: str | None = None,
     ) -> None:
-        """One row for a device's upload (its size and outcome; the question only digested)."""
-        row = (time.time(), f"device:{device_id}", device_id, tool, {"question": question})
+        """One row for an upload (its size and outcome; the question only digested); `actor`
+        is `device:<device_id>` unless given (an uploader whose credentials did not hold)."""
+        who = actor if actor is not None else f"device:{device_id}"
+        row = (time.time(), who, device_id, tool, {"question": question})
         self._push((*row, outcome, error, 0, duration_ms, size))
 
     def _push(self, row: tuple[Any, ...]) -> None:
@@ -196,6 +222,49 @@ class AuditLog:
             self._buffer = rows + self._buffer
             raise
         self.written += len(rows)
+
+    async def _prune_periodically(self) -> None:
+        while True:
+            try:
+                await self.prune()
+            except DatabaseError as exc:
+                log.warning("audit rows not pruned; will retry", error=str(exc))
+            await asyncio.sleep(self._prune_interval_s)
+
+    async def prune(self, now: float | None = None) -> int:
+        """Delete rows older than `retention_s`, then the oldest past `max_rows`; how many."""
+        deleted = 0
+        if self.retention_s > 0:
+            cutoff = (time.time() if now is None else now) - self.retention_s
+            while True:
+                batch = await self._db.execute(
+                    "DELETE FROM audit_log WHERE id IN"
+                    " (SELECT id FROM audit_log WHERE at < ? ORDER BY id LIMIT ?)",
+                    (cutoff, PRUNE_BATCH),
+                )
+                deleted += batch
+                if batch < PRUNE_BATCH:
+                    break
+        if self.max_rows > 0:
+            rows = await self._db.fetchall(
+                "SELECT id FROM audit_log ORDER BY id DESC LIMIT 1 OFFSET ?", (self.max_rows,)
+            )
+            if rows:  # the newest row past the cap: it and everything older go
+                last = rows[0]["id"]
+                while True:
+                    batch = await self._db.execute(
+                        "DELETE FROM audit_log WHERE id IN"
+                        " (SELECT id FROM audit_log WHERE id <= ? ORDER BY id LIMIT ?)",
+                        (last, PRUNE_BATCH),
+                    )
+                    deleted += batch
+                    if batch < PRUNE_BATCH:
+                        break
+        if deleted:
+            self.pruned += deleted
+            log.info("audit rows pruned", deleted=deleted, retention_s=self.retention_s,
+                     max_rows=self.max_rows)  # fmt: skip
+        return deleted
 
     async def entries(
         self,

@@ -14,24 +14,31 @@ stock firmware's HTTP client follows no redirect):
   the request;
 - `POST /vision/explain`: a camera board's photo upload (`backend.vision.http`, docs/vision.md).
 
-OTA bodies are capped at 16 KiB (413) before they are parsed; anything but a JSON object is 400.
-Concurrent connections are capped by the listener (`device_http_max_connections`, 503 past it).
+OTA bodies are capped at 16 KiB (413) before they are parsed, and must arrive within
+`device_http_body_timeout_s` (408); anything but a JSON object is 400. An answer given before
+the body was read whole says `Connection: close` (the listener then drops the rest of the body
+without a reset, `backend.provisioning.listener`). Concurrent connections are capped by the
+listener (`device_http_max_connections`, 503 past it) and, per address, at accept by its
+`ConnectionGuard`; an address whose requests keep being refused (429, a vision 401) is dropped
+at accept for a while (the guard's penalty box).
 """
 
+import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, BinaryIO
 
 import structlog
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from backend.metrics import record_provisioning
 from backend.provisioning.ota import MAX_BODY_BYTES
 from backend.provisioning.service import Answer, Provisioning, refusal
+from backend.transports.throttle import ExemptNetworks
 from backend.vision.http import explain
 from backend.vision.service import VISION_PATH
 
@@ -47,15 +54,23 @@ class _TooLarge(Exception):
 def device_app(service: Provisioning) -> Starlette:
     """The Starlette app of the device-facing listener (routes in the module docstring)."""
     base = service.settings.ota_path  # always ends with "/"
+    exempt = ExemptNetworks(service.settings.rate_limit_exempt)
+
+    def refused_again(request: Request) -> None:
+        """A refusal a stranger or a flood earned (429, a vision 401): too many from one
+        address in a short while and the listener drops its connections at accept."""
+        host = _host(request)
+        if host is not None and host not in exempt:
+            service.connections.handshake_refused(host)
 
     async def health(_request: Request) -> Response:
         return PlainTextResponse(HEALTH_TEXT)
 
     async def check(request: Request) -> Response:
-        return await _handle(service, request, "ota")
+        return await _handle(service, request, "ota", refused_again)
 
     async def activate(request: Request) -> Response:
-        return await _handle(service, request, "activate")
+        return await _handle(service, request, "activate", refused_again)
 
     async def download(request: Request) -> Response:
         found = service.download(
@@ -81,7 +96,10 @@ def device_app(service: Provisioning) -> Starlette:
         )
 
     async def vision(request: Request) -> Response:
-        return await explain(service.vision, request)
+        response = await explain(service.vision, request)
+        if response.status_code in (401, 429):
+            refused_again(request)
+        return response
 
     routes = [Route(VISION_PATH, vision, methods=["POST"])]
     for prefix in (base, f"{base}enroll/{{code}}/"):
@@ -108,7 +126,9 @@ async def _chunks(reader: BinaryIO) -> AsyncIterator[bytes]:
         reader.close()
 
 
-async def _handle(service: Provisioning, request: Request, kind: str) -> Response:
+async def _handle(
+    service: Provisioning, request: Request, kind: str, refused_again: Callable[[Request], None]
+) -> Response:
     headers = request.headers
     identified = service.identify(
         kind,
@@ -123,11 +143,20 @@ async def _handle(service: Provisioning, request: Request, kind: str) -> Respons
         },
     )
     if isinstance(identified, Answer):
-        return _counted(kind, identified)
+        if identified.status == 429:
+            refused_again(request)
+        return _counted(kind, identified, close=True)  # its body is never read
+    deadline = service.settings.device_http_body_timeout_s
     try:
-        body = await _json_body(request)
+        async with asyncio.timeout(deadline):
+            body = await _json_body(request)
     except _TooLarge:
-        return _counted(kind, refusal(413, f"body larger than {MAX_BODY_BYTES} bytes"))
+        return _counted(kind, refusal(413, f"body larger than {MAX_BODY_BYTES} bytes"), close=True)
+    except TimeoutError:
+        late = refusal(408, f"the body did not arrive within {deadline:g} s")
+        return _counted(kind, late, close=True)
+    except ClientDisconnect:
+        return _counted(kind, refusal(400, "the client went away"), close=True)
     except (ValueError, RecursionError):
         return _counted(kind, refusal(400, "the body is not a JSON object"))
     enrollment = request.path_params.get("code")
@@ -143,10 +172,14 @@ async def _handle(service: Provisioning, request: Request, kind: str) -> Respons
     return _counted(kind, answer)
 
 
-def _counted(kind: str, answer: Answer) -> Response:
-    """The answer to an OTA check or activation poll, counted by outcome (docs/metrics.md)."""
+def _counted(kind: str, answer: Answer, *, close: bool = False) -> Response:
+    """The answer to an OTA check or activation poll, counted by outcome (docs/metrics.md).
+    `close`: the body was not read whole, so the connection ends after the answer."""
     record_provisioning(kind, answer.status, activation_code="activation" in answer.body)
-    return _answer(answer)
+    response = _answer(answer)
+    if close:
+        response.headers["Connection"] = "close"
+    return response
 
 
 async def _json_body(request: Request) -> dict[str, Any]:
@@ -167,6 +200,11 @@ async def _json_body(request: Request) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError("not an object")
     return value
+
+
+def _host(request: Request) -> str | None:
+    client = request.client
+    return client.host if client is not None else None
 
 
 def _remote(request: Request) -> str | None:

@@ -38,7 +38,6 @@ from typing import Any
 
 import structlog
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from backend.auth import DEVICE_TOKEN_FILE, load_or_create_secret, read_token
 from backend.common import reachable_host, url_host
@@ -49,6 +48,7 @@ from backend.logs import LogBudget
 from backend.metrics import record_approval
 from backend.provisioning import ota as proto
 from backend.provisioning.errors import TooManyPending
+from backend.provisioning.listener import DeviceHttpProtocol
 from backend.provisioning.ratelimit import (
     HandshakeLimiter,
     Limits,
@@ -68,11 +68,13 @@ from backend.provisioning.tokens import SECRET_FILE
 from backend.storage import Database, Migration
 from backend.transports.admission import HandshakeRefused, normalize_device_id
 from backend.transports.mqtt_topics import TopicError
+from backend.transports.throttle import ConnectionGuard, handshake_cap
 from backend.vision.service import VISION_PATH, UploadAudit, VisionService
 
 log = structlog.get_logger("provisioning")
 
 MIGRATIONS: tuple[Migration, ...] = (*PROVISIONING_MIGRATIONS, *FIRMWARE_MIGRATIONS)
+LISTEN_BACKLOG = 1024  # the device HTTP listener's kernel queue
 REQUEST_HEAD_S = 10.0  # a device-side HTTP connection must start each request within this
 _HOSTNAME = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]{1,253})$")
 MAX_REMEMBERED_HOSTS = 10_000  # the OTA Host of this many devices, for their vision URL
@@ -138,6 +140,11 @@ class Provisioning:
         # Refusals a stranger can cause at line rate: a few are logged, then one count a minute.
         self._refusals = LogBudget(log, burst=5, interval_s=60.0)
         self.vision = VisionService(settings, secret.encode(), self.store, audit=audit, clock=clock)
+        # The listener's connections, put to the WebSocket and MQTT listeners' guard at accept
+        # (per-address rate and share, penalty box). Its global cap is a backstop at twice
+        # `device_http_max_connections`: up to that, uvicorn answers a tiny 503.
+        self.connections = ConnectionGuard.for_listener(settings, log, transport="device_http")
+        self.connections.limit = handshake_cap(2 * settings.device_http_max_connections)
         self._device_hosts: OrderedDict[str, str] = OrderedDict()
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -170,7 +177,10 @@ class Provisioning:
             lifespan="off",
             limit_concurrency=settings.device_http_max_connections,
             timeout_keep_alive=5,
-            http=_RequestDeadline,
+            http=DeviceHttpProtocol.bound(self.connections, REQUEST_HEAD_S),
+            # At most 64 accepts per loop wakeup, as on the WebSocket and MQTT listeners: a
+            # connection storm cannot hold the loop (the kernel queue is set again below).
+            backlog=64,
         )
         self._server = _Listener(config)
         self._server_task = asyncio.create_task(self._server.serve(sockets=[self._socket]))
@@ -179,6 +189,7 @@ class Provisioning:
                 await self._server_task
                 raise RuntimeError("device HTTP listener stopped during startup")
             await asyncio.sleep(0.01)
+        self._socket.listen(LISTEN_BACKLOG)  # uvicorn's listen(64) shortened the kernel queue
 
     async def stop_listener(self) -> None:
         """Stop the device-facing HTTP listener and close the vision client."""
@@ -425,7 +436,7 @@ class Provisioning:
         if enrollment is not None and await self.store.use_enrollment(enrollment):
             by, transport = f"auto:enrollment:{enrollment.id}", enrollment.transport
         elif code is not None:
-            log.warning(
+            self._refusals.warning(  # a stranger can send any code at line rate
                 "unknown or used-up enrollment code",
                 device_id=headers.device_id,
                 remote=headers.remote,
@@ -539,40 +550,6 @@ def credential_secret(settings: Settings, created: list[Path]) -> str:
     return load_or_create_secret(settings.data_dir / SECRET_FILE, created)
 
 
-class _RequestDeadline(H11Protocol):
-    """uvicorn's h11 protocol with a deadline for each request's head.
-
-    uvicorn times a connection out only between requests (`timeout_keep_alive`, armed after a
-    response): a socket that never sends a byte, or a head that never ends, would hold one of
-    the listener's `device_http_max_connections` slots for good, and a few hundred of them would
-    shut every device out of OTA. Here a connection that has not started a new request within
-    `REQUEST_HEAD_S` of opening (or of its last response) is closed.
-    """
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)  # type: ignore[arg-type]
-        self._arm_deadline()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self._arm_deadline()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._deadline.cancel()
-        super().connection_lost(exc)
-
-    def _arm_deadline(self) -> None:
-        previous = getattr(self, "_deadline", None)
-        if previous is not None:
-            previous.cancel()
-        waiting_after = self.cycle  # the request answered last (None: none yet)
-        self._deadline = self.loop.call_later(REQUEST_HEAD_S, self._expire, waiting_after)
-
-    def _expire(self, waiting_after: object) -> None:
-        if self.cycle is waiting_after and not self.transport.is_closing():
-            self.transport.close()
-
-
 class _Listener(uvicorn.Server):
     """uvicorn without its own signal handling: the bridge owns SIGINT/SIGTERM."""
 
@@ -593,6 +570,6 @@ def _bind(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP: TCP_NODELAY
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    sock.listen(1024)
+    sock.listen(LISTEN_BACKLOG)
     sock.setblocking(False)
     return sock

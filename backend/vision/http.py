@@ -35,15 +35,31 @@ async def explain(service: VisionService, request: Request) -> Response:
         },
         f"{client.host}:{client.port}" if client is not None else None,
     )
+    remote = f"{client.host}:{client.port}" if client is not None else None
     if isinstance(admitted, VisionAnswer):
-        service.record(admitted.device_id, question="", size=0, answer=admitted, started=started)
+        service.record(
+            admitted.device_id,
+            question="",
+            size=0,
+            answer=admitted,
+            started=started,
+            authenticated=admitted.authenticated,
+            remote=remote,
+        )
         return _response(admitted)
     read, size = await _read_upload(request, service.max_bytes)
     if isinstance(read, VisionAnswer):
         answer, question = read, ""
     else:
         answer, question = await service.explain(admitted, read), read.question
-    service.record(admitted.device_id, question=question, size=size, answer=answer, started=started)
+    service.record(
+        admitted.device_id,
+        question=question,
+        size=size,
+        answer=answer,
+        started=started,
+        remote=remote,
+    )
     return _response(answer)
 
 

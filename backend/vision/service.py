@@ -25,6 +25,7 @@ import httpx
 import structlog
 
 from backend.config import Settings
+from backend.logs import LineRate
 from backend.provisioning.ratelimit import host_of
 from backend.provisioning.tokens import bare_token
 from backend.transports.admission import HandshakeRefused, normalize_device_id
@@ -67,8 +68,10 @@ class UploadAudit(Protocol):
         outcome: str,
         error: str | None,
         duration_ms: float,
+        actor: str | None = None,
     ) -> None:
-        """Record one upload: who, the question, its size in bytes, the outcome; never the image."""
+        """Record one upload: who (`actor`, by default `device:<device_id>`), the question, its
+        size in bytes, the outcome; never the image."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +82,7 @@ class VisionAnswer:
     body: dict[str, Any]
     headers: dict[str, str] = field(default_factory=dict)
     device_id: str | None = None  # the Device-Id a refused upload claimed (for the audit row)
+    authenticated: bool = False  # the token held: `device_id` is who uploaded, not a claim
 
 
 def refused(status: int, message: str, **headers: str) -> VisionAnswer:
@@ -116,6 +120,13 @@ class VisionService:
         self._ip_limit = KeyedLimiter(by_ip.per_s, by_ip.burst, clock=clock)
         self._device_limit = KeyedLimiter(by_device.per_s, by_device.burst, clock=clock)
         self._exempt = ExemptNetworks(settings.rate_limit_exempt)
+        # What a stranger can make us write: refusal lines within a rate per address and in all;
+        # audit rows of uploads whose credentials did not hold, as `unauthenticated:<address>`
+        # (never as the device they named), 5 per address then 1 a minute, 1/s in all.
+        self._refusal_lines = RefusalLines(log)
+        self._stranger_rows = KeyedLimiter(1 / 60, 5, clock=clock)
+        self._stranger_rows_all = KeyedLimiter(1.0, 30, clock=clock)
+        self.unaudited = 0  # refused uploads of strangers past those limits: counted only
         self.model: VisionModel | None = None
         if settings.vision_base_url:
             key = settings.vision_api_key
@@ -160,7 +171,7 @@ class VisionService:
             return replace(refused(401, problem, **_CHALLENGE), device_id=device_id)
         if not self._device_limit.allow(device_id):
             answer = refused(429, "too many uploads from this device; slow down", **_RETRY)
-            return replace(answer, device_id=device_id)
+            return replace(answer, device_id=device_id, authenticated=True)
         return Uploader(device_id, client_id)
 
     def _token_problem(
@@ -197,22 +208,31 @@ class VisionService:
         size: int,
         answer: VisionAnswer,
         started: float,
+        authenticated: bool = True,
+        remote: str | None = None,
     ) -> None:
-        """An audit row and a log line for the upload (never the image, never the token)."""
+        """The upload's audit row and log line (never the image, never the token).
+
+        `authenticated`: the device's token held, so `device_id` uploaded: a line and a row as
+        `device:<id>` (bounded by the device's own upload rate; its 429s, which are not, get
+        their line through the budget below, and a row). Otherwise `device_id` is only a
+        claim: the line goes through a budget per address, and the row (if any is left in the
+        strangers' budget) names the address, never the device."""
         duration_ms = (time.monotonic() - started) * 1000
         outcome = _outcome(answer)
         error = answer.body.get("error") if answer.status != 200 else None
         if answer.status == 200 and not answer.body.get("success"):
             error = "no vision model" if answer.body.get("text") == NO_MODEL else "model failed"
-        log.info(
-            "vision upload",
-            device_id=device_id,
-            bytes=size,
-            status=answer.status,
-            outcome=outcome,
-            duration_ms=round(duration_ms, 1),
-        )
-        if self.audit is not None and device_id is not None:
+        ip = host_of(remote)
+        fields = {"bytes": size, "status": answer.status, "outcome": outcome,
+                  "duration_ms": round(duration_ms, 1)}  # fmt: skip
+        if authenticated and device_id is not None and answer.status != 429:
+            log.info("vision upload", device_id=device_id, **fields)
+        else:  # a stranger, or a device past its own rate: at line rate, so budgeted
+            self._refusal_lines.write(ip, claimed_device_id=device_id, remote=ip, **fields)
+        if self.audit is None or device_id is None:
+            return
+        if authenticated:
             self.audit.record_upload(
                 device_id,
                 tool=AUDIT_TOOL,
@@ -222,6 +242,43 @@ class VisionService:
                 error=error,
                 duration_ms=duration_ms,
             )
+            return
+        stranger = f"unauthenticated:{ip or 'unknown'}"
+        if not (self._stranger_rows.allow(stranger) and self._stranger_rows_all.allow("*")):
+            self.unaudited += 1
+            return
+        self.audit.record_upload(
+            stranger,
+            tool=AUDIT_TOOL,
+            question=question,
+            size=size,
+            outcome=outcome,
+            error=f"{error} (claimed Device-Id {device_id})",
+            duration_ms=duration_ms,
+            actor=stranger,
+        )
+
+
+class RefusalLines:
+    """Log lines of refused uploads: at most `burst` at once and `per_minute` a minute per
+    address (`LineRate`), and the same in all across addresses (so one host with many addresses
+    cannot buy more); a line written after some were left out says how many (`suppressed`)."""
+
+    def __init__(self, logger: Any, *, burst: int = 5, per_minute: float = 10.0) -> None:
+        self._log = logger
+        self._per_address = LineRate(burst=burst, per_minute=per_minute)
+        self._all = LineRate(burst=4 * burst, per_minute=6 * per_minute)
+        self.suppressed = 0  # left out since the last line written
+        self.written = 0
+
+    def write(self, address: str | None, **fields: Any) -> None:
+        """One refused upload from `address`: a line, or a count."""
+        if self._per_address.allow(address or "unknown") is None or self._all.allow("*") is None:
+            self.suppressed += 1
+            return
+        self.written += 1
+        suppressed, self.suppressed = self.suppressed, 0
+        self._log.warning("vision upload refused", suppressed=suppressed, **fields)
 
 
 _RETRY = {"Retry-After": "10"}
