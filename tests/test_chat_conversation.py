@@ -384,3 +384,18 @@ def test_a_turn_offers_the_model_a_bounded_and_relevant_set_of_functions() -> No
     assert volume in offered  # the relevant one, though it came 251st
     assert len(offered) <= 32 and sum(map(declared_bytes, offered)) <= 65536
     assert within_budget([volume], "anything") == [volume]  # what fits is offered whole
+
+
+@pytest.mark.parametrize(
+    ("message", "social"),
+    [
+        ("Thanks, that's really helpful!", "thanks"),
+        ("Hi, I'm Priya and I'm five months pregnant.", "greeting"),
+        ("Hello! Write me a poem about the sea", None),  # a greeting does not pass a request
+        ("Hi, what's the weather tomorrow?", None),
+    ],
+)
+def test_a_social_opening_makes_a_message_social_only_when_it_asks_nothing(
+    message: str, social: str | None
+) -> None:
+    assert _read(message, []).social == social

@@ -208,7 +208,7 @@ _ELSEWHERE = PhraseMatcher(
         ),
         *("thời tiết", "trời mưa", "có mưa", "bóng đá", "trận đấu", "trận bóng", "chứng khoán"),
         *("giá vàng", "bộ phim", "xem phim", "bài hát", "tin tức", "nấu ăn", "món ăn"),
-        *("du lịch", "chính trị", "bầu cử", "lập trình", "poem", "nấu", "phở", "giá vàng"),
+        *("du lịch", "chính trị", "bầu cử", "lập trình", "poem", "nấu", "phở"),
     ]
 )
 
@@ -252,10 +252,20 @@ def read_turn(
         return Reading(continued, follows=previous, own=text, sure=sure)
     # "Thanks, that's really helpful!", "Hi, I'm Priya and I'm five months pregnant.": opened
     # with a greeting or thanks, and nothing after it is a question for the assistant.
-    social = social_kind(text) or social_kind(message) or _opening_kind(message)
+    social = social_kind(text) or social_kind(message)
+    if social is None and not _ASKS.search(text):
+        social = _opening_kind(message)  # never "Hi! Write me a poem": that asks something
     if social is not None:
         return Reading(text, social)
     return Reading(text)
+
+
+# A question or a request: a social opening before one does not make the message social.
+_ASKS = re.compile(
+    r"\?|\b(?:what|what's|how|why|who|when|where|which|can|could|would|will|tell|write|give|"
+    r"show|make|explain|find|help|gì|sao|nào|không|được không|cho tôi|giúp)\b",
+    re.IGNORECASE,
+)
 
 
 def _nothing_known(_word: str) -> bool:
