@@ -18,7 +18,7 @@ import httpx
 import pytest
 from structlog.testing import capture_logs
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidMessage, InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from backend.devices.registry import EventKind
 from backend.server import Bridge
@@ -55,14 +55,6 @@ async def refused_status(url: str, **kwargs: Any) -> int:
         async with connect(url, open_timeout=5, **kwargs):
             pass
     return refused.value.response.status_code
-
-
-async def refused_or_dropped(url: str) -> int:
-    """The status the upgrade was refused with, or 0 when the connection was dropped unanswered."""
-    try:
-        return await refused_status(url)
-    except (InvalidMessage, ConnectionError, OSError):
-        return 0
 
 
 def talking_device(bridge: Bridge, ticket: str, audio_format: str = "pcm16") -> VoiceDevice:
@@ -328,18 +320,25 @@ async def test_junk_binary_is_dropped_and_a_flood_of_it_is_cut_off(bridge_factor
 # Serial: the burst must outrun the bucket's refill; in the parallel phase's load it did not
 # (every refusal was 401), and the voice turn's recognition heard "set volume" once there.
 @pytest.mark.serial
-async def test_a_burst_of_bad_tickets_is_refused_and_costs_few_log_lines(
+async def test_a_burst_of_bad_tickets_is_refused_429_and_costs_few_log_lines(
     bridge_factory: Any,
 ) -> None:
-    bridge = await bridge_factory(rate_limit_exempt=[])  # loopback counts like any address
+    # Loopback counts like any address; the address's handshake budget (30, hardly refilled) is
+    # what runs out, not the admin listener's connection rate (set high): the same outcome
+    # however slow the machine is.
+    bridge = await bridge_factory(
+        rate_limit_exempt=[],
+        rate_limits={
+            "handshake_ip": {"per_s": 0.01, "burst": 30},
+            "connection_ip": {"per_s": 1000, "burst": 1000},
+        },
+    )
     statuses: list[int] = []
     with capture_logs() as logs:
-        for index in range(260):
-            statuses.append(await refused_or_dropped(device_url(bridge, f"guess-{index}")))
-    # The ticket check answers 401, then 429; past the admin listener's per-address connection
-    # rate (rate_limits.connection_ip) the connection is dropped at accept (0), unparsed.
-    assert statuses[0] == 401 and statuses[-1] in (429, 0)
-    assert set(statuses) <= {401, 429, 0} and statuses.count(401) < 100
+        for index in range(80):
+            statuses.append(await refused_status(device_url(bridge, f"guess-{index}")))
+    assert statuses[:30] == [401] * 30 and statuses[-1] == 429
+    assert set(statuses) == {401, 429}
     refusals = [entry for entry in logs if "talk handshake refused" in entry["event"]]
     assert len(refusals) <= 12, len(refusals)
 
