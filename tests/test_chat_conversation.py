@@ -4,6 +4,7 @@ command they mean, a device request with no device chosen asks which one. Throug
 service offline and with a strict fake model, the OpenAI API with the client's own history and
 with `chat_id`, and a device's text turns."""
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -272,6 +273,17 @@ async def test_a_device_request_without_a_device_asks_which_one(
     assert first.hal.get_volume() != 10 and second.hal.get_volume() != 10
 
 
+async def stored_turns(bridge: Bridge, device_id: str, turns: int) -> None:
+    """Wait until the device's conversation holds `turns` stored question/answer pairs."""
+    memory = bridge.frontends.memory
+    for _ in range(1500):
+        conversation = await memory.open(device_id=device_id)
+        if conversation.message_count >= 2 * turns:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{device_id}: fewer than {turns} turns stored in 15 s")
+
+
 async def test_a_device_text_turn_follows_up_on_the_one_before(
     bridge: Bridge, simulated_devices: Any
 ) -> None:
@@ -279,13 +291,17 @@ async def test_a_device_text_turn_follows_up_on_the_one_before(
     await wait_state(bridge, sim.device_id)
     assert await sim.app.send_text("Set the volume to 30")
     await eventually(lambda: sim.hal.get_volume() == 30)
+    # A new text cancels a turn still running; the follow-up waits for the first to be stored.
+    await stored_turns(bridge, sim.device_id, 1)
     assert await sim.app.send_text("a bit more")
-    await eventually(lambda: sim.hal.get_volume() == 40)
+    await eventually(lambda: sim.hal.get_volume() == 40, timeout_s=15)
+    await stored_turns(bridge, sim.device_id, 2)
     assert await sim.app.send_text("hello")
     await eventually(
         lambda: any(
             role == "assistant" and text.startswith("Hello!") for role, text in sim.hal.shown
-        )
+        ),
+        timeout_s=15,
     )
 
 
