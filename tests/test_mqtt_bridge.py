@@ -332,7 +332,10 @@ async def test_broker_restart_fails_pending_calls_clearly_and_everything_comes_b
                 assert response.status_code == 503, response.text
                 error = response.json()["error"]
                 assert error["code"] == "device_disconnected"
-                reasons = ["broker connection lost"] + (["device offline"] if how == "stop" else [])
+                # Killed mid-call, the broker may first make the bridge's pending publish time out
+                # ("publish failed"), a clear reason too (seen once under load).
+                reasons = ["broker connection lost", "publish failed"]
+                reasons += ["device offline"] if how == "stop" else []
                 assert any(reason in error["message"] for reason in reasons), error
                 await mosquitto.start()
                 loop = asyncio.get_running_loop()
