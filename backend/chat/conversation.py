@@ -395,7 +395,6 @@ def _continued(
         return None  # a device command is continued only by the words above
     cued = _cued(text)
     words = folded_words(text)
-    pointing = bool(_POINTING.intersection(_WORD.findall(nfc_lower(text))))
     if len(words) > (_LONG_FOLLOW_UP if cued or pointing else _SHORT_FOLLOW_UP):
         return None
     content = [word for word in words if word not in _GENERIC]
