@@ -8,9 +8,24 @@ SHA-256 of the arguments (canonical JSON; the arguments themselves are not kept:
 personal data), the outcome (`ok`, `tool_error`, `error`, `refused`), the error class, whether
 the call was confirmed, and how long it took. Photo uploads to the bridge's vision endpoint get a
 row each too (`record_upload`: tool `vision.explain`, the upload's size in `bytes`; never the
-image). Rows are digested and written off the call path, batched, at most every
-`flush_interval_s`; past `max_buffer` unwritten rows (a database that stopped answering) new
-ones are counted as `dropped` rather than kept.
+image). Rows are written to the database in batches, at most every `flush_interval_s`; past
+`max_buffer` unwritten rows (a database that stopped answering) new ones are counted as
+`dropped` rather than kept.
+
+Crash safety (`journal`, the file `audit-journal` in the data directory): each row is also
+appended to a local journal as it is pushed, in the `tool_called` event itself, so before the
+call's caller gets its answer: one `write()` of a JSON line, arguments already digested (tens of
+µs with the digest; no fsync: the kernel keeps what was written across a `kill -9` of the
+process, not across a power cut, the same bound as SQLite's `synchronous=NORMAL`). A flush moves
+the journal aside (`audit-journal.<n>`) together with the batch and deletes it once the batch is
+committed. At start, journal files a killed bridge left are written to the database
+(`recovered`; rows already there, committed just before the kill, are recognised by time, device
+and digest and not written twice), then deleted. A journal that cannot be written (disk full)
+does not fail the call: the row is still buffered, counted in `unjournaled` and logged. A
+database that is down does not fail the call either: rows wait in the buffer and in the journal;
+a bridge stopped while the database is down writes them at its next start rather than losing
+them. Each instance of a cluster keeps its own journal: the instance that ran a call writes its
+row.
 
 Retention: every `prune_interval_s` (an hour) rows older than `retention_s` are deleted, then the
 oldest rows past `max_rows` (settings `audit_retention_days`, 90, and `audit_max_rows`,
@@ -21,8 +36,10 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -59,6 +76,9 @@ AUDIT_MIGRATIONS = (
 
 PRUNE_INTERVAL_S = 3600.0
 PRUNE_BATCH = 10_000
+JOURNAL_FILE = "audit-journal"
+RECOVERY_RETRY_S = 2.0
+JOURNAL_ERROR_LOG_EVERY_S = 10.0
 
 _CANONICAL = json.JSONEncoder(sort_keys=True, ensure_ascii=False, separators=(",", ":"))
 
@@ -118,7 +138,10 @@ class AuditLog:
         retention_s: float = 90 * 86400.0,
         max_rows: int = 1_000_000,
         prune_interval_s: float = PRUNE_INTERVAL_S,
+        journal: Path | None = None,
     ) -> None:
+        """`journal`: the crash-safety journal's path (None: rows pushed but not yet flushed are
+        lost with the process)."""
         self.retention_s = retention_s  # 0: rows are kept whatever their age
         self.max_rows = max_rows  # 0: no cap
         self._prune_interval_s = prune_interval_s
@@ -137,9 +160,20 @@ class AuditLog:
         self._unsubscribe: Any = None
         self.dropped = 0
         self.written = 0
+        self._journal = journal
+        self._journal_fd: int | None = None
+        self._journal_dirty = False  # rows appended since the journal was last moved aside
+        self._segments: list[Path] = []  # journals moved aside whose rows are not committed
+        self._segment_serial = 0
+        self._recovery: asyncio.Task[None] | None = None
+        self.recovered = 0  # rows a killed bridge's journal brought back at start
+        self.unjournaled = 0  # rows the journal could not take (they are still buffered)
+        self._journal_error_logged_at = float("-inf")
 
     def start(self) -> None:
         """Follow the registry's `tool_called` events and start the periodic writer."""
+        if self._journal is not None:
+            self._open_journal(self._journal)
         self._unsubscribe = self._registry.subscribe(self._on_event)
         self._writer.start()
         if self.retention_s > 0 or self.max_rows > 0:
@@ -156,9 +190,120 @@ class AuditLog:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._pruner
             self._pruner = None
+        if self._recovery is not None:
+            self._recovery.cancel()  # its files stay for the next start
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._recovery
+            self._recovery = None
         await self._writer.stop()
         with contextlib.suppress(DatabaseError):
             await self.flush()
+        if self._journal_fd is not None:
+            os.close(self._journal_fd)
+            self._journal_fd = None
+            if not self._journal_dirty and not self._buffer:  # nothing of it is unwritten
+                with contextlib.suppress(OSError):
+                    assert self._journal is not None
+                    self._journal.unlink()
+
+    # ---- the crash-safety journal ---------------------------------------------------------
+
+    def _open_journal(self, path: Path) -> None:
+        """Open a fresh journal; the files a previous run left are recovered by a task."""
+        self._segment_serial = time.time_ns()  # names no leftover can hold
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            leftovers = sorted(path.parent.glob(f"{path.name}*"))
+            if path in leftovers:  # the killed run's current journal: moved aside like a segment
+                moved = self._segment_path(path)
+                path.rename(moved)
+                leftovers[leftovers.index(path)] = moved
+            self._journal_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        except OSError as exc:  # the bridge runs, but a kill would lose the unflushed rows
+            log.error("audit journal unavailable: rows not yet written die with the process",
+                      path=str(path), error=str(exc))  # fmt: skip
+            return
+        if leftovers:
+            self._recovery = asyncio.create_task(self._recover(leftovers), name="audit-recover")
+
+    def _segment_path(self, path: Path) -> Path:
+        while True:  # a rename onto a leftover would lose it (a clock set back)
+            self._segment_serial += 1
+            segment = path.with_name(f"{path.name}.{self._segment_serial}")
+            if not segment.exists():
+                return segment
+
+    def _append_journal(self, row: tuple[Any, ...]) -> None:
+        """Append one digested row to the journal (a write(), no fsync: see the module)."""
+        if self._journal_fd is None:
+            return
+        try:
+            os.write(self._journal_fd, (json.dumps(row) + "\n").encode())
+            self._journal_dirty = True
+        except (OSError, TypeError, ValueError) as exc:
+            self.unjournaled += 1
+            now = time.monotonic()
+            if now - self._journal_error_logged_at >= JOURNAL_ERROR_LOG_EVERY_S:
+                self._journal_error_logged_at = now
+                log.error("audit journal not written: a kill now would lose these rows",
+                          error=str(exc), unjournaled=self.unjournaled)  # fmt: skip
+
+    def _rotate_journal(self) -> list[Path]:
+        """Move the journal aside with the batch being flushed (the caller took the buffer in
+        the same step); the segments whose rows that flush commits."""
+        if self._journal_fd is not None and self._journal_dirty and self._journal is not None:
+            try:
+                segment = self._segment_path(self._journal)
+                self._journal.rename(segment)
+                fresh = os.open(self._journal, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            except OSError as exc:  # the rows stay in the journal: a later flush moves them
+                log.error("audit journal not rotated", error=str(exc))
+            else:
+                os.close(self._journal_fd)
+                self._journal_fd = fresh
+                self._journal_dirty = False
+                self._segments.append(segment)
+        return list(self._segments)
+
+    def _committed(self, segments: list[Path]) -> None:
+        for segment in segments:
+            with contextlib.suppress(OSError):
+                segment.unlink()
+            with contextlib.suppress(ValueError):
+                self._segments.remove(segment)
+
+    async def _recover(self, files: list[Path]) -> None:
+        """Write the rows of a killed run's journal files (those not already in the table),
+        then delete the files; retried while the database is down."""
+        rows: list[tuple[Any, ...]] = []
+        unreadable = 0
+        for file in files:
+            with contextlib.suppress(OSError):
+                for line in file.read_text(errors="replace").splitlines():
+                    try:
+                        row = json.loads(line)
+                    except ValueError:
+                        unreadable += 1  # a line cut short (a power cut, a full disk)
+                        continue
+                    if isinstance(row, list) and len(row) == len(_COLUMNS):
+                        rows.append((*row[:4], _Digest(row[4]), *row[5:]))
+                    else:
+                        unreadable += 1
+        while True:
+            try:
+                added = await self._db.run(lambda c: _insert_missing(c, rows))
+                break
+            except DatabaseError as exc:
+                log.warning("audit journal not recovered yet; will retry", rows=len(rows),
+                            error=str(exc))  # fmt: skip
+                await asyncio.sleep(RECOVERY_RETRY_S)
+        for file in files:
+            with contextlib.suppress(OSError):
+                file.unlink()
+        self.recovered += added
+        self.written += added
+        log.info("audit rows recovered from the journal of a bridge that did not stop",
+                 rows=added, already_stored=len(rows) - added, unreadable=unreadable)  # fmt: skip
 
     def _on_event(self, event: DeviceEvent) -> None:
         if event.kind is not EventKind.TOOL_CALLED or event.origin is not None:
@@ -202,6 +347,9 @@ class AuditLog:
         if len(self._buffer) >= self._max_buffer:
             self.dropped += 1
             return
+        if self._journal_fd is not None:  # digested now: the journal never holds arguments
+            row = _digested(row)
+            self._append_journal(row)
         self._buffer.append(row)
         self._writer.wake()
 
@@ -212,7 +360,9 @@ class AuditLog:
 
     async def _write_buffered(self) -> None:
         rows, self._buffer = self._buffer, []
+        segments = self._rotate_journal()  # the journal of these rows, deleted once committed
         if not rows:
+            self._committed(segments)
             return
         rows = [_digested(row) for row in rows]
         try:
@@ -222,6 +372,7 @@ class AuditLog:
             self._buffer = rows + self._buffer
             raise
         self.written += len(rows)
+        self._committed(segments)
 
     async def _prune_periodically(self) -> None:
         while True:
@@ -320,9 +471,32 @@ def _digested(row: tuple[Any, ...]) -> tuple[Any, ...]:
     return (*row[:4], _Digest(arguments_digest(arguments)), *row[5:])
 
 
+_COLUMNS = (
+    "at", "actor", "device_id", "tool", "arguments_sha256", "outcome", "error", "confirmed",
+    "duration_ms", "bytes",
+)  # fmt: skip
+
+
 def _insert(c: Connection, rows: list[tuple[Any, ...]]) -> None:
     c.executemany(
-        "INSERT INTO audit_log (at, actor, device_id, tool, arguments_sha256, outcome, error,"
-        " confirmed, duration_ms, bytes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        f"INSERT INTO audit_log ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})",
         rows,
     )
+
+
+def _insert_missing(c: Connection, rows: list[tuple[Any, ...]]) -> int:
+    """Insert the journal rows not already stored (a batch committed just before the kill, whose
+    journal was not deleted yet): a row is known by its time, device and digest."""
+    if not rows:
+        return 0
+    stored = {
+        (row["at"], row["device_id"], row["arguments_sha256"])
+        for row in c.execute(
+            "SELECT at, device_id, arguments_sha256 FROM audit_log WHERE at >= ? AND at <= ?",
+            (min(row[0] for row in rows), max(row[0] for row in rows)),
+        ).fetchall()
+    }
+    missing = [row for row in rows if (row[0], row[2], row[4]) not in stored]
+    if missing:
+        _insert(c, missing)
+    return len(missing)
