@@ -31,10 +31,12 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 AsgiApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-# Readable without a token: health for probes, and the API's own description.
+# Readable without a token: the probes (liveness, readiness and its alias /healthz; their bodies
+# hold no secret), and the API's own description.
 # The console's pages and assets too: they hold no data, and what they fetch needs the key.
+PROBE_PATHS = frozenset({"/livez", "/readyz", "/healthz"})
 OPEN_PATHS = frozenset(
-    {"/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc", *PAGES}
+    {*PROBE_PATHS, "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc", *PAGES}
 )
 # Public metadata by definition (RFC 8615); the console's static files.
 OPEN_PREFIXES = ("/.well-known/", CONSOLE_PREFIX)

@@ -1,5 +1,6 @@
 """`esp32-bridge cluster status|drain`: the instances serving one fleet (docs/cluster.md)."""
 
+import time
 from typing import Any
 
 import typer
@@ -13,6 +14,8 @@ from backend.cli.options import (
     admin_client,
 )
 from backend.cli.output import console, listing, print_json, say
+
+DRAIN_POLL_S = 0.5
 
 cluster_app = typer.Typer(
     help="Several bridge instances on one fleet: who is alive, who owns what (docs/cluster.md).",
@@ -69,14 +72,36 @@ def _row(row: dict[str, Any], me: str) -> list[str]:
 
 @cluster_app.command("drain")
 def drain(
+    as_json: JsonOpt = False,
     server: ServerOpt = None,
     token: TokenOpt = None,
     data_dir: DataDirOpt = None,
     config: ConfigOpt = None,
 ) -> None:
-    """Drain this instance: it takes no new devices and tells its devices to reconnect (they
-    land on another instance); /healthz answers 503 so a load balancer stops sending any."""
+    """Drain this instance and wait until it is done: readiness answers 503 at once so the
+    balancer stops sending devices; after drain_notice_s its devices are told to reconnect (they
+    land on another instance) at drain_rate_per_s, each once its tool calls finished."""
     with admin_client(server, token, data_dir, config) as admin:
         answer = admin.post("/api/cluster/drain")
+        shown = None
+        while answer.get("phase", "done") != "done":
+            line = _progress(answer)
+            if line != shown and not as_json:
+                say(line)
+                shown = line
+            time.sleep(DRAIN_POLL_S)
+            answer = {"instance": answer["instance"], **admin.get("/api/cluster")["drain"]}
+    if as_json:
+        print_json(answer)
+        return
     told = answer["devices_told"]
-    say(f"instance {answer['instance']} draining: {told} devices told to reconnect")
+    say(
+        f"instance {answer['instance']} draining: {told} devices told to reconnect"
+        f" ({answer.get('elapsed_s', 0):.1f} s)"
+    )
+
+
+def _progress(answer: dict[str, Any]) -> str:
+    if answer["phase"] == "notice":
+        return "readiness 503: waiting for the balancer to notice (drain_notice_s)"
+    return f"moving devices: {answer['devices_told']} told, {answer['devices_left']} left"

@@ -64,10 +64,11 @@ def list_devices(
     if as_json:
         print_json(rows)
         return
-    table = listing(
-        "device_id", "state", "transport", "tools", "server", "connected_at", "last_seen",
-        ids=("device_id",),
-    )  # fmt: skip
+    # In a cluster every row says which instance serves the device (None: offline); a single
+    # bridge's rows have no `instance`, and the table no such column.
+    clustered = any("instance" in device for device in rows)
+    columns = ("device_id", "state", "transport", "tools", "server", "connected_at", "last_seen")
+    table = listing(*columns, *(("instance",) if clustered else ()), ids=("device_id", "instance"))
     for device in rows:
         info = device.get("server_info") or {}
         ota = device.get("ota") or {}
@@ -84,6 +85,7 @@ def list_devices(
             server_text,
             device.get("connected_at") or "",
             device.get("last_seen") or "",
+            *((device.get("instance") or "-",) if clustered else ()),
         )
     if rows:
         console.print(table)

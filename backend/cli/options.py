@@ -8,7 +8,13 @@ from typing import Annotated
 import typer
 
 from backend.cli.client import AdminClient, AdminError
-from backend.cli.local import admin_token, admin_token_source, api_url_and_hint, cli_settings
+from backend.cli.local import (
+    admin_token,
+    admin_token_source,
+    api_url_and_hint,
+    cli_settings,
+    no_admin_token,
+)
 from backend.cli.output import fail
 
 JsonOpt = Annotated[
@@ -52,10 +58,7 @@ def admin_client(
         token = admin_token(settings)
         token_source = admin_token_source(settings)
     if token is None:
-        raise fail(
-            f"no admin token: pass --token, set BRIDGE_ADMIN_TOKEN, or run `serve` once with "
-            f"data directory {settings.data_dir} (--data-dir, BRIDGE_DATA_DIR)"
-        )
+        raise fail(no_admin_token(settings))
     url, hint = api_url_and_hint(settings, server)
     try:
         with AdminClient(url, token, token_source=token_source, unreachable_hint=hint) as client:
