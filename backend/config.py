@@ -223,6 +223,17 @@ class Settings(BaseSettings):
     instance_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.\-]{1,64}$")  # default: host name
     lease_ttl_s: float = Field(6.0, ge=1.0, le=300.0)  # a dead instance's devices expire after
     lease_renew_s: float = Field(2.0, gt=0)  # how often leases are renewed (ttl/3 or less)
+    # A drain (`cluster drain`, SIGTERM) keeps its devices this long after readiness turns 503,
+    # so the balancer stops routing to it first: deploy/haproxy.cfg checks every `inter 2s` and
+    # takes a server out after `fall 2` failures, 2 s x 2 = 4 s. Change it with those values.
+    drain_notice_s: float = Field(4.0, ge=0, le=300)
+    # Devices a drain then moves per second (each once its calls in flight finished); 50/s costs
+    # the receiving instances ~8 % of a core (1.6 ms CPU per device connect, docs/benchmarks.md).
+    drain_rate_per_s: float = Field(50.0, gt=0, le=10000)
+    # An instance holding over 110 % of its fair share (and 3+ devices over) moves the excess to
+    # emptier instances at `rebalance_rate_per_s`, never below its share; false: never.
+    cluster_rebalance: bool = True
+    rebalance_rate_per_s: float = Field(10.0, gt=0, le=10000)
     # ---- external MCP servers the chat may use (docs/mcp-servers.md): [[mcp_servers]] tables,
     # each a stdio command or a Streamable HTTP url; an API key needs the scope mcp:<name>.
     mcp_servers: list[McpServerSettings] = Field(default_factory=list)

@@ -31,7 +31,7 @@ from backend.common import reachable_host, tcp_listener, url_host
 from backend.config import Settings
 from backend.console import console_routes
 from backend.devices import DeviceRegistry
-from backend.devices.audit import AUDIT_MIGRATIONS, AuditLog
+from backend.devices.audit import AUDIT_MIGRATIONS, JOURNAL_FILE, AuditLog
 from backend.devices.catalog import DEVICE_MIGRATIONS, DeviceCatalog
 from backend.devices.confirm import ConfirmationPolicy
 from backend.devices.conversation import ConversationHub
@@ -42,7 +42,14 @@ from backend.frontends import FRONTEND_MIGRATIONS, FrontEnds
 from backend.mcp_dialin.endpoint import DialInEndpoint, dialin_limits
 from backend.mcp_servers.api import mcp_servers_router
 from backend.mcp_servers.hub import McpServerHub
-from backend.metrics import measure_loop_lag, set_enabled, unwatch_devices, watch_devices
+from backend.metrics import (
+    measure_loop_lag,
+    set_enabled,
+    unwatch_cluster,
+    unwatch_devices,
+    watch_cluster,
+    watch_devices,
+)
 from backend.provisioning.service import MIGRATIONS as PROVISIONING_MIGRATIONS
 from backend.provisioning.service import Provisioning
 from backend.runtime import remove_runtime_file, write_runtime_file
@@ -102,6 +109,7 @@ class Bridge:
             self.registry,
             retention_s=settings.audit_retention_days * 86400.0,
             max_rows=settings.audit_max_rows,
+            journal=settings.data_dir / JOURNAL_FILE,  # rows survive a kill -9
         )
         # OTA endpoint, per-device credentials, firmware offers (docs/provisioning.md).
         self.provisioning = Provisioning(
@@ -142,6 +150,7 @@ class Bridge:
                 self.registry,
                 self.database,
                 mqtt=self.mqtt,
+                dialins=lambda: [s for s in self.mcp_servers.listing() if s["kind"] == "dialin"],
             )
         # External MCP servers for the chat (docs/mcp-servers.md), shared by every conversation.
         self.mcp_servers = McpServerHub.from_settings(
@@ -150,6 +159,8 @@ class Bridge:
                 EventKind.TOOL_CALLED, device_id, **detail
             ),
         )
+        if self.cluster is not None:  # dialed-in servers are listed by every instance
+            self.mcp_servers.subscribe(self.cluster.dialins_changed)
         self.frontends = FrontEnds(
             settings, self.database, self.registry, self.conversations, self.mcp_servers
         )
@@ -178,7 +189,11 @@ class Bridge:
             routers=[
                 *self.frontends.routers(),
                 provisioning_router(self.provisioning, self.audit),
-                mcp_servers_router(self.mcp_servers),
+                mcp_servers_router(
+                    self.mcp_servers,
+                    remote=self.cluster.remote_dialins if self.cluster is not None else None,
+                    instance=self.cluster.instance_id if self.cluster is not None else None,
+                ),
                 *([metrics_router()] if settings.metrics_enabled else []),
                 *([self.browser.router()] if self.browser is not None else []),
                 cluster_router(self.cluster),
@@ -292,6 +307,8 @@ class Bridge:
         if not self.settings.metrics_enabled:
             return
         watch_devices(self.registry)
+        if self.cluster is not None:
+            watch_cluster(self.cluster)  # bridge_cluster_*: only a clustered bridge has them
         self._loop_lag = asyncio.create_task(measure_loop_lag(), name="event-loop-lag")
         if self.metrics_listener is not None:
             await self.metrics_listener.start()
@@ -300,6 +317,8 @@ class Bridge:
 
     async def _stop_metrics(self) -> None:
         unwatch_devices(self.registry)
+        if self.cluster is not None:
+            unwatch_cluster(self.cluster)
         if self._loop_lag is not None:
             self._loop_lag.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -363,11 +382,31 @@ class Bridge:
         try:
             if stop is not None:
                 await stop.wait()
+                await self._drain_first(stop)
             else:
                 with stop_on_signals() as stopped:
                     await stopped.wait()
+                    await self._drain_first(stopped)
         finally:
             await self.stop()
+
+    async def _drain_first(self, stop: asyncio.Event) -> None:
+        """In a cluster, a stop (SIGTERM: a rolling restart) drains first, hitlessly
+        (docs/cluster.md, "Drain and rolling upgrade"); a second signal stops at once."""
+        if self.cluster is None:
+            return
+        stop.clear()
+        draining = asyncio.ensure_future(self.cluster.drain())
+        again = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait((draining, again), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            again.cancel()
+            if not draining.done():
+                log.warning("stopping before the drain finished (second signal)")
+                draining.cancel()
+            elif draining.exception() is not None:
+                log.error("drain failed", error=repr(draining.exception()))
 
     async def __aenter__(self) -> "Bridge":
         await self.start()

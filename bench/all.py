@@ -36,6 +36,7 @@ BENCHMARKS = (
     "console_talk",
     "db_writes",
     "cluster",
+    "cluster_outage",
     "firmware_memory",
 )
 

@@ -20,13 +20,20 @@ from tests.ports import reserve_port
 
 NAMES = ("a", "b", "c")
 FAST_LEASES = {"lease_ttl_s": 3.0, "lease_renew_s": 0.5}
+# Tests connect devices to one instance directly as often as through the balancer: rebalancing
+# (which moves devices through the balancer) is on only where a test asks for it.
+NO_REBALANCE = {"cluster_rebalance": False}
 
 
 class Balancer:
     """A TCP balancer like HAProxy's `balance roundrobin` in mode tcp: each new connection goes
-    to the next backend that accepts it; bytes are copied both ways untouched."""
+    to the next backend that accepts it; bytes are copied both ways untouched. `leastconn`: to
+    the backend with the fewest open connections instead (HAProxy's `balance leastconn`, what
+    deploy/haproxy.cfg uses)."""
 
-    def __init__(self) -> None:
+    def __init__(self, leastconn: bool = False) -> None:
+        self.leastconn = leastconn
+        self.open: dict[tuple[str, int], int] = {}  # connections open now, by backend
         self.backends: list[tuple[str, int]] = []
         self.port = reserve_port(self)
         self._server: asyncio.Server | None = None
@@ -51,19 +58,31 @@ class Balancer:
         return f"ws://127.0.0.1:{self.port}/xiaozhi/v1/"
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        for _ in range(len(self.backends)):
-            backend = self.backends[next(self._turn) % len(self.backends)]
+        turn = next(self._turn)
+        order = [self.backends[(turn + i) % len(self.backends)] for i in range(len(self.backends))]
+        if self.leastconn:
+            order.sort(key=lambda backend: self.open.get(backend, 0))  # stable: ties rotate
+        for backend in order:
             try:
                 up_reader, up_writer = await asyncio.open_connection(*backend)
             except OSError:
                 continue
             self.connections[backend] = self.connections.get(backend, 0) + 1
-            for source, sink in ((reader, up_writer), (up_reader, writer)):
-                task = asyncio.create_task(_pipe(source, sink))
+            self.open[backend] = self.open.get(backend, 0) + 1
+            pipes = [
+                asyncio.create_task(_pipe(source, sink))
+                for source, sink in ((reader, up_writer), (up_reader, writer))
+            ]
+            for task in pipes:
                 self._pipes.add(task)
                 task.add_done_callback(self._pipes.discard)
+            closed = asyncio.gather(*pipes, return_exceptions=True)
+            closed.add_done_callback(lambda _f, b=backend: self._closed(b))
             return
         writer.close()
+
+    def _closed(self, backend: tuple[str, int]) -> None:
+        self.open[backend] = self.open.get(backend, 1) - 1
 
 
 async def _pipe(
@@ -103,6 +122,7 @@ class Cluster:
             "cluster_url": self.broker.url_of(self.accounts[name]),
             "instance_id": name,
             **FAST_LEASES,
+            **NO_REBALANCE,
             **overrides,
         }
         settings = make_settings(self.workdir / name, **values)
@@ -110,13 +130,16 @@ class Cluster:
         await bridge.start()
         assert bridge.cluster is not None
         await bridge.cluster.fabric.wait_connected(10)
+        node = bridge.cluster
+        await until(lambda: node.health() is None, what=f"{name} ready (fleet view whole)")
         self.bridges[name] = bridge
         self.balancer.backends.append(("127.0.0.1", bridge.websocket.port))
         return bridge
 
     async def stop(self, name: str) -> None:
         bridge = self.bridges.pop(name)
-        self.balancer.backends.remove(("127.0.0.1", bridge.websocket.port))
+        with contextlib.suppress(ValueError):  # a test may have taken it out of the balancer
+            self.balancer.backends.remove(("127.0.0.1", bridge.websocket.port))
         await bridge.stop()
 
     def api(self, name: str) -> httpx.AsyncClient:

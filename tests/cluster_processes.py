@@ -30,6 +30,9 @@ class ServeInstance:
     env: dict[str, str]
     process: WatchedProcess | None = None
     runtime: dict[str, Any] = field(default_factory=dict)
+    # (ws, admin http, device http): fixed ports keep a balancer's server lines right across a
+    # restart; 0 each (the default) lets the kernel choose.
+    ports: tuple[int, int, int] = (0, 0, 0)
 
     @property
     def api_url(self) -> str:
@@ -52,7 +55,8 @@ class ServeInstance:
         """Start and wait until its bridge.json names this process (it is listening)."""
         argv = [
             sys.executable, "-m", "backend", "serve", "--data-dir", str(self.data_dir),
-            "--ws-port", "0", "--http-port", "0", "--device-http-port", "0",
+            "--ws-port", str(self.ports[0]), "--http-port", str(self.ports[1]),
+            "--device-http-port", str(self.ports[2]),
         ]  # fmt: skip
         self.process = WatchedProcess(argv, {**os.environ, **self.env})
         await self.process.start()

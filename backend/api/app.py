@@ -1,11 +1,12 @@
 """Admin API: list devices (live and remembered) and their tools, call a tool, forget a device.
 
-Bearer admin token or API key on every route but `/healthz`, each route requiring its scope
-(backend/api/scopes.py); errors are OpenAI's JSON `{"error": {"message", "type", "param",
-"code"}}` with the status and code of `backend.api.errors.ERROR_TABLE` (400 for any bad request
-under `/v1`). The front ends (keys, chat, `/mcp`) come in as extra routers and routes from the
-bridge. The OpenAPI document lists every error status of each route with that schema; CORS is
-off unless `cors_origins` lists origins.
+Bearer admin token or API key on every route but the probes (`/livez`; `/readyz` and its alias
+`/healthz`), each route requiring its scope (backend/api/scopes.py); errors are OpenAI's JSON
+`{"error": {"message", "type", "param", "code"}}` with the status and code of
+`backend.api.errors.ERROR_TABLE` (400 for any bad request under `/v1`). The front ends (keys,
+chat, `/mcp`) come in as extra routers and routes from the bridge. The OpenAPI document lists
+every error status of each route with that schema; CORS is off unless `cors_origins` lists
+origins.
 """
 
 import json
@@ -80,7 +81,11 @@ class ToolCallResponse(BaseModel):
 class DeviceList(BaseModel):
     """One page of `GET /api/devices`: rows, the cursor of the next page, the total."""
 
-    devices: list[dict[str, Any]]
+    devices: list[dict[str, Any]] = Field(
+        description="Device rows (`GET /api/devices/{device_id}`'s answer each); in a cluster a "
+        "row's `instance` names the instance serving the device (null while offline), a single "
+        "bridge's rows have no `instance`."
+    )
     next_cursor: str | None
     total: int
 
@@ -134,14 +139,29 @@ def create_app(
         )
     _describe(app)
 
-    @app.get("/healthz", responses=errors(503), response_model=None)
-    async def healthz() -> dict[str, Any] | JSONResponse:
-        # A load balancer's check: a 503 (draining, or a cluster instance cut off from its
-        # database) sends new devices to another instance (docs/cluster.md).
+    @app.get("/livez")
+    async def livez() -> dict[str, str]:
+        # Liveness: answered on the event loop, so a 200 says the process and its loop work.
+        # Never 503 for the database or the broker: a Kubernetes liveness probe would restart
+        # every instance at once during a database outage (docs/cluster.md).
+        return {"status": "ok"}
+
+    async def readiness() -> dict[str, Any] | JSONResponse:
+        # Readiness, a load balancer's check: a 503 (draining, or a cluster instance fenced)
+        # sends new devices to another instance (docs/cluster.md).
         problem = health()
         if problem is not None:
             return JSONResponse(error_body(503, "unavailable", problem), status_code=503)
         return {"status": "ok", "devices": len(registry), "known_devices": registry.known_count}
+
+    @app.get("/readyz", responses=errors(503), response_model=None)
+    async def readyz() -> dict[str, Any] | JSONResponse:
+        return await readiness()
+
+    @app.get("/healthz", responses=errors(503), response_model=None)
+    async def healthz() -> dict[str, Any] | JSONResponse:
+        # The alias of /readyz that balancers configured before it still check.
+        return await readiness()
 
     @app.get("/api/devices")
     async def list_devices(
@@ -220,7 +240,7 @@ def create_app(
                 422, "invalid_request", _first_error(exc), param=param_of(first["loc"])
             ) from None
         try:
-            device = registry.require(device_id)
+            device = await registry.require_ready(device_id)  # waits while it moves instance
         except BridgeError as exc:
             registry.refuse_call(
                 device_id,

@@ -6,6 +6,8 @@ device's own topics end in `up`, `down` or `status`, never in these):
 
     instances/<id>   retained presence: `{"state": "online", ...}`; its last will, and a clean
                      leave, clear it (an empty retained message), so the others learn at once
+    dialins/<id>     retained: the MCP servers dialed in to that instance (shown fleet-wide
+                     while its presence is up; a clean leave clears it)
     events           fleet events from every instance (QoS 1)
     rpc/<id>         requests to one instance: MQTT 5 `ResponseTopic` + `CorrelationData`
     reply/<id>       replies (and join snapshots) to one instance
@@ -33,7 +35,7 @@ from backend.transports.mqtt import BrokerAddress
 log = structlog.get_logger("cluster")
 
 RECONNECT_MIN_S = 0.2
-RECONNECT_MAX_S = 5.0
+RECONNECT_MAX_S = 1.0  # a broker back is used within a second (listings agree again)
 PUBLISH_TIMEOUT_S = 5.0
 
 
@@ -46,7 +48,7 @@ class Inbound:
     """One message for the node: which channel, from whom (instance id, when the topic says),
     its payload and the MQTT 5 request/response properties."""
 
-    channel: str  # "presence", "events", "rpc", "reply", "sync"
+    channel: str  # "presence", "dialins", "events", "rpc", "reply", "sync"
     payload: bytes
     instance: str | None = None
     response_topic: str | None = None
@@ -69,6 +71,11 @@ class Topics:
         """The fleet events topic."""
         return f"{self.base}/events"
 
+    @property
+    def ping(self) -> str:
+        """Where this instance's broker probes go (nobody subscribes)."""
+        return f"{self.base}/ping/{self.instance_id}"
+
     def rpc(self, instance_id: str) -> str:
         """The request topic of an instance."""
         return f"{self.base}/rpc/{instance_id}"
@@ -82,10 +89,15 @@ class Topics:
         """The join topic."""
         return f"{self.base}/sync"
 
+    def dialins(self, instance_id: str | None = None) -> str:
+        """The retained list of the MCP servers dialed in to an instance (this one by default)."""
+        return f"{self.base}/dialins/{instance_id or self.instance_id}"
+
     def subscriptions(self) -> list[tuple[str, int]]:
         """What an instance subscribes to."""
         return [
             (f"{self.base}/instances/+", 1),
+            (f"{self.base}/dialins/+", 1),
             (self.events, 1),
             (self.rpc(self.instance_id), 1),
             (self.reply(), 1),
@@ -101,6 +113,8 @@ class Topics:
             return rest[0], None
         if len(rest) == 2 and rest[0] == "instances":
             return "presence", rest[1]
+        if len(rest) == 2 and rest[0] == "dialins":
+            return "dialins", rest[1]
         if len(rest) == 2 and rest[0] in ("rpc", "reply") and rest[1] == self.instance_id:
             return rest[0], None
         return None
@@ -151,7 +165,8 @@ class Fabric:
         """Clear this instance's presence (a clean leave) and disconnect."""
         self._stopping = True
         if self._client is not None and self._connected.is_set():
-            with contextlib.suppress(aiomqtt.MqttError, TimeoutError):
+            with contextlib.suppress(FabricUnavailable):
+                await self.publish(self.topics.dialins(), b"", retain=True)
                 await self.publish(self.topics.presence(), b"", retain=True)
         if self._runner is not None:
             self._runner.cancel()
@@ -168,8 +183,10 @@ class Fabric:
         response_topic: str | None = None,
         correlation: bytes | None = None,
         expiry_s: int | None = None,
+        timeout_s: float = PUBLISH_TIMEOUT_S,
     ) -> None:
-        """Publish at QoS 1; FabricUnavailable when the broker is not connected."""
+        """Publish at QoS 1; FabricUnavailable when the broker is not connected or does not
+        acknowledge within `timeout_s`."""
         client = self._client
         if client is None or not self._connected.is_set():
             raise FabricUnavailable("cluster broker not connected")
@@ -185,10 +202,16 @@ class Fabric:
         try:
             await client.publish(
                 topic, payload, qos=1, retain=retain, properties=properties,
-                timeout=PUBLISH_TIMEOUT_S,
+                timeout=timeout_s,
             )  # fmt: skip
         except aiomqtt.MqttError as exc:
             raise FabricUnavailable(f"cluster broker: {exc}") from None
+
+    async def probe(self, timeout_s: float) -> None:
+        """Check that the broker still answers (a QoS 1 acknowledgement of a message nobody
+        reads): a broker that stopped, or whose traffic is dropped, keeps the connection up
+        until the keepalive runs out. FabricUnavailable otherwise."""
+        await self.publish(self.topics.ping, b"", timeout_s=timeout_s)
 
     def _client_for(self) -> aiomqtt.Client:
         address = self.address

@@ -173,10 +173,24 @@ class LeaseTable:
             "DELETE FROM device_leases WHERE instance_id = ?", (self.instance_id,)
         )
 
-    async def renew(self, now: float, shard_count: int, shard_target: int | None) -> Renewal:
+    async def renew(
+        self,
+        now: float,
+        shard_count: int,
+        shard_target: int | None,
+        *,
+        held: dict[str, tuple[int, str]] | None = None,
+        present: frozenset[str] = frozenset(),
+    ) -> Renewal:
         """Heartbeat, extend every lease of this instance, and (with MQTT shards) keep at most
-        `shard_target` shards, taking free or expired ones up to it. Also removes leases that
-        expired long ago (their instance is gone)."""
+        `shard_target` shards, taking free or expired ones up to it, but never one whose owner
+        is `present` (still on the broker: it rides out a database outage). Also removes leases
+        that expired long ago (their instance is gone).
+
+        `held` (device id -> (epoch, transport)), after a database outage: the devices this
+        instance still serves. Their leases are written back where nobody else took them (a
+        long outage lets them expire and be purged), and leases of devices it no longer serves
+        (a release that failed meanwhile) are given up."""
         expires = now + self.ttl_s
         me = self.instance_id
 
@@ -184,6 +198,8 @@ class LeaseTable:
             c.execute(
                 "UPDATE cluster_instances SET heartbeat_at = ? WHERE instance_id = ?", (now, me)
             )
+            if held is not None:
+                _reconcile(c, me, held, expires)
             c.execute(
                 "UPDATE device_leases SET expires_at = ? WHERE instance_id = ?", (expires, me)
             )
@@ -195,7 +211,7 @@ class LeaseTable:
                 )
             }
             shards = (
-                _renew_shards(c, me, now, expires, shard_count, shard_target)
+                _renew_shards(c, me, now, expires, shard_count, shard_target, present)
                 if shard_target is not None
                 else frozenset()
             )
@@ -241,8 +257,33 @@ def _instance(r: Row) -> InstanceRow:
     return InstanceRow(str(r[0]), r[1], float(r[2]), float(r[3]), bool(r[4]))
 
 
+def _reconcile(c: Connection, me: str, held: dict[str, tuple[int, str]], expires: float) -> None:
+    c.executemany(
+        "INSERT INTO device_leases (device_id, instance_id, epoch, expires_at, transport)"
+        " VALUES (?, ?, ?, ?, ?) ON CONFLICT (device_id) DO NOTHING",
+        [
+            (device_id, me, epoch, expires, transport)
+            for device_id, (epoch, transport) in held.items()
+        ],
+    )
+    ours = [
+        str(row[0])
+        for row in c.execute("SELECT device_id FROM device_leases WHERE instance_id = ?", (me,))
+    ]
+    c.executemany(
+        "DELETE FROM device_leases WHERE device_id = ? AND instance_id = ?",
+        [(device_id, me) for device_id in ours if device_id not in held],
+    )
+
+
 def _renew_shards(
-    c: Connection, me: str, now: float, expires: float, count: int, target: int
+    c: Connection,
+    me: str,
+    now: float,
+    expires: float,
+    count: int,
+    target: int,
+    present: frozenset[str] = frozenset(),
 ) -> frozenset[int]:
     c.executemany(
         "INSERT INTO shard_leases (shard, instance_id, expires_at) VALUES (?, NULL, 0)"
@@ -265,10 +306,11 @@ def _renew_shards(
         free = [
             int(row[0])
             for row in c.execute(
-                "SELECT shard FROM shard_leases WHERE shard < ? AND"
+                "SELECT shard, instance_id FROM shard_leases WHERE shard < ? AND"
                 " (instance_id IS NULL OR expires_at < ?) ORDER BY shard",
                 (count, now),
             )
+            if row[1] is None or row[1] not in present  # expired, but its owner still serves it
         ]
         for shard in free[: target - len(mine)]:
             taken = c.execute(

@@ -11,6 +11,7 @@ at start and persists them, so a device that is offline now is still listed with
 """
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import time
@@ -52,6 +53,13 @@ SHUTDOWN = "bridge shutting down"
 GOING_AWAY = 1001
 NORMAL_CLOSURE = 1000
 POLICY_VIOLATION = 1008
+SERVICE_RESTART = 1012  # "reconnect": the device comes back, here or on another instance
+# A call to a device that was just asked to reconnect (a drain or a rebalance moving it to
+# another instance, docs/cluster.md) waits this long at most for it to be ready again, instead
+# of failing as offline: the firmware's reconnect pause (1 s +-20 %) plus its hello and MCP
+# handshake, with room for a balancer's retry.
+HANDOVER_WAIT_S = 5.0
+RECONNECT_SUFFIX = ": reconnect"  # how every reason of a close 1012 ends (backend/cluster)
 
 
 class DeviceState(StrEnum):
@@ -551,6 +559,7 @@ class DeviceRegistry:
         self.instance_id: str | None = None
         self._listeners: list[Listener] = []
         self._replacement_lines = LineRate()  # a device replacing its own link in a loop
+        self._moving: dict[str, float] = {}  # asked to reconnect -> until when to wait for it
 
     # ---- reading ----------------------------------------------------------------------------
 
@@ -581,6 +590,48 @@ class DeviceRegistry:
         if record is not None:
             raise DeviceOffline(device_id, iso_time(record.last_seen))
         raise UnknownDevice(device_id)
+
+    async def require_ready(self, device_id: str) -> Device:
+        """`require`, except for a device moving between instances (asked to reconnect, e.g. by
+        a drain): then wait, at most `HANDOVER_WAIT_S` after it left, until it is ready again
+        here or elsewhere. A ready device returns without waiting."""
+        device = self._live.get(device_id) or self._remote.get(device_id)
+        if device is not None and device.state is DeviceState.READY:
+            return device
+        until = self._moving.get(device_id)
+        if until is None:
+            return self.require(device_id)
+        remaining = until - time.monotonic()
+        if remaining <= 0:
+            del self._moving[device_id]
+            return self.require(device_id)
+        back = asyncio.Event()
+
+        def check(_event: DeviceEvent | None = None) -> None:
+            found = self._live.get(device_id) or self._remote.get(device_id)
+            if found is not None and found.state is DeviceState.READY:
+                back.set()
+
+        unsubscribe = self.subscribe(check)
+        try:
+            check()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining):
+                    await back.wait()
+        finally:
+            unsubscribe()
+        return self.require(device_id)
+
+    def is_moving(self, device_id: str) -> bool:
+        """Whether the device was asked to reconnect within the last `HANDOVER_WAIT_S`."""
+        until = self._moving.get(device_id)
+        return until is not None and until > time.monotonic()
+
+    def _expect_back(self, device_id: str) -> None:
+        now = time.monotonic()
+        if len(self._moving) > 1024:  # forget the ones past their wait (a drain of a big fleet)
+            self._moving = {k: v for k, v in self._moving.items() if v > now}
+        self._moving[device_id] = now + HANDOVER_WAIT_S
 
     def record(self, device_id: str) -> DeviceRecord | None:
         """What is remembered of this device (live or offline), or None."""
@@ -747,6 +798,8 @@ class DeviceRegistry:
         if device is None:
             return False
         log.info("closing the device's link", device_id=device_id, reason=reason)
+        if code == SERVICE_RESTART:
+            self._expect_back(device_id)
         self._go_offline(device, reason)
         device.connection.disconnect(reason, code)
         return True
@@ -840,6 +893,8 @@ class DeviceRegistry:
         return len(gone)
 
     def _drop_remote(self, device: RemoteDevice, reason: str) -> None:
+        if reason.endswith(RECONNECT_SUFFIX):  # its instance asked it to reconnect (close 1012)
+            self._expect_back(device.device_id)
         del self._remote[device.device_id]
         device._state = DeviceState.OFFLINE
         known = self._known.get(device.device_id)

@@ -4,10 +4,11 @@ or `admin`). Never shows a command's arguments, environment, headers or tokens; 
 reader (`backend.logs.redact_url`: userinfo, query values, secret-looking path segments;
 docs/mcp-servers.md, "Secrets in URLs")."""
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from backend.api.scopes import needs
 from backend.keys import Principal, Scope
@@ -40,6 +41,8 @@ class ServerView(BaseModel):
     calls: int
     pending: int
     tools: list[ServerToolView]
+    # In a cluster: the instance the server runs on, or was dialed in to (docs/cluster.md).
+    instance: str | None = None
 
 
 def shown(summary: dict[str, Any]) -> dict[str, Any]:
@@ -60,12 +63,26 @@ class ServerList(BaseModel):
     servers: list[ServerView]
 
 
-def mcp_servers_router(hub: McpServerHub) -> APIRouter:
-    """The read-only API of the external MCP servers (`/api/mcp`)."""
+def mcp_servers_router(
+    hub: McpServerHub,
+    *,
+    remote: Callable[[], list[dict[str, Any]]] | None = None,
+    instance: str | None = None,
+) -> APIRouter:
+    """The read-only API of the external MCP servers (`/api/mcp`). In a cluster, `remote` gives
+    the servers dialed in to the other instances, and `instance` names this one."""
     router = APIRouter(prefix="/api/mcp", tags=["mcp servers"])
 
     @router.get("/servers")
     async def list_servers(_reader: Reader) -> ServerList:
-        return ServerList.model_validate({"servers": [shown(item) for item in hub.listing()]})
+        servers = [
+            ServerView.model_validate({**shown(s), "instance": instance}) for s in hub.listing()
+        ]
+        for summary in remote() if remote is not None else []:
+            try:  # a peer's report: one malformed entry is skipped, not a 500
+                servers.append(ServerView.model_validate(shown(summary)))
+            except ValidationError:
+                continue
+        return ServerList(servers=servers)
 
     return router
