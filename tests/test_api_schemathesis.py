@@ -162,6 +162,7 @@ checks.positive_data_acceptance.enabled = false
 """
 
 
+@pytest.mark.timeout(360)  # ~100 s alone on a loaded 2-core machine
 def test_schemathesis_finds_nothing_over_the_whole_document(served: str, tmp_path: Path) -> None:
     config = tmp_path / "schemathesis.toml"
     config.write_text(SCHEMATHESIS_CONFIG.format(device_id=device_id_for(1)))

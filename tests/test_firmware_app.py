@@ -76,7 +76,7 @@ class DeviceLink:
         return await self.next_json()
 
     async def next_json(self) -> dict[str, Any]:
-        message = await asyncio.wait_for(self.inbox.get(), 10)
+        message = await asyncio.wait_for(self.inbox.get(), 30)  # slow on a loaded CI machine
         assert isinstance(message, str), message
         return json.loads(message)
 
@@ -127,7 +127,7 @@ class FakeBridge:
                 link.closed.set()
 
     async def next_link(self) -> DeviceLink:
-        return await asyncio.wait_for(self.links.get(), 15)
+        return await asyncio.wait_for(self.links.get(), 30)
 
 
 @pytest.fixture
