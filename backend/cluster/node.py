@@ -548,13 +548,11 @@ class ClusterNode:
         self._fabric_connected_at = time.monotonic()
         self._synced_from = set()
         now = time.time()  # the peers up now (from the database): each answers this sync
-        self._sync_peers = {
-            row.instance_id
-            for row in self.instances
-            if row.instance_id != self.instance_id
-            and now - row.heartbeat_at < self.options.ttl_s
-            and not row.draining
-        }
+        self._sync_peers = set(
+            serving_instances(
+                self.instances, self.instance_id, now, self.options.ttl_s, me_serving=False
+            )
+        )
         await self.fabric.publish(self.topics.sync, wire.dumps({"from": self.instance_id}))
         self.dialins_changed()
         await self._publish_snapshot(self.topics.events)
