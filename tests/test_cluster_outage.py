@@ -319,9 +319,11 @@ async def test_a_broker_that_stops_answering_fails_forwarded_calls_at_once(
         await until(lambda: a.cluster._pending, what="the call forwarded")  # type: ignore[union-attr]
         broker_proxy.cut("blackhole")
         status, body = await pending
-        # Not the device's deadline (504 after 8 s): the broker probe failed it.
+        # Not the device's deadline (504 after 8 s): the broker probe failed it, or,
+        # on a loaded machine where the cut lands before the publish is acknowledged,
+        # the publish itself timed out; either way the call fails on the broker.
         assert status == 503, body
-        assert "cluster broker not answering" in str(body["error"]), body
+        assert "cluster broker" in str(body["error"]), body
         # The keepalive then drops the link: b's device is no longer listed ready on a.
         await until(lambda: state_on(a, device.device_id) != "ready", timeout_s=15,
                     what="the remote device not ready on a")  # fmt: skip
