@@ -1,4 +1,5 @@
-"""How scripts/test spreads the suite over its pytest-xdist workers (`--dist loadscope`).
+"""How scripts/test spreads the suite over its pytest-xdist workers (`--dist loadscope`; xdist is
+pinned below 4 in pyproject.toml because `_split_scope` is not its public API).
 
 A test module is one unit of work, so a module-scoped fixture (the recognition runs of
 test_voice_recognition, the schemathesis document) is built once, not once per worker. The

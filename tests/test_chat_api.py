@@ -1,6 +1,6 @@
 """The chat pipeline over HTTP: the OpenAI-compatible API driven by the official `openai` client,
-seed 002's SSE stream, conversations, device tools under scopes. A real bridge whose chat model
-is the loopback fake LLM, real simulated devices."""
+the chat integration design's SSE stream, conversations, device tools under scopes. A real
+bridge whose chat model is the loopback fake LLM, real simulated devices."""
 
 from collections.abc import AsyncIterator
 from typing import Any
@@ -173,7 +173,7 @@ async def test_malformed_completion_requests_are_400(http, fake_llm, body, fragm
     assert not fake_llm.requests
 
 
-# ---- SSE (seed 002) and device tools ----------------------------------------------------------
+# ---- SSE (the chat integration design) and device tools --------------------------------------
 
 
 async def test_sse_events_in_order_with_a_device_tool(

@@ -6,6 +6,8 @@ that goes away (one clear `DatabaseError`, bounded in time) and comes back (the 
 """
 
 import asyncio
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -116,6 +118,24 @@ def test_database_refuses_a_url_of_another_engine() -> None:
     with pytest.raises(DatabaseError, match="must be postgresql://") as refused:
         Database("mysql://root:s3cret@h/db")
     assert "s3cret" not in str(refused.value)
+
+
+def test_without_the_postgres_extra_a_postgresql_url_says_what_to_install() -> None:
+    # A fresh interpreter where psycopg cannot be imported, as after `pip install esp32-mcp-bridge`.
+    script = (
+        "import sys; sys.modules['psycopg'] = None\n"
+        "from backend.storage import Database, DatabaseError\n"
+        "try:\n"
+        "    Database('postgresql://bridge:s3cret@127.0.0.1:1/fleet')\n"
+        "except DatabaseError as exc:\n"
+        "    print(exc)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
+    )
+    said = done.stdout.strip()
+    assert "esp32-mcp-bridge[postgres]" in said and "psycopg" in said, said
+    assert "s3cret" not in said and "\n" not in said
 
 
 # ---- both engines -------------------------------------------------------------------------------

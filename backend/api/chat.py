@@ -3,14 +3,14 @@
 - `POST /v1/chat/completions`: OpenAI-compatible (model `dental-duckduckgo`); extra body fields
   `chat_id` (the conversation) and `device_id` (whose tools the turn may use). `stream: true`
   answers with SSE chunks in OpenAI's chunk format ending with `data: [DONE]`; otherwise one
-  `chat.completion`. The conversation id comes back in `system_fingerprint` (seed 000, step 11)
-  and in the `X-Conversation-Id` header.
+  `chat.completion`. The conversation id comes back in `system_fingerprint` (the data-flow
+  design, step 11) and in the `X-Conversation-Id` header.
 - `POST /v1/responses`, `GET /v1/responses/{id}`: OpenAI's Responses API, in
   backend/api/responses.py (it shares this module's checks, `ChatFront` and helpers).
 - `GET /v1/models`, `GET /v1/models/{id}`.
 - `GET /v1/conversations` (paged), `GET /v1/conversations/{id}` (history and summary),
   `DELETE /v1/conversations/{id}`.
-- `POST /api/chat/stream` (seed 002): Server-Sent Events `token`, `mcp_tool`
+- `POST /api/chat/stream` (the chat integration design): Server-Sent Events `token`, `mcp_tool`
   (`started`/`completed`/`error`), `sources`, `done` with the turn's metadata.
 
 Text must be Unicode: a string with a lone surrogate (JSON `"\ud800"`, which no UTF-8 encoder
@@ -220,7 +220,8 @@ def conversation_json(conversation: Conversation, *, with_messages: bool = False
 
 
 def seed_event(event: ChatEvent) -> dict[str, Any]:
-    """A chat event in seed 002's SSE shape (`token`, `mcp_tool`, `sources`, `done`)."""
+    """A chat event in the chat integration design's SSE shape (`token`, `mcp_tool`, `sources`,
+    `done`)."""
     if isinstance(event, Token):
         return {"type": "token", "token": event.text}
     if isinstance(event, ToolStarted):
@@ -486,7 +487,7 @@ def chat_router(
             raise ConversationNotFound(conversation_id)
         return Response(status_code=204)
 
-    # ---- seed 002: SSE ------------------------------------------------------------------------
+    # ---- the chat integration design: SSE ----------------------------------------------------
 
     @router.post("/api/chat/stream", response_model=None, responses=streamed(404, 503))
     async def stream(body: StreamRequest, principal: Chatter) -> StreamingResponse:

@@ -24,11 +24,12 @@ Any MCP host (MCP Inspector, an agent) sees, according to its key's scopes:
 
 The bearer key is checked by the API's gate before any body is read; a session is bound to the
 key that opened it (the SDK answers another key's requests for it with 404). A call without the
-scope is a JSON-RPC error -32001 with `data.required_scope` (seed 002). Device failures are tool
-results with `isError: true` (the caller's model should see them); an unknown tool or resource
-is -32602. Sessions that listed tools get `notifications/tools/list_changed` when a device
-becomes ready, changes its tools or goes away, and when a dialed-in server comes, goes or
-changes its tools (handshake-era sessions with a GET stream open).
+scope is a JSON-RPC error -32001 with `data.required_scope` (the chat integration design).
+Device failures are tool results with `isError: true` (the caller's model should see them); an
+unknown tool or resource is -32602. Sessions that listed tools get
+`notifications/tools/list_changed` when a device becomes ready, changes its tools or goes away,
+and when a dialed-in server comes, goes or changes its tools (handshake-era sessions with a GET
+stream open).
 """
 
 import asyncio
@@ -84,7 +85,7 @@ from backend.mcp_session import McpError, Tool, ToolNameMap
 log = structlog.get_logger("mcp")
 
 MCP_PATH = "/mcp"
-FORBIDDEN = -32001  # seed 002: "Authorization error (custom)"
+FORBIDDEN = -32001  # chat integration design: "Authorization error (custom)"
 RESOURCE_PREFIX = "memory://conversation/"
 RESOURCE_PAGE = 100
 MAX_SESSIONS = 1000

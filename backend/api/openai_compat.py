@@ -216,7 +216,7 @@ def usage_json(usage: TurnUsage | None) -> dict[str, int] | None:
 
 class CompletionShape:
     """OpenAI's response shapes for one completion. `fingerprint` is the stored conversation's id
-    (seed 000 reads it there), or a fixed `fp_` value for a turn that is not stored."""
+    (the data-flow design reads it there), or a fixed `fp_` value for a turn that is not stored."""
 
     def __init__(self, conversation_id: str | None) -> None:
         self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"

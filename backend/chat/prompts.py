@@ -1,4 +1,5 @@
-"""Prompt templates, Vietnamese and English (after seed 003 `PromptManager`)."""
+"""Prompt templates, Vietnamese and English (after the dental chatbot flow design's
+`PromptManager`)."""
 
 from collections.abc import Sequence
 

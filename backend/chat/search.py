@@ -97,7 +97,7 @@ def provider_name(search: WebSearch) -> str:
 
 
 def format_results(results: Sequence[SearchResult]) -> str:
-    """`Title: …\\nContent: …\\nLink: …` blocks joined by `\\n---\\n` (seed 000, step 7)."""
+    """`Title: …\\nContent: …\\nLink: …` blocks joined by `\\n---\\n` (data-flow design, step 7)."""
     return "\n---\n".join(
         f"Title: {item.title}\nContent: {item.content}\nLink: {item.link}" for item in results
     )

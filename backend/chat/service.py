@@ -1,5 +1,6 @@
-"""One chat turn, end to end (seed 003): language → guardrail → memory → search → LLM with
-device tools → sources → memory with an accumulated summary; offline when no model answers.
+"""One chat turn, end to end (the dental chatbot flow design): language → guardrail → memory →
+search → LLM with device tools → sources → memory with an accumulated summary; offline when no
+model answers.
 
 `ChatService.run_turn(request, toolbox)` is an async generator of `ChatEvent`s (see
 `events.py`); it never raises for model, search, tool or device failures: they become events

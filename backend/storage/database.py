@@ -86,7 +86,13 @@ class Database:
             self.engine: Engine = "sqlite"
             self.label = target.name
         elif is_postgres_url(target):
-            from backend.storage import postgres
+            try:
+                from backend.storage import postgres
+            except ImportError as exc:  # psycopg is the `postgres` extra
+                raise DatabaseError(
+                    f"{describe_url(target)} needs the PostgreSQL driver ({exc.name} is not"
+                    " installed): pip install 'esp32-mcp-bridge[postgres]'"
+                ) from None
 
             self._postgres = postgres.PostgresEngine(
                 target,
