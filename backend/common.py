@@ -1,11 +1,17 @@
 """Small helpers that several packages share: times for JSON, text clipped for logs and people,
-the address a local client uses to reach a listener, and the listening socket of an HTTP server.
+the address a local client uses to reach a listener, the listening socket of an HTTP server, and
+the bounded table (`Lru`) of per-device or per-key state.
 
 Standard library only, and nothing of `backend` imported: every package may use it.
 """
 
 import socket
+from collections import OrderedDict
 from datetime import UTC, datetime
+from typing import TypeVar
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})  # listen addresses meaning "every interface"
 
@@ -69,3 +75,20 @@ def tcp_listener(host: str, port: int, backlog: int = 1024) -> socket.socket:
         raise
     sock.setblocking(False)
     return sock
+
+
+class Lru(OrderedDict[K, V]):
+    """A table of at most `limit` entries, most recently put last: `put` makes a key the newest
+    and drops the oldest beyond the limit. For per-device or per-key state that strangers can
+    make grow (device ids, session ids, digests), so memory stays bounded."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def put(self, key: K, value: V) -> None:
+        """Store `value` as the newest entry, evicting the oldest past `limit`."""
+        self[key] = value
+        self.move_to_end(key)
+        while len(self) > self.limit:
+            self.popitem(last=False)

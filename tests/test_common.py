@@ -2,7 +2,15 @@
 
 import pytest
 
-from backend.common import WILDCARD_HOSTS, clip, excerpt, iso_time, reachable_host, url_host
+from backend.common import (
+    WILDCARD_HOSTS,
+    Lru,
+    clip,
+    excerpt,
+    iso_time,
+    reachable_host,
+    url_host,
+)
 
 
 def test_iso_time_is_utc_and_keeps_none() -> None:
@@ -74,3 +82,14 @@ def test_reachable_host_maps_wildcards_to_the_loopback_of_their_family(
 )
 def test_url_host_brackets_ipv6_once(host: str, expected: str) -> None:
     assert url_host(host) == expected
+
+
+def test_a_bounded_table_keeps_the_most_recently_put_and_drops_the_oldest() -> None:
+    table: Lru[str, int] = Lru(3)
+    for number, key in enumerate("abcd"):
+        table.put(key, number)
+    assert list(table) == ["b", "c", "d"]  # "a", the oldest, went
+    table.put("b", 10)  # put again: the newest now
+    table.put("e", 4)
+    assert list(table.items()) == [("d", 3), ("b", 10), ("e", 4)]
+    assert len(table) == table.limit == 3

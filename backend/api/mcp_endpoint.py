@@ -37,7 +37,6 @@ import contextlib
 import hashlib
 import json
 import re
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +65,7 @@ from backend.api.chat import conversation_json
 from backend.api.scopes import principal_of
 from backend.chat import ChatService, ConversationNotFound, SearchFailed, format_results
 from backend.chat.language import detect_language
+from backend.common import Lru
 from backend.devices import Device, DeviceRegistry, DeviceState
 from backend.devices.registry import DeviceEvent, EventKind, is_user_only
 from backend.errors import BridgeError
@@ -245,7 +245,7 @@ class McpEndpoint:
         # An ASGI app (not a function) as the endpoint: Starlette passes every method through.
         self.route = Route(MCP_PATH, endpoint=_Asgi(self))
         # Sessions that asked for tools, for list_changed notices (oldest first, bounded).
-        self._sessions: OrderedDict[str, ServerSession] = OrderedDict()
+        self._sessions: Lru[str, ServerSession] = Lru(MAX_SESSIONS)
         self._task: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
         self._notifier: asyncio.Task[None] | None = None
@@ -583,10 +583,7 @@ class McpEndpoint:
         session_id = request.headers.get(MCP_SESSION_ID_HEADER)
         if session_id is None:
             return
-        self._sessions[session_id] = ctx.session
-        self._sessions.move_to_end(session_id)
-        while len(self._sessions) > MAX_SESSIONS:
-            self._sessions.popitem(last=False)
+        self._sessions.put(session_id, ctx.session)
 
     def _on_device_event(self, event: DeviceEvent) -> None:
         if event.kind in _LIST_CHANGING:

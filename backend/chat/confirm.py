@@ -16,12 +16,12 @@ A question expires after `ttl_s` (5 minutes) and at most `limit` are kept (oldes
 
 import re
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from backend.chat.text import Language
+from backend.common import Lru
 
 # A reply is an answer only when every word of it is a yes (or a no) word or a filler: "Có nên
 # dùng nước súc miệng không?" starts with "có" but asks a question, and "ok but first tell me
@@ -142,15 +142,12 @@ class ConfirmationBook:
         self.ttl_s = ttl_s
         self.limit = limit
         self._clock = clock
-        self._pending: OrderedDict[str, PendingConfirmation] = OrderedDict()
+        self._pending: Lru[str, PendingConfirmation] = Lru(limit)
 
     def remember(self, keys: list[str], pending: PendingConfirmation) -> None:
         """Remember the call under each key (replacing older ones); past `limit` the oldest go."""
         for key in keys:
-            self._pending.pop(key, None)
-            self._pending[key] = pending
-        while len(self._pending) > self.limit:
-            self._pending.popitem(last=False)
+            self._pending.put(key, pending)
 
     def take(self, keys: list[str]) -> PendingConfirmation | None:
         """The question asked in one of these conversations (removed), if still fresh."""

@@ -32,7 +32,6 @@ import asyncio
 import contextlib
 import re
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
@@ -54,6 +53,7 @@ from backend.chat import (
 )
 from backend.chat.language import detect_language
 from backend.chat.text import NOT_AN_END, replace_surrogates, sentences
+from backend.common import Lru
 from backend.devices import DeviceRegistry
 from backend.devices.conversation import Conversation as DeviceConversation
 from backend.devices.conversation import ConversationHub, Unsubscribe
@@ -215,7 +215,7 @@ class DeviceChat:
         self._answers: dict[str, Answer] = {}
         # The language of each device's last turn (outlives its links: a stock device connects
         # anew for each conversation); the voice path's "auto" language reads it.
-        self._languages: OrderedDict[str, str] = OrderedDict()
+        self._languages: Lru[str, str] = Lru(LANGUAGES_KEPT)
         self._unsubscribe: list[Unsubscribe] = []
         # Per device: a device that keeps detecting and aborting costs a few lines, then counts.
         self._logs = DeviceBudgets(burst=5)  # outlives links: reconnecting buys no fresh burst
@@ -280,10 +280,7 @@ class DeviceChat:
         return self._languages.get(device_id)
 
     def _note_language(self, device_id: str, text: str, heard_in: str | None) -> None:
-        self._languages[device_id] = heard_in or detect_language(text)
-        self._languages.move_to_end(device_id)
-        while len(self._languages) > LANGUAGES_KEPT:
-            self._languages.popitem(last=False)
+        self._languages.put(device_id, heard_in or detect_language(text))
 
     def say(
         self, conversation: DeviceConversation, text: str, emotion: str = "neutral"

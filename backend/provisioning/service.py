@@ -30,7 +30,6 @@ import contextlib
 import re
 import socket
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +39,7 @@ import structlog
 import uvicorn
 
 from backend.auth import DEVICE_TOKEN_FILE, load_or_create_secret, read_token
-from backend.common import reachable_host, url_host
+from backend.common import Lru, reachable_host, url_host
 from backend.config import Settings
 from backend.devices.registry import DeviceRegistry
 from backend.errors import listen_errors
@@ -145,7 +144,7 @@ class Provisioning:
         # `device_http_max_connections`: up to that, uvicorn answers a tiny 503.
         self.connections = ConnectionGuard.for_listener(settings, log, transport="device_http")
         self.connections.limit = handshake_cap(2 * settings.device_http_max_connections)
-        self._device_hosts: OrderedDict[str, str] = OrderedDict()
+        self._device_hosts: Lru[str, str] = Lru(MAX_REMEMBERED_HOSTS)
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -415,10 +414,7 @@ class Provisioning:
         device's photos and token elsewhere."""
         if not host:
             return
-        self._device_hosts[device_id] = self._hostname(host)
-        self._device_hosts.move_to_end(device_id)
-        while len(self._device_hosts) > MAX_REMEMBERED_HOSTS:
-            self._device_hosts.popitem(last=False)
+        self._device_hosts.put(device_id, self._hostname(host))
 
     @property
     def _shared_token(self) -> str | None:

@@ -28,12 +28,13 @@ import asyncio
 import contextlib
 import ctypes
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import structlog
 
+from backend.common import Lru
 from backend.config import Settings
 from backend.devices import DeviceRegistry
 from backend.devices.conversation import Conversation, ConversationHub, Unsubscribe
@@ -110,9 +111,9 @@ class VoiceService:
         self.recognizer = recognizer
         self.synthesizer = synthesizer
         self._prompt_for = prompt_for
-        self._prompts: OrderedDict[str, str] = OrderedDict()
+        self._prompts: Lru[str, str] = Lru(PROMPTS_KEPT)
         self.understanding = Understanding()
-        self._device_words: OrderedDict[str, DeviceWords] = OrderedDict()
+        self._device_words: Lru[str, DeviceWords] = Lru(PROMPTS_KEPT)
         self.pool = SileroPool(settings.voice_max_sessions)
         self.pacing = Pacing(settings.voice_lead_frames, settings.voice_stop_margin_ms / 1000)
         self._limits = ListenLimits(
@@ -270,9 +271,7 @@ class VoiceService:
         prompt = self._prompts.get(tool_set.digest)
         if prompt is None:  # devices of one model share their tool set: built once
             prompt = self._prompt_for(list(tool_set.tools))
-            self._prompts[tool_set.digest] = prompt
-            if len(self._prompts) > PROMPTS_KEPT:
-                self._prompts.popitem(last=False)
+            self._prompts.put(tool_set.digest, prompt)
         return prompt
 
     def _settled(self, device_id: str, transcript: Transcript) -> Transcript:
@@ -284,9 +283,7 @@ class VoiceService:
         words = self._device_words.get(device.tools.digest)
         if words is None:
             words = DeviceWords.of(device.tool_list(include_user_only=False))
-            self._device_words[device.tools.digest] = words
-            if len(self._device_words) > PROMPTS_KEPT:
-                self._device_words.popitem(last=False)
+            self._device_words.put(device.tools.digest, words)
         return self.understanding.settle(transcript, words)
 
     def _on_pause(self, conversation: Conversation, utterance: Utterance) -> None:
