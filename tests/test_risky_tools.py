@@ -82,6 +82,8 @@ async def test_the_api_refuses_risky_tools_without_confirm(
         (UPGRADE, {"url": "http://x/f.bin"}, "rule '*upgrade*'"),
         (ERASE, {}, "destructiveHint"),
     ):
+        listed = (await api.get(f"/api/devices/{MAC}/tools")).json()["tools"]
+        assert next(t for t in listed if t["name"] == name)["needs_confirmation"] is True
         refused = await call(api, name, arguments=arguments)
         assert refused.status_code == 428, refused.text
         error = refused.json()["error"]
@@ -93,8 +95,11 @@ async def test_the_api_refuses_risky_tools_without_confirm(
         done = await call(api, name, arguments=arguments, confirm=True)
         assert done.status_code == 200, done.text
     assert called(device) == [REBOOT, UPGRADE, ERASE]
-    # A harmless tool needs nothing.
+    # A harmless tool needs nothing, and is listed so.
     assert (await call(api, "self.audio_speaker.set_volume", arguments={"volume": 5})).is_success
+    listed = (await api.get(f"/api/devices/{MAC}/tools")).json()["tools"]
+    harmless = next(t for t in listed if t["name"] == "self.audio_speaker.set_volume")
+    assert harmless["needs_confirmation"] is False
 
 
 async def test_the_cli_needs_confirm_for_a_risky_tool(bridge: Bridge, device: WireDevice) -> None:
@@ -122,6 +127,15 @@ async def test_the_policy_is_set_per_tool_and_per_device(
             await wire.connect()
             await wait_state(bridge, wire.device_id)
         try:
+            # The tool listing says what the policy decides, per device (the console and the
+            # CLI mark those tools before they are used).
+            for wire, expected in (
+                (lab, {"self.audio_speaker.set_volume"}),
+                (other, {REBOOT, "self.audio_speaker.set_volume"}),
+            ):
+                listed = (await api.get(f"/api/devices/{wire.device_id}/tools")).json()["tools"]
+                marked = {tool["name"] for tool in listed if tool["needs_confirmation"]}
+                assert marked == expected, listed
             assert (await call(api, REBOOT)).status_code == 200  # exempt on this device
             assert (await call(api, REBOOT, "a4:cf:00:00:00:02")).status_code == 428
             assert (await call(api, ERASE)).status_code == 200  # destructiveHint switched off

@@ -97,6 +97,7 @@ class ToolList(BaseModel):
     state: str
     cached: bool
     read_at: str | None
+    # MCP's tool fields, and `needs_confirmation`: a call is held until confirmed.
     tools: list[dict[str, Any]]
 
 
@@ -210,7 +211,10 @@ def create_app(
                 state=device.state.value,
                 cached=False,
                 read_at=iso_time(record.tools_read_at if record else None),
-                tools=[_tool_json(t) for t in device.tool_list(include_user_only=user)],
+                tools=[
+                    _tool_json(t, registry.confirmation.reason(device_id, t))
+                    for t in device.tool_list(include_user_only=user)
+                ],
             )
         record = registry.require_record(device_id)
         tools = [t for t in record.tools.tools if user or not is_user_only(t)]
@@ -219,7 +223,7 @@ def create_app(
             state=DeviceState.OFFLINE.value,
             cached=True,
             read_at=iso_time(record.tools_read_at),
-            tools=[_tool_json(t) for t in tools],
+            tools=[_tool_json(t, registry.confirmation.reason(device_id, t)) for t in tools],
         )
 
     async def call_tool(request: Request) -> Response:
@@ -318,12 +322,15 @@ def _limited_listing(
     )
 
 
-def _tool_json(tool: Tool) -> dict[str, Any]:
+def _tool_json(tool: Tool, confirmation: str | None) -> dict[str, Any]:
+    """A tool as MCP lists it, and whether the bridge holds a call of it for a confirmation
+    (the console and the CLI mark such tools before they are used)."""
     return {
         "name": tool.name,
         "description": tool.description,
         "inputSchema": tool.input_schema,
         "annotations": tool.annotations,
+        "needs_confirmation": confirmation is not None,
     }
 
 
