@@ -5,9 +5,8 @@ The instances run in this process (each a real `Bridge` with its own listeners, 
 and broker connection); tests/test_cluster_processes.py kills real processes."""
 
 import asyncio
-import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,36 +17,23 @@ from backend.devices.registry import DeviceState, RemoteDevice
 from backend.server import Bridge
 from simulator import SimulatedDevice
 from simulator.llm_server import FakeCall, FakeLlm, Reply
-from tests.cluster_helpers import Cluster, Partition, running_cluster, until
-from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, make_settings, run_cli
+from tests.cluster_helpers import (
+    Cluster,
+    Partition,
+    cluster,
+    devices,
+    start_device,
+    until,
+)
+from tests.helpers import ADMIN_TOKEN, make_settings, run_cli
 from tests.mcp_helpers import VOLUME as MCP_VOLUME
 from tests.mcp_helpers import mcp_session
 from tests.stream_helpers import open_stream, stream_state
 from tests.stream_helpers import stream_ready as ready_event
+from tests.test_cluster_cli import table
 
-
-@pytest.fixture
-async def cluster(tmp_path: Path, postgres_url: str) -> AsyncIterator[Cluster]:
-    async with running_cluster(tmp_path, postgres_url) as running:
-        yield running
-
-
-@pytest.fixture
-async def devices() -> AsyncIterator[list[SimulatedDevice]]:
-    started: list[SimulatedDevice] = []
-    yield started
-    for device in started:
-        with contextlib.suppress(Exception):
-            await device.stop()
-
-
-def start_device(
-    started: list[SimulatedDevice], url: str, index: int, **kwargs: object
-) -> SimulatedDevice:
-    device = SimulatedDevice(url, DEVICE_TOKEN, index=index, reconnect_min_s=0.2, **kwargs)  # type: ignore[arg-type]
-    started.append(device)
-    device.start()
-    return device
+# Fixtures shared by the cluster tests (tests/cluster_helpers.py).
+__all__ = ["cluster", "devices"]
 
 
 def state_on(cluster: Cluster, name: str, device_id: str) -> str | None:
@@ -313,11 +299,7 @@ async def test_cluster_status_and_drain_from_the_cli(
     login = ["--server", a.api_url, "--token", ADMIN_TOKEN]
     code, out, err = await run_cli("cluster", "status", *login)
     assert code == 0, err
-    cells = {
-        line.split("│")[1].strip(): [cell.strip() for cell in line.split("│")[2:-1]]
-        for line in out.splitlines()
-        if line.startswith("│")
-    }
+    _header, cells = table(out)
     assert cells["a (this)"][:4] == ["yes", "", cells["a (this)"][2], "0"]
     assert cells["b"][0] == "yes" and cells["b"][3] == "1" and cells["b"][5] == b.api_url
     assert "1 on the others" in out

@@ -23,11 +23,21 @@ from backend.devices.registry import DeviceState
 from backend.server import Bridge
 from backend.transports.mqtt_credentials import BridgeAccount
 from simulator import SimulatedDevice
-from tests.cluster_helpers import FAST_LEASES, Cluster, running_cluster, until
+from tests.cluster_helpers import (
+    FAST_LEASES,
+    Cluster,
+    devices,
+    running_cluster,
+    start_device,
+    until,
+)
 from tests.haproxy import ADMIN_PORT, OTA_PORT, WS_PORT, HAProxy, InstancePorts, haproxy_binary
 from tests.helpers import DEVICE_TOKEN, make_settings
 from tests.mosquitto import Mosquitto
 from tests.ports import reserve_port
+
+# Fixtures shared by the cluster tests (tests/cluster_helpers.py).
+__all__ = ["devices"]
 
 DEFAULT_LEASE = {"lease_ttl_s": 6.0, "lease_renew_s": 2.0}
 VOLUME = "self.audio_speaker.set_volume"
@@ -111,22 +121,6 @@ async def cluster(tmp_path: Path, postgres_url: str) -> AsyncIterator[Cluster]:
     async with running_cluster(tmp_path, postgres_url) as running:
         running.balancer.leastconn = True  # like deploy/haproxy.cfg
         yield running
-
-
-@pytest.fixture
-async def devices() -> AsyncIterator[list[SimulatedDevice]]:
-    started: list[SimulatedDevice] = []
-    yield started
-    for device in started:
-        with contextlib.suppress(Exception):
-            await device.stop()
-
-
-def start_device(started: list[SimulatedDevice], url: str, index: int) -> SimulatedDevice:
-    device = SimulatedDevice(url, DEVICE_TOKEN, index=index, reconnect_min_s=0.2)
-    started.append(device)
-    device.start()
-    return device
 
 
 def ready_on(cluster: Cluster, name: str, device_id: str) -> bool:

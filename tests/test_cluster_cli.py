@@ -2,44 +2,34 @@
 token through the environment (as the compose file and Kubernetes do), and the `instance`
 column of `esp32-bridge devices`."""
 
-import contextlib
-from collections.abc import AsyncIterator
+import re
 from pathlib import Path
-
-import pytest
 
 from backend.server import Bridge
 from backend.transports.mqtt_credentials import BridgeAccount
 from simulator import SimulatedDevice
-from tests.cluster_helpers import Cluster, running_cluster, until
+from tests.cluster_helpers import Cluster, cluster, devices, start_device, until
 from tests.cluster_processes import ServeInstance, instance_env
-from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, run_cli
+from tests.helpers import ADMIN_TOKEN, run_cli
 from tests.mosquitto import Mosquitto
+
+# Fixtures shared by the cluster tests (tests/cluster_helpers.py).
+__all__ = ["cluster", "devices"]
 
 NO_TOKEN = {"BRIDGE_ADMIN_TOKEN": "", "BRIDGE_SERVER": ""}  # nothing from the CLI's environment
 
 
 def table(out: str) -> tuple[list[str], dict[str, list[str]]]:
-    """A rich table's header and its rows by first cell."""
-    lines = [line for line in out.splitlines() if line.startswith(("│", "┃"))]
-    cells = [[cell.strip() for cell in line[1:-1].replace("┃", "│").split("│")] for line in lines]
-    return cells[0], {row[0]: row[1:] for row in cells[1:]}
+    """A CLI table's header and its rows by first cell (each cell starts under its header)."""
+    lines = out.splitlines()
+    rule = next(i for i, line in enumerate(lines) if line and set(line) == {"─"})
+    starts = [match.start() for match in re.finditer(r"\S+", lines[rule - 1])]
 
+    def cells(line: str) -> list[str]:
+        return [line[a:b].strip() for a, b in zip(starts, [*starts[1:], None], strict=True)]
 
-@pytest.fixture
-async def devices() -> AsyncIterator[list[SimulatedDevice]]:
-    started: list[SimulatedDevice] = []
-    yield started
-    for device in started:
-        with contextlib.suppress(Exception):
-            await device.stop()
-
-
-def start_device(started: list[SimulatedDevice], url: str, index: int) -> SimulatedDevice:
-    device = SimulatedDevice(url, DEVICE_TOKEN, index=index, reconnect_min_s=0.2)
-    started.append(device)
-    device.start()
-    return device
+    rows = [cells(line) for line in lines[rule + 1 :] if line.strip()]
+    return cells(lines[rule - 1]), {row[0]: row[1:] for row in rows}
 
 
 # ---- the admin token of a `serve` given it through its environment ---------------------------
@@ -88,12 +78,6 @@ async def test_a_stale_runtime_file_with_a_reused_pid_gives_no_token(tmp_path: P
 
 
 # ---- `devices`: which instance serves each device ----------------------------------------------
-
-
-@pytest.fixture
-async def cluster(tmp_path: Path, postgres_url: str) -> AsyncIterator[Cluster]:
-    async with running_cluster(tmp_path, postgres_url) as running:
-        yield running
 
 
 async def test_devices_shows_the_instance_serving_each_device(

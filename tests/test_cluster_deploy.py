@@ -43,7 +43,7 @@ from backend.devices.registry import DeviceState
 from backend.server import Bridge
 from backend.transports.mqtt_credentials import BridgeAccount, emqx_acl
 from simulator import SimulatedDevice
-from tests.cluster_helpers import Cluster, running_cluster, until
+from tests.cluster_helpers import Cluster, cluster, until
 from tests.cluster_processes import ADMIN_TOKEN as PROCESS_ADMIN_TOKEN
 from tests.cluster_processes import DEVICE_TOKEN as PROCESS_DEVICE_TOKEN
 from tests.cluster_processes import ServeInstance, instance_env, wait_until
@@ -62,6 +62,9 @@ from tests.helpers import ADMIN_TOKEN as TEST_ADMIN_TOKEN
 from tests.helpers import DEVICE_TOKEN
 from tests.mosquitto import Mosquitto
 from tests.ports import reserve_port
+
+# Fixtures shared by the cluster tests (tests/cluster_helpers.py).
+__all__ = ["cluster"]
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -296,12 +299,6 @@ def instance_ports(bridge: Bridge) -> InstancePorts:
             environment["BRIDGE_HTTP_PORT"]: bridge.http_port,
         }
     )
-
-
-@pytest.fixture
-async def cluster(tmp_path: Path, postgres_url: str) -> AsyncIterator[Cluster]:
-    async with running_cluster(tmp_path, postgres_url) as running:
-        yield running
 
 
 @pytest.fixture

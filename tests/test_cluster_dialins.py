@@ -2,22 +2,14 @@
 each instance publishes its dial-ins as a retained message on the cluster broker, shown by the
 others while its presence is up; a malformed entry from a peer is skipped, not a 500."""
 
-from collections.abc import AsyncIterator
-from pathlib import Path
-
-import pytest
-
 from backend.cluster import wire
 from backend.mcp_dialin.endpoint import server_name
-from tests.cluster_helpers import Cluster, running_cluster, until
+from tests.cluster_helpers import Cluster, cluster, until
 from tests.dialin_helpers import RawPipe
 from tests.helpers import create_key
 
-
-@pytest.fixture
-async def cluster(tmp_path: Path, postgres_url: str) -> AsyncIterator[Cluster]:
-    async with running_cluster(tmp_path, postgres_url) as running:
-        yield running
+# Fixtures shared by the cluster tests (tests/cluster_helpers.py).
+__all__ = ["cluster"]
 
 
 async def servers_on(cluster: Cluster, name: str) -> list[dict[str, object]]:

@@ -3,20 +3,20 @@ forwarded and served calls, devices owned, stale links closed, fences; only for 
 cluster. Scraped from real instances on PostgreSQL and Mosquitto and parsed with
 prometheus_client's own parser."""
 
-import contextlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from backend import metrics
 from backend.server import Bridge
 from simulator import SimulatedDevice
-from tests.cluster_helpers import FAST_LEASES, Cluster, running_cluster, until
+from tests.cluster_helpers import FAST_LEASES, Cluster, cluster, devices, until
 from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN
+
+# Fixtures shared by the cluster tests (tests/cluster_helpers.py).
+__all__ = ["cluster", "devices"]
 
 GAUGES = {
     "bridge_cluster_fenced",
@@ -54,21 +54,6 @@ async def scrape(bridge: Bridge) -> tuple[dict[str, str], Samples]:
         answer = await http.get("/metrics")
     assert answer.status_code == 200, answer.text
     return cluster_samples(answer.text)
-
-
-@pytest.fixture
-async def cluster(tmp_path: Path, postgres_url: str) -> AsyncIterator[Cluster]:
-    async with running_cluster(tmp_path, postgres_url) as running:
-        yield running
-
-
-@pytest.fixture
-async def devices() -> AsyncIterator[list[SimulatedDevice]]:
-    started: list[SimulatedDevice] = []
-    yield started
-    for device in started:
-        with contextlib.suppress(Exception):
-            await device.stop()
 
 
 async def test_a_single_bridge_has_no_cluster_metrics(bridge: Bridge) -> None:

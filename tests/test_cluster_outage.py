@@ -14,10 +14,7 @@ Real instances in this process on a real PostgreSQL and Mosquitto; the cuts are 
 (tests/cluster_helpers.py `Partition`)."""
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
@@ -26,42 +23,21 @@ from backend.devices.registry import DeviceEvent, EventKind
 from backend.server import Bridge
 from backend.storage import Database
 from simulator import SimulatedDevice
-from tests.cluster_helpers import Cluster, Partition, running_cluster, until
+from tests.cluster_helpers import (
+    Cluster,
+    Partition,
+    cluster,
+    database_proxy,
+    devices,
+    start_device,
+    until,
+)
 from tests.helpers import DEVICE_TOKEN
-from tests.postgres import PostgresServer
+
+# Fixtures shared by the cluster tests (tests/cluster_helpers.py).
+__all__ = ["cluster", "database_proxy", "devices"]
 
 VOLUME = "self.audio_speaker.set_volume"
-
-
-@pytest.fixture
-async def cluster(tmp_path: Path, postgres_url: str) -> AsyncIterator[Cluster]:
-    async with running_cluster(tmp_path, postgres_url) as running:
-        yield running
-
-
-@pytest.fixture
-async def devices() -> AsyncIterator[list[SimulatedDevice]]:
-    started: list[SimulatedDevice] = []
-    yield started
-    for device in started:
-        with contextlib.suppress(Exception):
-            await device.stop()
-
-
-@pytest.fixture
-async def database_proxy(postgres_server: PostgresServer) -> AsyncIterator[Partition]:
-    proxy = Partition(unix_path=f"{postgres_server.socket_dir}/.s.PGSQL.5432")
-    await proxy.start()
-    yield proxy
-    proxy.heal()
-    await proxy.stop()
-
-
-def start_device(started: list[SimulatedDevice], url: str, index: int) -> SimulatedDevice:
-    device = SimulatedDevice(url, DEVICE_TOKEN, index=index, reconnect_min_s=0.2)
-    started.append(device)
-    device.start()
-    return device
 
 
 def state_on(bridge: Bridge, device_id: str) -> str | None:

@@ -3,19 +3,25 @@ the database or the broker do), `/readyz` (readiness: 503 while the instance sho
 devices) and `/healthz`, the alias of `/readyz`. All three need no token and tell no secret."""
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
+from collections.abc import Awaitable, Callable
 
 import httpx
-import pytest
 
 from backend.api.app import create_app
 from backend.devices import DeviceRegistry
 from backend.server import Bridge
 from simulator import SimulatedDevice
-from tests.cluster_helpers import Cluster, Partition, running_cluster, until
+from tests.cluster_helpers import (
+    Cluster,
+    Partition,
+    cluster,
+    database_proxy,
+    until,
+)
 from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN
-from tests.postgres import PostgresServer
+
+# Fixtures shared by the cluster tests (tests/cluster_helpers.py).
+__all__ = ["cluster", "database_proxy"]
 
 PROBES = ("/livez", "/readyz", "/healthz")
 
@@ -81,21 +87,6 @@ async def test_the_openapi_document_lists_the_probes_as_open(bridge: Bridge) -> 
 
 
 # ---- a cluster instance ------------------------------------------------------------------------
-
-
-@pytest.fixture
-async def cluster(tmp_path: Path, postgres_url: str) -> AsyncIterator[Cluster]:
-    async with running_cluster(tmp_path, postgres_url) as running:
-        yield running
-
-
-@pytest.fixture
-async def database_proxy(postgres_server: PostgresServer) -> AsyncIterator[Partition]:
-    proxy = Partition(unix_path=f"{postgres_server.socket_dir}/.s.PGSQL.5432")
-    await proxy.start()
-    yield proxy
-    proxy.heal()
-    await proxy.stop()
 
 
 def through(proxy: Partition, postgres_url: str) -> str:
