@@ -1,10 +1,12 @@
 """Small helpers that several packages share: times for JSON, text clipped for logs and people,
 the address a local client uses to reach a listener, the listening socket of an HTTP server, and
-the bounded table (`Lru`) of per-device or per-key state.
+the bounded table (`Lru`) of per-device or per-key state, and the waits between reconnects
+(`Backoff`).
 
 Standard library only, and nothing of `backend` imported: every package may use it.
 """
 
+import random
 import socket
 from collections import OrderedDict
 from datetime import UTC, datetime
@@ -92,3 +94,27 @@ class Lru(OrderedDict[K, V]):
         self.move_to_end(key)
         while len(self) > self.limit:
             self.popitem(last=False)
+
+
+class Backoff:
+    """The waits between reconnect attempts: `initial_s`, doubling per failed attempt up to
+    `max_s`, each times a random factor from `jitter` so that clients which lost the same peer
+    do not come back in step. `reset()` after a connection that worked."""
+
+    def __init__(
+        self, initial_s: float, max_s: float, *, jitter: tuple[float, float] = (0.5, 1.0)
+    ) -> None:
+        self.initial_s = initial_s
+        self.max_s = max_s
+        self.jitter = jitter
+        self.attempts = 0
+
+    def next_wait(self) -> float:
+        """The wait before the next attempt (counts one more failed attempt)."""
+        base = min(self.max_s, self.initial_s * 2.0 ** min(self.attempts, 30))
+        self.attempts += 1
+        return base * random.uniform(*self.jitter)
+
+    def reset(self) -> None:
+        """Start again from `initial_s` (the last attempt connected)."""
+        self.attempts = 0

@@ -4,6 +4,7 @@ import pytest
 
 from backend.common import (
     WILDCARD_HOSTS,
+    Backoff,
     Lru,
     clip,
     excerpt,
@@ -93,3 +94,13 @@ def test_a_bounded_table_keeps_the_most_recently_put_and_drops_the_oldest() -> N
     table.put("e", 4)
     assert list(table.items()) == [("d", 3), ("b", 10), ("e", 4)]
     assert len(table) == table.limit == 3
+
+
+def test_backoff_doubles_to_its_cap_with_jitter_and_starts_again_after_a_reset() -> None:
+    backoff = Backoff(0.1, 0.8, jitter=(0.5, 1.0))
+    waits = [backoff.next_wait() for _ in range(6)]
+    bases = [0.1, 0.2, 0.4, 0.8, 0.8, 0.8]
+    assert all(base * 0.5 <= wait <= base for wait, base in zip(waits, bases, strict=True))
+    assert backoff.attempts == 6
+    backoff.reset()
+    assert 0.05 <= backoff.next_wait() <= 0.1

@@ -19,9 +19,6 @@ announce itself again after the broker was away (its will has cleared its presen
 
 import asyncio
 import contextlib
-import random
-import socket
-import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -30,11 +27,12 @@ import structlog
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from backend.common import Backoff
 from backend.transports.mqtt import BrokerAddress
 
 log = structlog.get_logger("cluster")
 
-RECONNECT_MIN_S = 0.2
+RECONNECT_FIRST_S = 0.4  # the first wait; it doubles up to the cap
 RECONNECT_MAX_S = 1.0  # a broker back is used within a second (listings agree again)
 PUBLISH_TIMEOUT_S = 5.0
 
@@ -214,25 +212,16 @@ class Fabric:
         await self.publish(self.topics.ping, b"", timeout_s=timeout_s)
 
     def _client_for(self) -> aiomqtt.Client:
-        address = self.address
-        tls = ssl.create_default_context() if address.tls else None
-        will = aiomqtt.Will(self.topics.presence(), b"", qos=1, retain=True)
-        return aiomqtt.Client(
-            address.host,
-            address.port,
-            username=address.username,
-            password=address.password,
-            identifier=f"bridge-cluster-{self.topics.instance_id}",
+        return self.address.client(
+            f"bridge-cluster-{self.topics.instance_id}",
+            keepalive_s=self._keepalive_s,
+            timeout_s=PUBLISH_TIMEOUT_S,
             protocol=aiomqtt.ProtocolVersion.V5,
-            will=will,
-            keepalive=self._keepalive_s,
-            tls_context=tls,
-            timeout=PUBLISH_TIMEOUT_S,
-            socket_options=((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),),
+            will=aiomqtt.Will(self.topics.presence(), b"", qos=1, retain=True),
         )
 
     async def _run(self) -> None:
-        attempt = 0
+        backoff = Backoff(RECONNECT_FIRST_S, RECONNECT_MAX_S)
         while not self._stopping:
             try:
                 async with self._client_for() as client:
@@ -240,7 +229,7 @@ class Fabric:
                     await client.subscribe(self.topics.subscriptions())
                     await client.publish(self.topics.presence(), self.presence, qos=1, retain=True)
                     self._connected.set()
-                    attempt = 0
+                    backoff.reset()
                     log.info("cluster broker connected", broker=self.address.redacted())
                     await self._announce()
                     async for message in client.messages:
@@ -256,9 +245,7 @@ class Fabric:
                 self._client = None
                 if was_connected:
                     self._on_disconnect()
-            attempt += 1
-            delay = min(RECONNECT_MAX_S, RECONNECT_MIN_S * 2 ** min(attempt, 10))
-            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            await asyncio.sleep(backoff.next_wait())
 
     async def _announce(self) -> None:
         try:

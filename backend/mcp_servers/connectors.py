@@ -12,7 +12,6 @@ conversation is touched.
 
 import asyncio
 import contextlib
-import random
 import sys
 from collections.abc import AsyncIterator
 from typing import Any
@@ -27,6 +26,7 @@ from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
 from mcp_types import CONNECTION_CLOSED
 
+from backend.common import Backoff
 from backend.logs import redact_library_urls, redact_url
 from backend.mcp_servers.servers import (
     CallTimedOut,
@@ -140,7 +140,7 @@ class ConfiguredServer(SessionServer):
     # ---- the supervisor -----------------------------------------------------------------------
 
     async def _supervise(self) -> None:
-        delay = self.backoff_initial_s
+        backoff = Backoff(self.backoff_initial_s, self.backoff_max_s, jitter=(0.8, 1.2))
         while True:
             self._set_state(ServerState.CONNECTING)
             self.next_attempt_in_s = None
@@ -155,13 +155,12 @@ class ConfiguredServer(SessionServer):
             if self._stopping:
                 return
             if worked:
-                delay = self.backoff_initial_s
-            wait = delay * random.uniform(0.8, 1.2)
+                backoff.reset()
+            wait = backoff.next_wait()
             self.detach(error, state=ServerState.BACKING_OFF)
             self.next_attempt_in_s = round(wait, 3)
             log.warning("mcp server down", server=self.name, error=error, retry_in_s=wait)
             await self._sleep(wait)
-            delay = min(delay * 2, self.backoff_max_s)
 
     async def _connect_and_watch(self) -> bool:
         """Connect, serve until the connection is lost; True if it got to READY."""

@@ -36,19 +36,18 @@ and jitter, forever, until `stop`.
 """
 
 import asyncio
-import random
 import socket
 import ssl
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
 import aiomqtt
 import structlog
 
-from backend.common import WILDCARD_HOSTS
+from backend.common import WILDCARD_HOSTS, Backoff
 from backend.errors import BridgeError, MessageTooLarge
 from backend.logs import EventBudget
 from backend.protocol.audio import AudioFrame
@@ -145,6 +144,33 @@ class BrokerAddress:
         user = f"{self.username}@" if self.username else ""
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{'mqtts' if self.tls else 'mqtt'}://{user}{host}:{self.port}"
+
+    def client(
+        self,
+        identifier: str,
+        *,
+        keepalive_s: int,
+        timeout_s: float,
+        tls_ca_file: str | None = None,
+        **options: Any,
+    ) -> aiomqtt.Client:
+        """An aiomqtt client of this broker (credentials, TLS for `mqtts://`), with Nagle off:
+        paho leaves it on, and a PUBACK of ours still unacknowledged then held the next request
+        until the broker's delayed ACK, 40 ms per call through a local broker. `options` go to
+        aiomqtt (protocol, will, queue bounds)."""
+        tls = ssl.create_default_context(cafile=tls_ca_file) if self.tls else None
+        return aiomqtt.Client(
+            self.host,
+            self.port,
+            username=self.username,
+            password=self.password,
+            identifier=identifier,
+            keepalive=keepalive_s,
+            tls_context=tls,
+            timeout=timeout_s,
+            socket_options=((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),),
+            **options,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,29 +414,18 @@ class MqttTransport:
     # ---- broker connection ----------------------------------------------------------------------
 
     def _client_for(self) -> aiomqtt.Client:
-        address = self.address
-        tls: ssl.SSLContext | None = None
-        if address.tls:
-            tls = ssl.create_default_context(cafile=self.settings.tls_ca_file)
-        return aiomqtt.Client(
-            address.host,
-            address.port,
-            username=address.username,
-            password=address.password,
-            identifier=self.settings.client_id,
-            keepalive=self.settings.keepalive_s,
+        return self.address.client(
+            self.settings.client_id,
+            keepalive_s=self.settings.keepalive_s,
+            timeout_s=self.settings.publish_timeout_s,
+            tls_ca_file=self.settings.tls_ca_file,
             clean_session=True,
-            tls_context=tls,
             max_queued_incoming_messages=self.settings.broker_queue,
             max_queued_outgoing_messages=self.settings.outbound_queue,
-            timeout=self.settings.publish_timeout_s,
-            # paho leaves Nagle on: a PUBACK of ours still unacknowledged held the next request
-            # until the broker's delayed ACK, 40 ms per call through a local broker.
-            socket_options=((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),),
         )
 
     async def _run(self) -> None:
-        attempt = 0
+        backoff = Backoff(self.settings.reconnect_min_s, self.settings.reconnect_max_s)
         while not self._stopping:
             try:
                 async with self._client_for() as client:
@@ -419,7 +434,7 @@ class MqttTransport:
                         await self._subscribe(client, self._wanted_filters())
                         self._client = client
                     self._connected.set()
-                    attempt = 0
+                    backoff.reset()
                     self.count("broker_connects")
                     log.info("connected to mqtt broker", broker=self.address.redacted())
                     async for message in client.messages:
@@ -431,9 +446,10 @@ class MqttTransport:
                 raise
             if self._stopping:
                 return
-            attempt += 1
-            delay = self._backoff(attempt)
-            log.info("reconnecting to mqtt broker", attempt=attempt, delay_s=round(delay, 2))
+            delay = backoff.next_wait()
+            log.info(
+                "reconnecting to mqtt broker", attempt=backoff.attempts, delay_s=round(delay, 2)
+            )
             await asyncio.sleep(delay)
 
     # ---- shards ---------------------------------------------------------------------------------
@@ -499,12 +515,6 @@ class MqttTransport:
             if not self.owns(self.scheme.shard_of(device.key)):
                 self.count("shard_moved_links")
                 self._close_device(device, SHARD_MOVED, drain=False)
-
-    def _backoff(self, attempt: int) -> float:
-        """Exponential from reconnect_min_s up to reconnect_max_s, times a random 0.5-1.0."""
-        growth: float = 2.0 ** min(attempt - 1, 30)
-        base = min(self.settings.reconnect_max_s, self.settings.reconnect_min_s * growth)
-        return base * random.uniform(0.5, 1.0)
 
     def _lost(self, error: str | None) -> None:
         was_connected = self._connected.is_set()
