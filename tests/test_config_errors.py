@@ -7,12 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from backend import config
-from backend.config import (
+from backend import config_errors
+from backend.config import ConfigError, Settings, load_settings
+from backend.config_errors import (
     OTHER_VARIABLES,
-    ConfigError,
-    Settings,
-    load_settings,
     setting_variable,
     toml_key_lines,
     unknown_variables,
@@ -154,14 +152,14 @@ def test_a_secret_value_is_never_repeated(monkeypatch, tmp_path):
 
 
 def test_an_unknown_bridge_variable_is_warned_about_once(monkeypatch):
-    monkeypatch.setattr(config, "_warned_variables", set())
+    monkeypatch.setattr(config_errors, "_warned_variables", set())
     monkeypatch.setenv("BRIDGE_WS_PROT", "47200")
     for name in OTHER_VARIABLES:  # read outside Settings: known
         monkeypatch.setenv(name, "x")
     monkeypatch.setenv("BRIDGE_WS_PORT", "9000")
     said: list[str] = []
-    warn_unknown_variables(said.append)
-    warn_unknown_variables(said.append)
+    warn_unknown_variables(Settings, said.append)
+    warn_unknown_variables(Settings, said.append)
     assert said == [
         "BRIDGE_WS_PROT is not a known variable (ignored); did you mean BRIDGE_WS_PORT?"
     ]
@@ -191,7 +189,7 @@ def test_every_bridge_variable_the_project_names_is_known():
     """A variable read outside Settings must be in OTHER_VARIABLES, or users setting it would
     be told it is a typo."""
     known = {setting_variable(field) for field in Settings.model_fields} | OTHER_VARIABLES
-    assert unknown_variables({name: "1" for name in known}) == []
+    assert unknown_variables(Settings, {name: "1" for name in known}) == []
     named: dict[str, str] = {}
     suffixes = {".py", ".md", ".sh", ".toml", ".yml", ".yaml", ".env", ".txt", ".cfg", ""}
     for top in ("backend", "simulator", "scripts", "docs", "deploy", "bench", "tools"):

@@ -9,14 +9,15 @@ import typer
 from backend.auth import ADMIN_TOKEN_FILE, DEVICE_TOKEN_FILE, read_token
 from backend.cli.output import fail
 from backend.common import reachable_host, url_host
-from backend.config import ConfigError, Settings, load_settings, warn_unknown_variables
+from backend.config import ConfigError, Settings, load_settings
+from backend.config_errors import warn_unknown_variables
 from backend.runtime import LOCK_FILE, RUNTIME_FILE, read_runtime_file
 
 
 def cli_settings(config: Path | None = None, **overrides: Any) -> Settings:
     """The settings (file, environment, overrides); a config error exits with status 2. A
     `BRIDGE_*` variable nothing reads (a typo) is warned about on stderr, once per process."""
-    warn_unknown_variables(lambda line: typer.echo(f"warning: {line}", err=True))
+    warn_unknown_variables(Settings, lambda line: typer.echo(f"warning: {line}", err=True))
     try:
         return load_settings(config, **overrides)
     except ConfigError as exc:
