@@ -89,15 +89,10 @@ class ServeInstance:
             await self.process.stop()
 
 
-def instance_env(
-    name: str, database_url: str, cluster_url: str, **settings: object
-) -> dict[str, str]:
-    """The environment of one instance: the shared database and broker, its own id and tokens
-    the tests know, no LLM, voice or web search, leases as given."""
+def serve_env(**settings: object) -> dict[str, str]:
+    """The environment of a `serve` the tests drive: tokens they know, shared device auth, no
+    LLM, voice or web search, quiet logs; `settings` on top (`database_url="..."`)."""
     env = {
-        "BRIDGE_DATABASE_URL": database_url,
-        "BRIDGE_CLUSTER_URL": cluster_url,
-        "BRIDGE_INSTANCE_ID": name,
         "BRIDGE_ADMIN_TOKEN": ADMIN_TOKEN,
         "BRIDGE_DEVICE_TOKEN": DEVICE_TOKEN,
         "BRIDGE_DEVICE_AUTH": "shared",
@@ -109,6 +104,16 @@ def instance_env(
     }
     env.update({f"BRIDGE_{key.upper()}": str(value) for key, value in settings.items()})
     return env
+
+
+def instance_env(
+    name: str, database_url: str, cluster_url: str, **settings: object
+) -> dict[str, str]:
+    """The environment of one cluster instance: `serve_env` with the shared database and
+    broker and its own id, leases as given."""
+    return serve_env(
+        database_url=database_url, cluster_url=cluster_url, instance_id=name, **settings
+    )
 
 
 async def wait_until(check: Any, timeout_s: float, what: str) -> float:

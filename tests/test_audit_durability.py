@@ -33,27 +33,11 @@ from backend.storage import Database, DatabaseError
 from backend.storage.database import DATABASE_FILE
 from simulator import SimulatedDevice
 from tests.cluster_helpers import Balancer
-from tests.cluster_processes import ADMIN_TOKEN, DEVICE_TOKEN, ServeInstance, wait_until
+from tests.cluster_processes import ADMIN_TOKEN, DEVICE_TOKEN, ServeInstance, serve_env, wait_until
 
 KILLS = {"sqlite": 5, "postgresql": 1}  # the figure on SQLite; PostgreSQL: the same path
 WORKERS = 8  # concurrent callers
 TOOL = "sim.synthetic_000"
-
-
-def serve_env(database_url: str | None) -> dict[str, str]:
-    env = {
-        "BRIDGE_ADMIN_TOKEN": ADMIN_TOKEN,
-        "BRIDGE_DEVICE_TOKEN": DEVICE_TOKEN,
-        "BRIDGE_DEVICE_AUTH": "shared",
-        "BRIDGE_LLM_PROVIDER": "none",
-        "BRIDGE_SEARCH_ENABLED": "false",
-        "BRIDGE_VOICE_ENABLED": "false",
-        "BRIDGE_WS_HOST": "127.0.0.1",
-        "BRIDGE_LOG_LEVEL": "warning",
-    }
-    if database_url is not None:
-        env["BRIDGE_DATABASE_URL"] = database_url
-    return env
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -87,7 +71,8 @@ async def test_every_answered_call_has_its_row_after_kill_9s(
 ) -> None:
     name, database_url = engine
     data_dir = tmp_path / "bridge"
-    bridge = ServeInstance("solo", data_dir, serve_env(database_url))
+    settings = {"database_url": database_url} if database_url else {}  # else SQLite in data_dir
+    bridge = ServeInstance("solo", data_dir, serve_env(**settings))
     balancer = Balancer()  # a stable address for the device across restarts (new ports)
     await balancer.start()
     device = SimulatedDevice(balancer.url, DEVICE_TOKEN, index=7, reconnect_min_s=0.2,
