@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
+from backend.transports.errors import CredentialError
 from backend.transports.mqtt_credentials import (
     BridgeAccount,
     BrokerLimits,
-    CredentialError,
     CredentialTable,
     DerivedCredentials,
     emqx_acl,

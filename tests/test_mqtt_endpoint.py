@@ -18,7 +18,8 @@ from backend.devices.gateway import DeviceGateway
 from backend.devices.registry import DeviceRegistry
 from backend.protocol import mqtt_packets as mp
 from backend.transports.admission import Admission
-from backend.transports.base import LinkAcceptor, LinkClosed
+from backend.transports.base import LinkAcceptor
+from backend.transports.errors import LinkClosed
 from backend.transports.mqtt_endpoint import DeviceLogin, EndpointSettings, MqttEndpoint
 from backend.transports.throttle import ConnectionGuard, ExemptNetworks, KeyedLimiter
 from backend.transports.udp import UdpAudioChannel

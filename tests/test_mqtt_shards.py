@@ -23,7 +23,8 @@ from backend.cli.mqtt import credentials_record
 from backend.provisioning.ota import MqttAccess, mqtt_section
 from backend.server import Bridge
 from backend.transports.admission import Admission
-from backend.transports.mqtt import SHARD_MOVED, BrokerVouched, MqttConfigError, MqttTransport
+from backend.transports.errors import MqttConfigError, TopicError, WrongShard
+from backend.transports.mqtt import SHARD_MOVED, BrokerVouched, MqttTransport
 from backend.transports.mqtt_credentials import (
     BridgeAccount,
     emqx_acl,
@@ -31,15 +32,7 @@ from backend.transports.mqtt_credentials import (
     mosquitto_acl,
     write_mosquitto_password_file,
 )
-from backend.transports.mqtt_topics import (
-    DeviceTopic,
-    TopicError,
-    TopicKind,
-    TopicScheme,
-    WrongShard,
-    device_key,
-    shard_of,
-)
+from backend.transports.mqtt_topics import DeviceTopic, TopicKind, TopicScheme, device_key, shard_of
 from simulator import MqttOptions, SimulatedDevice
 from simulator.firmware import firmware_module
 from simulator.fleet import device_id_for, mqtt_firmware_module

@@ -4,10 +4,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from backend.transports.errors import TopicError
 from backend.transports.mqtt_topics import (
     DeviceTopic,
     Presence,
-    TopicError,
     TopicKind,
     TopicScheme,
     build_client_id,

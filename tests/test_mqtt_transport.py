@@ -20,13 +20,13 @@ from backend.devices.registry import DeviceRegistry
 from backend.errors import MessageTooLarge
 from backend.protocol.audio import AudioFrame
 from backend.transports.admission import Admission
-from backend.transports.base import DeviceLink, LinkClosed
+from backend.transports.base import DeviceLink
+from backend.transports.errors import LinkClosed, MqttConfigError
 from backend.transports.mqtt import (
     BROKER_LOST,
     SHUTDOWN,
     BrokerAddress,
     BrokerVouched,
-    MqttConfigError,
     MqttTransport,
 )
 from tests.helpers import make_settings

@@ -17,12 +17,11 @@ from hypothesis import strategies as st
 
 from backend.logs import EventBudget
 from backend.protocol.audio import AudioFrame
+from backend.transports.errors import PacketError, UdpError
 from backend.transports.udp import (
     CtrKeystream,
     DropReason,
-    PacketError,
     UdpAudioChannel,
-    UdpError,
     UdpSession,
     build_header,
     ctr_xor,

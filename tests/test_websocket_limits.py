@@ -14,7 +14,7 @@ from websockets.exceptions import ConnectionClosed
 
 from backend.mcp_session.client import MAX_DEVICE_REQUESTS
 from backend.protocol.audio import encode_audio
-from backend.transports.base import LinkClosed
+from backend.transports.errors import LinkClosed
 from tests.helpers import DEVICE_TOKEN, eventually, wait_state
 from tests.stock_device import WireDevice
 

@@ -28,14 +28,8 @@ from mcp_types import CONNECTION_CLOSED
 
 from backend.common import Backoff
 from backend.logs import redact_library_urls, redact_url
-from backend.mcp_servers.servers import (
-    CallTimedOut,
-    McpServerError,
-    RiskyRule,
-    ServerState,
-    SessionServer,
-    describe_error,
-)
+from backend.mcp_servers.errors import CallTimedOut, McpServerError
+from backend.mcp_servers.servers import RiskyRule, ServerState, SessionServer, describe_error
 from backend.mcp_servers.settings import McpServerSettings
 from backend.mcp_session import CallResult
 

@@ -58,23 +58,25 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from backend.mcp_servers.connectors import ConfiguredServer
+from backend.mcp_servers.errors import (
+    CallTimedOut,
+    DuplicateServer,
+    InvalidToolArguments,
+    McpServerError,
+    ServerBusy,
+    ServerConfirmationRequired,
+    ServerNotReady,
+    UnknownServerTool,
+)
 from backend.mcp_servers.servers import (
     DIALIN_PREFIX,
     CallSession,
-    CallTimedOut,
-    DuplicateServer,
     ExternalServer,
-    InvalidToolArguments,
-    McpServerError,
     RiskyRule,
-    ServerBusy,
-    ServerConfirmationRequired,
     ServerKind,
-    ServerNotReady,
     ServerState,
     SessionServer,
     ToolListing,
-    UnknownServerTool,
     bounded_result,
     describe_error,
     json_depth,

@@ -25,13 +25,12 @@ import structlog
 from backend.chat.llm.base import FunctionSpec
 from backend.chat.tools import ToolBox, ToolOutcome
 from backend.devices.validation import argument_error
-from backend.mcp_servers.servers import (
-    ExternalServer,
+from backend.mcp_servers.errors import (
     InvalidToolArguments,
     McpServerError,
     ServerConfirmationRequired,
-    ServerState,
 )
+from backend.mcp_servers.servers import ExternalServer, ServerState
 from backend.mcp_session import CallResult, Tool, ToolNameMap
 
 log = structlog.get_logger("mcp_servers")

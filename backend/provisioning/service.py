@@ -65,8 +65,8 @@ from backend.provisioning.store import REVOKED, ProvisioningStore
 from backend.provisioning.tables import PROVISIONING_MIGRATIONS
 from backend.provisioning.tokens import SECRET_FILE
 from backend.storage import Database, Migration
-from backend.transports.admission import HandshakeRefused, normalize_device_id
-from backend.transports.mqtt_topics import TopicError
+from backend.transports.admission import normalize_device_id
+from backend.transports.errors import HandshakeRefused, TopicError
 from backend.transports.throttle import ConnectionGuard, handshake_cap
 from backend.vision.service import VISION_PATH, UploadAudit, VisionService
 

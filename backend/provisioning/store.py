@@ -77,7 +77,8 @@ from backend.provisioning.tables import (
 )
 from backend.provisioning.tokens import bare_token, derive_token, hmac_sha256_hex, token_hash
 from backend.storage import Connection, Database, DatabaseError, Row, WriteBehind
-from backend.transports.mqtt_topics import TopicError, device_key
+from backend.transports.errors import TopicError
+from backend.transports.mqtt_topics import device_key
 
 log = structlog.get_logger("provisioning")
 

@@ -12,21 +12,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from backend.auth import token_matches
-from backend.errors import BridgeError
 from backend.metrics import record_handshake_refused
 from backend.transports.base import DeviceIdentity
+from backend.transports.errors import HandshakeRefused
 
 _DEVICE_ID = re.compile(r"^[A-Za-z0-9:_.\-]{1,64}$")
 SUPPORTED_PROTOCOL_VERSIONS = ("1", "2", "3")
-
-
-class HandshakeRefused(BridgeError):
-    """A device was refused at the handshake; `status` is the HTTP status a WebSocket answers."""
-
-    def __init__(self, status: int, reason: str) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,6 @@ the binary protocol versions 1-3 on WebSocket, the encrypted datagrams on UDP.
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from backend.errors import BridgeError
 from backend.protocol.audio import AudioFrame
 
 
@@ -25,10 +24,6 @@ class DeviceIdentity:
     protocol_version: int
     transport: str
     remote: str | None = None
-
-
-class LinkClosed(BridgeError):
-    """Sending on a link that is already closed."""
 
 
 class DeviceLink(Protocol):

@@ -65,7 +65,8 @@ from backend.logs import LogBudget, mask_uvicorn_query_tokens
 from backend.metrics import record_handshake_refused
 from backend.protocol.audio import AudioFrame
 from backend.transports.admission import HandshakeLimits
-from backend.transports.base import DeviceIdentity, LinkAcceptor, LinkClosed, LinkHandler
+from backend.transports.base import DeviceIdentity, LinkAcceptor, LinkHandler
+from backend.transports.errors import LinkClosed
 
 log = structlog.get_logger("transport.browser")
 

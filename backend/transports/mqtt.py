@@ -48,25 +48,23 @@ import aiomqtt
 import structlog
 
 from backend.common import WILDCARD_HOSTS, Backoff
-from backend.errors import BridgeError, MessageTooLarge
+from backend.errors import MessageTooLarge
 from backend.logs import EventBudget
 from backend.protocol.audio import AudioFrame
-from backend.transports.admission import Admission, HandshakeRefused, HandshakeRequest
-from backend.transports.base import (
-    DeviceIdentity,
-    DeviceLink,
-    LinkAcceptor,
+from backend.transports.admission import Admission, HandshakeRequest
+from backend.transports.base import DeviceIdentity, DeviceLink, LinkAcceptor, LinkHandler, Transport
+from backend.transports.errors import (
+    HandshakeRefused,
     LinkClosed,
-    LinkHandler,
-    Transport,
+    MqttConfigError,
+    TopicError,
+    WrongShard,
 )
 from backend.transports.mqtt_audio import LinkAudio
 from backend.transports.mqtt_topics import (
     DEFAULT_PREFIX,
-    TopicError,
     TopicKind,
     TopicScheme,
-    WrongShard,
     claimed_device_id,
     claims_another_device,
     device_id_from_key,
@@ -89,10 +87,6 @@ _FILTERS_PER_PACKET = 64
 BROKER_CREDENTIAL = "mqtt-broker-authenticated"
 _CLOSE = object()  # queue sentinel: process what came before, then close
 _MAX_OFFLINE_NOTES = 10_000
-
-
-class MqttConfigError(BridgeError):
-    """The MQTT settings cannot work (bad broker URL, no public UDP address)."""
 
 
 class BrokerVouched:

@@ -8,8 +8,8 @@ one it names, and uplink audio reaches the handler only while the link is open.
 from collections.abc import Callable
 
 from backend.protocol.audio import AudioFrame
-from backend.transports.base import LinkClosed
-from backend.transports.udp import UdpAudioChannel, UdpError, UdpSession
+from backend.transports.errors import LinkClosed, UdpError
+from backend.transports.udp import UdpAudioChannel, UdpSession
 
 
 class LinkAudio:

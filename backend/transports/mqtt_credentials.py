@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Protocol
 
 from backend.errors import BridgeError
+from backend.transports.errors import CredentialError
 from backend.transports.mqtt_topics import (
     DEFAULT_PREFIX,
     TopicKind,
@@ -43,10 +44,6 @@ _PASSWORD_BYTES = 18  # 24 characters of URL-safe base64
 # Fixed header (<= 5 bytes), topic name (a valid prefix and device key stay well under 1 KiB)
 # and packet id, on top of the message itself.
 PACKET_OVERHEAD_BYTES = 1024
-
-
-class CredentialError(BridgeError):
-    """Credentials cannot be issued or written (bad name, tool missing or failing)."""
 
 
 @dataclass(frozen=True, slots=True)

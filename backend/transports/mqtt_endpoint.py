@@ -40,12 +40,12 @@ from backend.logs import LogBudget
 from backend.metrics import record_cut_off
 from backend.protocol import mqtt_packets as mp
 from backend.protocol.audio import AudioFrame
-from backend.transports.admission import Admission, HandshakeRefused, HandshakeRequest
-from backend.transports.base import DeviceIdentity, LinkAcceptor, LinkClosed, LinkHandler
+from backend.transports.admission import Admission, HandshakeRequest
+from backend.transports.base import DeviceIdentity, LinkAcceptor, LinkHandler
+from backend.transports.errors import HandshakeRefused, LinkClosed, TopicError
 from backend.transports.mqtt_audio import LinkAudio
 from backend.transports.mqtt_credentials import CredentialProvider
 from backend.transports.mqtt_topics import (
-    TopicError,
     TopicKind,
     TopicScheme,
     claims_another_device,

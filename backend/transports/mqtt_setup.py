@@ -20,13 +20,8 @@ from backend.common import WILDCARD_HOSTS, reachable_host, url_host
 from backend.config import Settings
 from backend.transports.admission import Admission, HandshakeLimits
 from backend.transports.base import LinkAcceptor
-from backend.transports.mqtt import (
-    BrokerAddress,
-    BrokerVouched,
-    MqttConfigError,
-    MqttSettings,
-    MqttTransport,
-)
+from backend.transports.errors import MqttConfigError
+from backend.transports.mqtt import BrokerAddress, BrokerVouched, MqttSettings, MqttTransport
 from backend.transports.mqtt_credentials import (
     CredentialProvider,
     DerivedCredentials,

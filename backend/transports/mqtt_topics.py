@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from backend.common import excerpt
-from backend.errors import BridgeError
+from backend.transports.errors import TopicError, WrongShard
 
 DEFAULT_PREFIX = "xiaozhi"
 MAX_KEY_LENGTH = 64
@@ -48,14 +48,6 @@ MAX_SHARDS = 1024
 CLIENT_ID_SEPARATOR = "@@@"
 ONLINE = "online"
 OFFLINE = "offline"
-
-
-class TopicError(BridgeError):
-    """A topic, prefix, device key or client id that the scheme does not accept."""
-
-
-class WrongShard(TopicError):
-    """A well-formed device topic whose shard level is not its device key's shard."""
 
 
 class TopicKind(StrEnum):

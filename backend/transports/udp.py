@@ -50,9 +50,10 @@ from enum import StrEnum
 import structlog
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-from backend.errors import BridgeError, listen_errors
+from backend.errors import listen_errors
 from backend.logs import EventBudget
 from backend.protocol.audio import AudioFrame
+from backend.transports.errors import PacketError, UdpError
 
 log = structlog.get_logger("transport.udp")
 
@@ -88,18 +89,6 @@ class DropReason(StrEnum):
     HANDLER_ERROR = "handler_error"  # the session's audio sink raised
     NO_PEER = "no_peer"  # downlink before any valid uplink taught us the address
     SEND_ERROR = "send_error"  # the socket refused a downlink datagram
-
-
-class PacketError(BridgeError, ValueError):
-    """A datagram that is not a well-formed packet; `reason` says which rule it broke."""
-
-    def __init__(self, reason: DropReason, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
-
-
-class UdpError(BridgeError):
-    """The UDP channel cannot do what was asked (not started, bad parameters)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,8 +29,9 @@ from backend.errors import MessageTooLarge, listen_errors
 from backend.logs import LogBudget
 from backend.metrics import record_cut_off, record_handshake_refused
 from backend.protocol.audio import AudioFrame, AudioFrameError, decode_audio, encode_audio
-from backend.transports.admission import Admission, HandshakeRefused, HandshakeRequest
-from backend.transports.base import DeviceIdentity, LinkAcceptor, LinkClosed
+from backend.transports.admission import Admission, HandshakeRequest
+from backend.transports.base import DeviceIdentity, LinkAcceptor
+from backend.transports.errors import HandshakeRefused, LinkClosed
 from backend.transports.throttle import (
     ConnectionGuard,
 )

@@ -28,7 +28,8 @@ from backend.config import Settings
 from backend.logs import LineRate
 from backend.provisioning.ratelimit import host_of
 from backend.provisioning.tokens import bare_token
-from backend.transports.admission import HandshakeRefused, normalize_device_id
+from backend.transports.admission import normalize_device_id
+from backend.transports.errors import HandshakeRefused
 from backend.transports.throttle import ExemptNetworks, KeyedLimiter
 from backend.vision.model import VisionFailed, VisionModel
 from backend.vision.upload import Upload
