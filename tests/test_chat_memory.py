@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from backend.chat import CHAT_MIGRATIONS, ConversationNotFound, SqliteMemoryStore
-from backend.chat.memory import InvalidConversationId
+from backend.chat.errors import InvalidConversationId
 from backend.storage import Database
 from tests.chat_crash_child import QUESTIONS
 from tests.storage_helpers import database_target

@@ -64,8 +64,9 @@ from backend.chat import (
     ToolStarted,
     TurnRequest,
 )
-from backend.chat.llm.base import ANY_SAMPLING, LlmError, Sampling
-from backend.chat.memory import Conversation, ConversationNotFound, check_conversation_id
+from backend.chat.errors import ConversationNotFound, LlmError
+from backend.chat.llm.base import ANY_SAMPLING, Sampling
+from backend.chat.memory import Conversation, check_conversation_id
 from backend.chat.text import first_surrogate
 from backend.config import Settings
 from backend.devices import DeviceRegistry, DeviceState

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from backend.chat.memory import ConversationNotFound, InvalidConversationId
+from backend.chat.errors import ConversationNotFound, InvalidConversationId
 from backend.devices.errors import (
     ConfirmationRequired,
     DeviceBusy,

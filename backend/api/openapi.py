@@ -6,7 +6,7 @@ from typing import Annotated, Any
 from fastapi import Path
 
 from backend.api.errors import errors
-from backend.chat.memory import MAX_ID_LENGTH
+from backend.chat.errors import MAX_ID_LENGTH
 
 # backend/chat/memory.py's check_conversation_id: ids travel in headers and URLs. An id that
 # cannot exist is a bad request (400 under /v1) rather than a lookup.

@@ -65,15 +65,10 @@ from backend.api.openai_compat import (
 )
 from backend.api.openapi import streamed
 from backend.chat import ChatEvent, ChatService, Done, InputMessage, Sources, Token
+from backend.chat.errors import ConversationNotFound, InvalidConversationId
 from backend.chat.events import SourceItem, TurnUsage
 from backend.chat.llm.base import Sampling
-from backend.chat.memory import (
-    Conversation,
-    ConversationNotFound,
-    InvalidConversationId,
-    MemoryStore,
-    check_conversation_id,
-)
+from backend.chat.memory import Conversation, MemoryStore, check_conversation_id
 from backend.devices import DeviceRegistry
 from backend.mcp_servers.hub import McpServerHub
 

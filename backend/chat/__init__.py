@@ -6,6 +6,7 @@ migrations), build `ChatService.from_settings(settings, SqliteMemoryStore(db))`,
 turn `async for event in service.run_turn(TurnRequest(...))`.
 """
 
+from backend.chat.errors import ConversationNotFound
 from backend.chat.events import (
     ChatEvent,
     Done,
@@ -22,7 +23,6 @@ from backend.chat.events import (
 from backend.chat.memory import (
     CHAT_MIGRATIONS,
     Conversation,
-    ConversationNotFound,
     ConversationPage,
     MemoryStore,
     SqliteMemoryStore,

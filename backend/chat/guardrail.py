@@ -4,8 +4,9 @@ questions, device requests, external tools); the guardrail model judges the rest
 one an unclear question is answered when it has a dental word and refused otherwise."""
 
 from backend.chat import prompts
+from backend.chat.errors import LlmError
 from backend.chat.events import Guardrail
-from backend.chat.llm.base import DETERMINISTIC, LlmError, LlmProvider, Message
+from backend.chat.llm.base import DETERMINISTIC, LlmProvider, Message
 from backend.chat.model_answer import complete, with_max_tokens
 from backend.chat.offline import IntentDetector, asks_a_device, dental_words, serving_function
 from backend.chat.turn import Turn, Verdict, went_offline

@@ -7,8 +7,9 @@ from collections.abc import Sequence
 
 from backend.chat import prompts
 from backend.chat.context import client_context, without_sources
+from backend.chat.errors import LlmError
 from backend.chat.events import Sources
-from backend.chat.llm.base import DETERMINISTIC, LlmError, LlmProvider, Message
+from backend.chat.llm.base import DETERMINISTIC, LlmProvider, Message
 from backend.chat.memory import Conversation, MemoryStore, StoredMessage
 from backend.chat.model_answer import complete, with_max_tokens
 from backend.chat.offline import extractive_summary

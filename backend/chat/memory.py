@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal, Protocol
 
-from backend.errors import BridgeError
+from backend.chat.errors import MAX_ID_LENGTH, ConversationNotFound, InvalidConversationId
 from backend.storage import Connection, Database, Migration, Row
 
 MessageRole = Literal["user", "assistant"]
@@ -50,22 +50,7 @@ CHAT_MIGRATIONS = [
     )
 ]
 
-MAX_ID_LENGTH = 128
 TITLE_LENGTH = 80
-
-
-class ConversationNotFound(BridgeError):
-    """No stored conversation has this id."""
-
-    def __init__(self, conversation_id: str) -> None:
-        super().__init__(f"no conversation {conversation_id[:MAX_ID_LENGTH]!r}")
-        self.conversation_id = conversation_id
-
-
-class InvalidConversationId(BridgeError):
-    """A conversation id that is not 1 to `MAX_ID_LENGTH` ASCII letters, digits or `._:@-`."""
-
-    pass
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,11 +12,11 @@ from typing import Literal
 
 from backend.chat import prompts
 from backend.chat.confirm import PendingConfirmation
+from backend.chat.errors import LlmError
 from backend.chat.events import ChatEvent, Token, ToolFailed
 from backend.chat.llm.base import (
     Completion,
     FunctionSpec,
-    LlmError,
     LlmProvider,
     Message,
     Sampling,

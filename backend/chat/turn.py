@@ -19,8 +19,9 @@ import structlog
 from backend.chat.confirm import PendingConfirmation
 from backend.chat.conversation import Reading
 from backend.chat.deadline import Deadline
+from backend.chat.errors import LlmError, LlmUnavailable
 from backend.chat.events import Guardrail, ToolCompleted, ToolFailed
-from backend.chat.llm.base import FunctionSpec, LlmError, LlmUnavailable, Message
+from backend.chat.llm.base import FunctionSpec, Message
 from backend.chat.memory import Conversation, StoredMessage
 from backend.chat.request import TurnRequest
 from backend.chat.search import SearchResult

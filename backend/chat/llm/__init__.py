@@ -4,12 +4,11 @@
 (the pipeline then runs in offline mode).
 """
 
+from backend.chat.errors import LlmError, LlmUnavailable
 from backend.chat.llm.base import (
     Completion,
     FunctionSpec,
-    LlmError,
     LlmProvider,
-    LlmUnavailable,
     Message,
     Sampling,
     StreamEnd,

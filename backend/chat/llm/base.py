@@ -11,26 +11,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from backend.errors import BridgeError
-
 Role = Literal["system", "user", "assistant", "tool"]
-
-
-class LlmError(BridgeError):
-    """The model service refused or garbled a request (4xx, unreadable reply).
-
-    Its text is a short reason fit for a turn's `offline_reason` ("ollama unreachable at
-    http://localhost:11434"); `detail` is what the transport said ("ConnectError: All connection
-    attempts failed"), for the log only. `reported`: the provider logged it already (a service
-    that stays down is logged once when it goes down, not by every turn that finds it down).
-    """
-
-    detail: str | None = None
-    reported: bool = False
-
-
-class LlmUnavailable(LlmError):
-    """The model service cannot be reached: connection refused, timeout, 5xx. Offline mode."""
 
 
 @dataclass(frozen=True, slots=True)

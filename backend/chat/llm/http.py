@@ -21,8 +21,9 @@ from typing import Any, TypeVar
 import httpx
 import structlog
 
+from backend.chat.errors import LlmError, LlmUnavailable
 from backend.chat.health import Reachability, quiet_libraries
-from backend.chat.llm.base import FunctionSpec, LlmError, LlmUnavailable, Message, Sampling, Usage
+from backend.chat.llm.base import FunctionSpec, Message, Sampling, Usage
 from backend.common import clip
 
 log = structlog.get_logger("chat.llm")

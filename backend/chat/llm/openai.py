@@ -12,12 +12,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from backend.chat.errors import LlmError, LlmUnavailable
 from backend.chat.llm.base import (
     ANY_SAMPLING,
     Completion,
     FunctionSpec,
-    LlmError,
-    LlmUnavailable,
     Message,
     Sampling,
     StreamEnd,
