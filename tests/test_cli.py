@@ -3,7 +3,10 @@
 import asyncio
 import json
 import os
+import re
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -205,6 +208,72 @@ async def test_help_texts(command, wanted, unwanted):
         assert phrase in text, (phrase, text)
     for phrase in unwanted:
         assert phrase not in text, (phrase, text)
+
+
+async def test_a_misspelt_argument_name_gets_a_did_you_mean_before_the_call(
+    self_configured_bridge,
+):
+    bridge, device = self_configured_bridge
+    data_dir = ["--data-dir", str(bridge.settings.data_dir)]
+    volume = device.volume
+    code, out, err = await run_cli(
+        "call", device.device_id, "self.audio_speaker.set_volume", "--arg", "vol=5", *data_dir
+    )
+    assert code == 2, out + err
+    (line,) = err.strip().splitlines()
+    assert 'unknown argument "vol"; did you mean "volume"?' in line
+    assert "(self.audio_speaker.set_volume takes volume)" in line
+    # Refused here: the bridge never saw the call (it audits every call it refuses too).
+    assert device.volume == volume
+    assert await bridge.audit.entries(limit=10) == []
+    code, out, err = await run_cli(
+        "call", device.device_id, "self.audio_speaker.set_volume", '{"volume": 7}', *data_dir
+    )
+    assert code == 0 and device.volume == 7, err
+
+
+def _commands(command: Any, path: list[str]) -> Iterator[list[str]]:
+    yield path
+    for name, sub in sorted((getattr(command, "commands", None) or {}).items()):
+        yield from _commands(sub, [*path, name])
+
+
+def test_every_help_is_readable_at_80_columns():
+    """No Python type names (`<bool>`, `<list[str]>`, `<int range> [x>=1]`), no markup eaten
+    from a help text (which left `folder .`), no `{device}` in the usage line, nothing past 80
+    columns; docstring paragraphs are rewrapped (no line cut short mid-sentence)."""
+    import typer
+    from typer.testing import CliRunner
+
+    from backend.cli.main import app
+
+    runner = CliRunner()
+    paths = list(_commands(typer.main.get_command(app), []))
+    assert ["devices", "pending"] in paths and ["firmware", "releases"] in paths
+    for path in paths:
+        result = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "80", "NO_COLOR": "1"})
+        assert result.exit_code == 0, (path, result.output)
+        text = result.output
+        assert not re.search(r"<(bool|str|int|float|path|list|choice)\b", text), (path, text)
+        assert "x>=" not in text and "x<=" not in text, (path, text)
+        assert not re.search(r" \.(\s|$)", text, re.M), (path, text)
+        usage = next(line for line in text.splitlines() if "Usage:" in line)
+        assert "{" not in usage, (path, usage)
+        assert max(len(line) for line in text.splitlines()) <= 80, (path, text)
+    simulate = runner.invoke(app, ["simulate", "--help"], env={"COLUMNS": "80"}).output
+    assert "each device enrols itself through the OTA endpoint" in " ".join(simulate.split())
+    assert re.search(r"each device enrols\s+itself through the OTA endpoint, with", simulate)
+
+
+async def test_version():
+    import importlib.metadata
+
+    code, out, err = await run_cli("--version")
+    assert code == 0, err
+    assert (
+        out.strip()
+        == f"esp32-bridge (esp32-mcp-bridge) {importlib.metadata.version('esp32-mcp-bridge')}"
+    )
 
 
 async def test_no_token_anywhere(tmp_path):

@@ -61,7 +61,7 @@ async def test_keys_create_list_revoke(served):
     code, out, err = await run_cli("keys", "list", "--data-dir", data_dir)
     assert code == 0, err
     row = next(line for line in out.splitlines() if key_id in line)
-    assert "kitchen app" in row and "chat:use,devices:call" in row and "active" in row
+    assert "kitchen app" in row and "chat:use, devices:call" in row and "active" in row
     assert device.device_id in row and token not in out
 
     code, out, err = await run_cli("keys", "revoke", key_id, "--data-dir", data_dir)

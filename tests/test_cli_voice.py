@@ -2,13 +2,19 @@
 one stock-style voice device speaks, the bridge recognizes it, acts on it and answers aloud; the
 command prints the turn and saves what the device heard (WAV) with its events (JSON lines)."""
 
+import asyncio
+import io
 import json
+import re
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
+from rich.console import Console
 
+from backend.cli.voice import TurnOptions, waiting
 from backend.voice.audio import Clip, read_wav, write_wav
 from backend.voice.tts import render
 from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, run_cli
@@ -37,10 +43,14 @@ def _assert_heard_speech(wav: Path, sample_rate: int) -> Clip:
 
 
 def _assert_one_line_error(code: int, out: str, err: str, message: str) -> None:
+    """One `error:` line on stderr (after the one `waiting for` line of a turn that started)."""
     assert code != 0, out
     assert message in err
     assert "Traceback" not in out + err
-    assert len(err.strip().splitlines()) == 1, err
+    lines = err.strip().splitlines()
+    if lines and lines[0].startswith("waiting for the spoken answer: "):
+        lines = lines[1:]
+    assert len(lines) == 1, err
 
 
 @pytest.mark.slow
@@ -53,6 +63,9 @@ async def test_say_enrols_speaks_and_saves_what_the_device_heard(bridge_factory,
         env={**NO_TOKENS, "BRIDGE_ADMIN_TOKEN": ADMIN_TOKEN},
     )  # fmt: skip
     assert code == 0, err
+    # Not a terminal: one line says what it waits for, on stderr (stdout has the turn only).
+    assert err.startswith("waiting for the spoken answer: ") and len(err.splitlines()) == 1, err
+    assert "waiting" not in out
     assert "transcript: set the volume to 30" in out.lower()  # Whisper writes a capital
     assert 'tool call: self.audio_speaker.set_volume {"volume":30}' in out
     assert "answer: Volume set to 30." in out
@@ -149,3 +162,23 @@ async def test_bad_voice_options_are_one_line_errors(tmp_path, args, message):
     args = [arg.replace("{missing}", str(tmp_path / "missing.wav")) for arg in args]
     code, out, err = await run_cli("simulate", *args, "--data-dir", str(tmp_path), env=NO_TOKENS)
     _assert_one_line_error(code, out, err, message)
+
+
+async def test_a_turn_says_what_it_waits_for_on_stderr():
+    """On a terminal a spinner shows the stage and the seconds spent; elsewhere one line."""
+    clip = SimpleNamespace(duration_ms=2300)
+    terminal = Console(file=io.StringIO(), force_terminal=True, width=80)
+    async with waiting(terminal, clip, TurnOptions()) as progress:
+        progress("speaking (2.3 s of speech)")
+        await asyncio.sleep(0.7)
+        progress("waiting for the spoken answer (up to 30 s)")
+    shown = terminal.file.getvalue()
+    assert re.search(r"speaking \(2\.3 s of speech\) \([0-9]+ s\)", shown)
+    assert re.search(r"waiting for the spoken answer \(up to 30 s\) \([1-9][0-9]* s\)", shown)
+
+    log = Console(file=io.StringIO(), force_terminal=False, width=80)
+    async with waiting(log, clip, TurnOptions()) as progress:
+        progress("speaking (2.3 s of speech)")
+    assert log.file.getvalue() == (
+        "waiting for the spoken answer: 2.3 s of speech, then up to 30 s for the answer\n"
+    )

@@ -17,6 +17,7 @@ from backend.devices.registry import DeviceState, RemoteDevice
 from backend.server import Bridge
 from simulator import SimulatedDevice
 from simulator.llm_server import FakeCall, FakeLlm, Reply
+from tests.cli_helpers import table
 from tests.cluster_helpers import (
     Cluster,
     Partition,
@@ -30,7 +31,6 @@ from tests.mcp_helpers import VOLUME as MCP_VOLUME
 from tests.mcp_helpers import mcp_session
 from tests.stream_helpers import open_stream, stream_state
 from tests.stream_helpers import stream_ready as ready_event
-from tests.test_cluster_cli import table
 
 # Fixtures shared by the cluster tests (tests/cluster_helpers.py).
 __all__ = ["cluster", "devices"]

@@ -2,12 +2,12 @@
 token through the environment (as the compose file and Kubernetes do), and the `instance`
 column of `esp32-bridge devices`."""
 
-import re
 from pathlib import Path
 
 from backend.server import Bridge
 from backend.transports.mqtt_credentials import BridgeAccount
 from simulator import SimulatedDevice
+from tests.cli_helpers import table
 from tests.cluster_helpers import Cluster, cluster, devices, start_device, until
 from tests.cluster_processes import ServeInstance, instance_env
 from tests.helpers import ADMIN_TOKEN, run_cli
@@ -17,19 +17,6 @@ from tests.mosquitto import Mosquitto
 __all__ = ["cluster", "devices"]
 
 NO_TOKEN = {"BRIDGE_ADMIN_TOKEN": "", "BRIDGE_SERVER": ""}  # nothing from the CLI's environment
-
-
-def table(out: str) -> tuple[list[str], dict[str, list[str]]]:
-    """A CLI table's header and its rows by first cell (each cell starts under its header)."""
-    lines = out.splitlines()
-    rule = next(i for i, line in enumerate(lines) if line and set(line) == {"─"})
-    starts = [match.start() for match in re.finditer(r"\S+", lines[rule - 1])]
-
-    def cells(line: str) -> list[str]:
-        return [line[a:b].strip() for a, b in zip(starts, [*starts[1:], None], strict=True)]
-
-    rows = [cells(line) for line in lines[rule + 1 :] if line.strip()]
-    return cells(lines[rule - 1]), {row[0]: row[1:] for row in rows}
 
 
 # ---- the admin token of a `serve` given it through its environment ---------------------------

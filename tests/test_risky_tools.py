@@ -104,6 +104,12 @@ async def test_the_api_refuses_risky_tools_without_confirm(
 
 async def test_the_cli_needs_confirm_for_a_risky_tool(bridge: Bridge, device: WireDevice) -> None:
     server = ["--server", bridge.api_url, "--token", ADMIN_TOKEN]
+    # `tools` marks what the bridge's rules hold for a confirmation, before anything is called.
+    status, out, err = await run_cli("tools", MAC, "--wide", *server)
+    assert status == 0, err
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("self.")}
+    assert rows[REBOOT].rstrip().endswith("yes") and rows[ERASE].rstrip().endswith("yes")
+    assert not rows["self.audio_speaker.set_volume"].rstrip().endswith("yes")
     status, _out, err = await run_cli("call", MAC, REBOOT, *server)
     assert status == 1 and "needs an explicit confirmation" in err and "--confirm" in err
     assert len(err.strip().splitlines()) == 1 and called(device) == []

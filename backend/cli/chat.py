@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from backend.cli.client import AdminError
 from backend.cli.options import ConfigOpt, DataDirOpt, ServerOpt, admin_client
@@ -102,16 +103,21 @@ def _compact(value: Any) -> str:
 
 def chat(
     device: Annotated[
-        str | None, typer.Option("--device", help="Let the assistant use this device's tools.")
+        str | None,
+        typer.Option(
+            "--device", metavar="DEVICE", help="Let the assistant use this device's tools."
+        ),
     ] = None,
     conversation: Annotated[
-        str | None, typer.Option("--conversation", help="Continue this conversation id.")
+        str | None,
+        typer.Option("--conversation", metavar="ID", help="Continue this conversation id."),
     ] = None,
     server: ServerOpt = None,
     token: Annotated[
         str | None,
         typer.Option(
             "--token",
+            metavar="TOKEN",
             help="An API key with chat:use, or the admin token "
             "(env BRIDGE_API_KEY, else the admin token).",
         ),
@@ -152,7 +158,7 @@ def chat(
             except AdminError as exc:
                 if not interactive:
                     raise fail(str(exc)) from None
-                err_console.print(f"[bold red]error:[/] {exc}", highlight=False, markup=False)
+                err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
     if printer.conversation_id:
         console.print(
             f"conversation {printer.conversation_id}", style="dim", highlight=False, markup=False

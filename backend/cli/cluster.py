@@ -11,9 +11,10 @@ from backend.cli.options import (
     JsonOpt,
     ServerOpt,
     TokenOpt,
+    WideOpt,
     admin_client,
 )
-from backend.cli.output import console, listing, print_json, say
+from backend.cli.output import Listing, listing, print_json, say, show
 
 DRAIN_POLL_S = 0.5
 
@@ -26,6 +27,7 @@ cluster_app = typer.Typer(
 @cluster_app.command("status")
 def status(
     as_json: JsonOpt = False,
+    wide: WideOpt = False,
     server: ServerOpt = None,
     token: TokenOpt = None,
     data_dir: DataDirOpt = None,
@@ -40,12 +42,7 @@ def status(
     if not answer.get("enabled"):
         say("this bridge is not in a cluster (cluster_url is not set): one instance")
         return
-    table = listing(
-        "instance", "alive", "draining", "lag_s", "devices", "shards", "api", ids=("instance",)
-    )
-    for row in answer["instances"]:
-        table.add_row(*_row(row, answer["instance"]))
-    console.print(table)
+    show(instances_table(answer, wide=wide))
     leases, fleet = answer["leases"], answer["fleet"]
     say(
         f"leases: {leases['live']} live, {leases['expired']} expired (ttl {answer['lease_ttl_s']:g}"
@@ -54,6 +51,17 @@ def status(
         + ("; FENCED (database unreachable)" if answer["fenced"] else "")
         + ("" if answer["broker_connected"] else "; cluster broker NOT connected")
     )
+
+
+def instances_table(answer: dict[str, Any], *, wide: bool = False) -> Listing:
+    """The `cluster status` table: one row per instance, this one marked `(this)`."""
+    table = listing(
+        "instance", "alive", "draining", "lag_s", "devices", "shards", "api",
+        ids=("instance",), prose=("shards",), wide=wide,
+    )  # fmt: skip
+    for row in answer["instances"]:
+        table.add_row(*_row(row, answer["instance"]))
+    return table
 
 
 def _row(row: dict[str, Any], me: str) -> list[str]:
@@ -65,7 +73,7 @@ def _row(row: dict[str, Any], me: str) -> list[str]:
         "yes" if row["draining"] else "",
         "" if lag is None else f"{lag:.1f}",
         str(row["devices"]),
-        ",".join(map(str, shards)) if shards else "",
+        ", ".join(map(str, shards)) if shards else "",
         row["api_url"] or "",
     ]
 

@@ -29,9 +29,10 @@ from backend.cli.options import (
     JsonOpt,
     ServerOpt,
     TokenOpt,
+    WideOpt,
     admin_client,
 )
-from backend.cli.output import console, fail, listing, print_json, say
+from backend.cli.output import Listing, fail, listing, print_json, say, show, when
 
 devices_app = typer.Typer(
     help="List devices (no subcommand), or manage who may connect: pending, approve, revoke, "
@@ -51,6 +52,7 @@ def list_devices(
         typer.Option("--online/--offline", help="Only connected (or only offline) devices."),
     ] = None,
     as_json: JsonOpt = False,
+    wide: WideOpt = False,
     server: ServerOpt = None,
     token: TokenOpt = None,
     data_dir: DataDirOpt = None,
@@ -64,11 +66,20 @@ def list_devices(
     if as_json:
         print_json(rows)
         return
-    # In a cluster every row says which instance serves the device (None: offline); a single
-    # bridge's rows have no `instance`, and the table no such column.
+    if rows:
+        show(devices_table(rows, wide=wide))
+    else:
+        say("no devices" if online is None else f"no {'on' if online else 'off'}line devices")
+
+
+def devices_table(rows: list[dict[str, Any]], *, wide: bool = False) -> Listing:
+    """The `devices` table. In a cluster every row says which instance serves the device (`-`:
+    offline); a single bridge's rows have no `instance`, and the table no such column."""
     clustered = any("instance" in device for device in rows)
     columns = ("device_id", "state", "transport", "tools", "server", "connected_at", "last_seen")
-    table = listing(*columns, *(("instance",) if clustered else ()), ids=("device_id", "instance"))
+    table = listing(
+        *columns, *(("instance",) if clustered else ()), ids=("device_id", "instance"), wide=wide
+    )
     for device in rows:
         info = device.get("server_info") or {}
         ota = device.get("ota") or {}
@@ -83,21 +94,17 @@ def list_devices(
             device["transport"],
             str(device["tool_count"]),
             server_text,
-            device.get("connected_at") or "",
-            device.get("last_seen") or "",
+            when(device.get("connected_at")),
+            when(device.get("last_seen")),
             *((device.get("instance") or "-",) if clustered else ()),
         )
-    if rows:
-        console.print(table)
-    else:
-        console.print(
-            "no devices" if online is None else f"no {'on' if online else 'off'}line devices"
-        )
+    return table
 
 
 @devices_app.command("pending")
 def pending(
     as_json: JsonOpt = False,
+    wide: WideOpt = False,
     server: ServerOpt = None,
     token: TokenOpt = None,
     data_dir: DataDirOpt = None,
@@ -112,18 +119,26 @@ def pending(
     if not rows:
         say("no pending activations")
         return
+    show(pending_table(rows, wide=wide))
+    for device_id, claims in contested(rows).items():
+        # Only the code on the device's screen tells the real device from a stranger with its MAC.
+        say(
+            f"{device_id}: {claims} candidates (different Client-Ids); approve the code "
+            "the device shows: esp32-bridge devices approve CODE"
+        )
+
+
+def pending_table(rows: list[dict[str, Any]], *, wide: bool = False) -> Listing:
+    """The `devices pending` table, a device's requests together, oldest first."""
     table = listing(
         "code", "device_id", "claims", "client_id", "board", "firmware", "serial", "from", "since",
-        ids=("code", "device_id", "client_id"),
+        ids=("code", "device_id", "client_id"), wide=wide,
     )  # fmt: skip
-    contested: dict[str, int] = {}
     for row in sorted(rows, key=lambda r: (r["device_id"], r["created_at"])):
         serial = row["serial_number"] or ""
         if serial:
             serial += f" ({row['serial_check']})"
         claims = int(row.get("candidates") or 1)
-        if claims > 1:
-            contested[row["device_id"]] = claims
         table.add_row(
             row["code"],
             row["device_id"],
@@ -133,23 +148,35 @@ def pending(
             row["firmware"] or "",
             serial,
             row["remote"] or "",
-            row["created_at"],
+            when(row["created_at"]),
         )
-    console.print(table)
-    for device_id, claims in contested.items():
-        # Only the code on the device's screen tells the real device from a stranger with its MAC.
-        say(
-            f"{device_id}: {claims} candidates (different Client-Ids); approve the code "
-            "the device shows: esp32-bridge devices approve CODE"
-        )
+    return table
+
+
+def contested(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """The devices with several pending requests (different Client-Ids): how many."""
+    return {
+        row["device_id"]: int(row.get("candidates") or 1)
+        for row in rows
+        if int(row.get("candidates") or 1) > 1
+    }
 
 
 @devices_app.command("approve")
 def approve(
-    target: Annotated[str, typer.Argument(help="The code the device shows, or its device id.")],
+    target: Annotated[
+        str,
+        typer.Argument(
+            metavar="CODE_OR_DEVICE", help="The code the device shows, or its device id."
+        ),
+    ],
     transport: Annotated[
         str | None,
-        typer.Option("--transport", help="websocket or mqtt (default: the bridge's setting)."),
+        typer.Option(
+            "--transport",
+            metavar="TRANSPORT",
+            help="websocket or mqtt (default: the bridge's setting).",
+        ),
     ] = None,
     server: ServerOpt = None,
     token: TokenOpt = None,
@@ -172,7 +199,7 @@ def approve(
 
 @devices_app.command("revoke")
 def revoke(
-    device: Annotated[str, typer.Argument(help="Device id.")],
+    device: Annotated[str, typer.Argument(metavar="DEVICE", help="Device id.")],
     server: ServerOpt = None,
     token: TokenOpt = None,
     data_dir: DataDirOpt = None,
@@ -186,8 +213,10 @@ def revoke(
 
 @devices_app.command("transport")
 def set_transport(
-    device: Annotated[str, typer.Argument(help="Device id.")],
-    transport: Annotated[str, typer.Argument(help="websocket, mqtt or default.")],
+    device: Annotated[str, typer.Argument(metavar="DEVICE", help="Device id.")],
+    transport: Annotated[
+        str, typer.Argument(metavar="TRANSPORT", help="websocket, mqtt or default.")
+    ],
     server: ServerOpt = None,
     token: TokenOpt = None,
     data_dir: DataDirOpt = None,
@@ -205,10 +234,12 @@ def set_transport(
 
 @devices_app.command("language")
 def voice_language(
-    device: Annotated[str, typer.Argument(help="Device id.")],
+    device: Annotated[str, typer.Argument(metavar="DEVICE", help="Device id.")],
     language: Annotated[
         str | None,
-        typer.Argument(help="auto (its last turns' language), en or vi; none: show it."),
+        typer.Argument(
+            metavar="LANGUAGE", help="auto (its last turns' language), en or vi; none: show it."
+        ),
     ] = None,
     as_json: JsonOpt = False,
     server: ServerOpt = None,
@@ -233,10 +264,24 @@ def voice_language(
 
 @devices_app.command("enroll")
 def enroll(
-    name: Annotated[str, typer.Option("--name", help="What the code is for.")] = "enrollment",
-    uses: Annotated[int, typer.Option("--uses", min=1, help="Devices it may enrol.")] = 1,
-    ttl: Annotated[float, typer.Option("--ttl", min=1, help="Seconds until it expires.")] = 3600.0,
-    transport: Annotated[str | None, typer.Option("--transport", help="websocket or mqtt.")] = None,
+    name: Annotated[
+        str, typer.Option("--name", metavar="NAME", help="What the code is for.")
+    ] = "enrollment",
+    uses: Annotated[
+        int,
+        typer.Option(
+            "--uses", metavar="N", min=1, help="How many devices it may enrol (1 or more)."
+        ),
+    ] = 1,
+    ttl: Annotated[
+        float,
+        typer.Option(
+            "--ttl", metavar="SECONDS", min=1, help="Seconds until it expires (at least 1)."
+        ),
+    ] = 3600.0,
+    transport: Annotated[
+        str | None, typer.Option("--transport", metavar="TRANSPORT", help="websocket or mqtt.")
+    ] = None,
     server: ServerOpt = None,
     token: TokenOpt = None,
     data_dir: DataDirOpt = None,
@@ -257,10 +302,14 @@ def enroll(
 
 @devices_app.command("serial-key")
 def serial_key(
-    serial: Annotated[str, typer.Argument(help="The device's eFuse serial number.")],
+    serial: Annotated[
+        str, typer.Argument(metavar="SERIAL", help="The device's eFuse serial number.")
+    ],
     key_file: Annotated[
         Path | None,
-        typer.Option("--key-file", help="File with the key in hex (default: read stdin)."),
+        typer.Option(
+            "--key-file", metavar="FILE", help="File with the key in hex (default: read stdin)."
+        ),
     ] = None,
     remove: Annotated[bool, typer.Option("--remove", help="Forget the key.")] = False,
     server: ServerOpt = None,
@@ -283,7 +332,9 @@ def serial_key(
 
 @devices_app.command("mosquitto-passwd")
 def mosquitto_passwd(
-    out: Annotated[Path, typer.Argument(help="The password_file to write (mode 0600).")],
+    out: Annotated[
+        Path, typer.Argument(metavar="FILE", help="The password_file to write (mode 0600).")
+    ],
     server: ServerOpt = None,
     token: TokenOpt = None,
     data_dir: DataDirOpt = None,

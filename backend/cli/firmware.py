@@ -10,10 +10,10 @@ import contextlib
 import shlex
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
-from rich.table import Table
+from rich.text import Text
 
 from backend.cli.local import (
     cli_settings,
@@ -22,8 +22,8 @@ from backend.cli.local import (
     device_token,
     local_ota_url,
 )
-from backend.cli.options import DataDirOpt, JsonOpt, ServerOpt, TokenOpt, admin_client
-from backend.cli.output import console, fail, listing, print_json, say, warn
+from backend.cli.options import DataDirOpt, JsonOpt, ServerOpt, TokenOpt, WideOpt, admin_client
+from backend.cli.output import Listing, fail, listing, print_json, say, show, warn, when
 from backend.firmware.build import DEFAULT_MARCH, DEFAULT_OUT, BuiltFile, build, stale_build
 from backend.firmware.deploy import plan_deploy, run_deploy
 from backend.firmware.errors import FirmwareError
@@ -46,9 +46,12 @@ firmware_app = typer.Typer(
 )
 
 PortOpt = Annotated[
-    str, typer.Option("--port", "-p", help="Serial port, e.g. /dev/ttyUSB0 (or mpremote's a0/u0).")
+    str,
+    typer.Option(
+        "--port", "-p", metavar="PORT", help="Serial port, e.g. /dev/ttyUSB0 (or mpremote's a0/u0)."
+    ),
 ]
-OutOpt = Annotated[Path, typer.Option("--out", help="Build folder.")]
+OutOpt = Annotated[Path, typer.Option("--out", metavar="DIR", help="Build folder.")]
 
 
 @contextlib.contextmanager
@@ -61,11 +64,12 @@ def one_line_errors() -> Iterator[None]:
 
 
 def _print_build(built: list[BuiltFile], out: Path, march: str) -> None:
-    table = Table("file", "bytes")
+    table = listing("file", "bytes", ids=("file",))
     for item in built:
         table.add_row(item.path, str(item.size))
-    table.add_row("[bold]total[/]", f"[bold]{sum(item.size for item in built)}[/]")
-    console.print(table)
+    total = str(sum(item.size for item in built))
+    table.add_row(Text("total", style="bold"), Text(total, style="bold"))
+    show(table)
     say(f"built {len(built)} files into {out} (-march={march})")
 
 
@@ -76,11 +80,13 @@ def build_command(
         str,
         typer.Option(
             "--march",
+            metavar="ARCH",
             help="mpy-cross native arch: xtensawin (ESP32/S2/S3), rv32imc (C3/C6), host, none.",
         ),
     ] = DEFAULT_MARCH,
     source: Annotated[
-        Path | None, typer.Option("--source", help="Firmware folder [default: firmware/].")
+        Path | None,
+        typer.Option("--source", metavar="DIR", help="Firmware folder \\[default: firmware/]."),
     ] = None,
 ) -> None:
     """Compile lib/*.py to .mpy with mpy-cross; copy main.py and boot.py; write MANIFEST.json."""
@@ -95,12 +101,17 @@ def deploy(
     config: Annotated[
         Path | None,
         typer.Option(
-            "--config", help="Device config, copied as config.json [default: firmware/config.json]."
+            "--config",
+            metavar="FILE",
+            help="Device config, copied as config.json \\[default: firmware/config.json].",
         ),
     ] = None,
     out: OutOpt = DEFAULT_OUT,
     dest: Annotated[
-        str, typer.Option("--dest", help="Folder on the board (the unix-port fake board needs :.).")
+        str,
+        typer.Option(
+            "--dest", metavar="DIR", help="Folder on the board (the unix-port fake board needs :.)."
+        ),
     ] = ":",
     resume: Annotated[
         bool,
@@ -127,11 +138,18 @@ def deploy(
 @firmware_app.command()
 def flash(
     port: PortOpt,
-    image: Annotated[Path, typer.Option("--image", help="MicroPython .bin for the chip.")],
+    image: Annotated[
+        Path, typer.Option("--image", metavar="FILE", help="MicroPython .bin for the chip.")
+    ],
     chip: Annotated[
-        str, typer.Option("--chip", help=f"One of {', '.join(FLASH_OFFSETS)}.")
+        str, typer.Option("--chip", metavar="CHIP", help=f"One of {', '.join(FLASH_OFFSETS)}.")
     ] = DEFAULT_CHIP,
-    baud: Annotated[int, typer.Option("--baud", min=9600, help="Serial speed.")] = DEFAULT_BAUD,
+    baud: Annotated[
+        int,
+        typer.Option(
+            "--baud", metavar="BAUD", min=9600, help="Serial speed in baud (9600 or more)."
+        ),
+    ] = DEFAULT_BAUD,
     erase: Annotated[
         bool, typer.Option("--erase/--no-erase", help="Erase the whole flash first.")
     ] = True,
@@ -176,19 +194,28 @@ def _local_endpoint(data_dir: Path | None) -> LocalEndpoint:
 @firmware_app.command("run-host")
 def run_host(
     config: Annotated[
-        Path | None, typer.Option("--config", help="Device config JSON (hal is forced to fake).")
+        Path | None,
+        typer.Option(
+            "--config", metavar="FILE", help="Device config JSON (hal is forced to fake)."
+        ),
     ] = None,
     url: Annotated[
-        str | None, typer.Option("--url", help="Bridge ws:// URL [default: the local bridge].")
+        str | None,
+        typer.Option(
+            "--url", metavar="URL", help="Bridge ws:// URL \\[default: the local bridge]."
+        ),
     ] = None,
     token: Annotated[
-        str | None, typer.Option("--token", help="Device token [default: the bridge's].")
+        str | None,
+        typer.Option("--token", metavar="TOKEN", help="Device token \\[default: the bridge's]."),
     ] = None,
     data_dir: Annotated[
-        Path | None, typer.Option("--data-dir", help="The bridge's data dir (URL and token).")
+        Path | None,
+        typer.Option("--data-dir", metavar="DIR", help="The bridge's data dir (URL and token)."),
     ] = None,
     source: Annotated[
-        Path | None, typer.Option("--source", help="Firmware folder [default: firmware/].")
+        Path | None,
+        typer.Option("--source", metavar="DIR", help="Firmware folder \\[default: firmware/]."),
     ] = None,
 ) -> None:
     """Run the firmware on the MicroPython unix port with the fake HAL, until Ctrl-C.
@@ -217,9 +244,13 @@ def run_host(
 
 @firmware_app.command("publish")
 def publish(
-    board: Annotated[str, typer.Argument(help="Board type, as devices report it.")],
-    version: Annotated[str, typer.Argument(help="Digits and dots, e.g. 2.4.3.")],
-    file: Annotated[Path, typer.Argument(help="The firmware image (or bundle) to offer.")],
+    board: Annotated[
+        str, typer.Argument(metavar="BOARD", help="Board type, as devices report it.")
+    ],
+    version: Annotated[str, typer.Argument(metavar="VERSION", help="Digits and dots, e.g. 2.4.3.")],
+    file: Annotated[
+        Path, typer.Argument(metavar="FILE", help="The firmware image (or bundle) to offer.")
+    ],
     server: ServerOpt = None,
     token: TokenOpt = None,
     data_dir: DataDirOpt = None,
@@ -243,6 +274,7 @@ def publish(
 @firmware_app.command("releases")
 def releases(
     as_json: JsonOpt = False,
+    wide: WideOpt = False,
     server: ServerOpt = None,
     token: TokenOpt = None,
     data_dir: DataDirOpt = None,
@@ -256,9 +288,14 @@ def releases(
     if not rows:
         say("no firmware published")
         return
+    show(releases_table(rows, wide=wide))
+
+
+def releases_table(rows: list[dict[str, Any]], *, wide: bool = False) -> Listing:
+    """The `firmware releases` table (the SHA-256 cut to 16 digits; --json has it whole)."""
     table = listing(
         "board", "version", "bytes", "sha256", "published_at", "downloads",
-        ids=("board", "version"),
+        ids=("board", "version"), wide=wide,
     )  # fmt: skip
     for row in rows:
         table.add_row(
@@ -266,16 +303,16 @@ def releases(
             row["version"],
             str(row["size"]),
             row["sha256"][:16],
-            row["published_at"],
+            when(row["published_at"]),
             str(row["downloads"]),
         )
-    console.print(table)
+    return table
 
 
 @firmware_app.command("unpublish")
 def unpublish(
-    board: Annotated[str, typer.Argument(help="Board type.")],
-    version: Annotated[str, typer.Argument(help="Version.")],
+    board: Annotated[str, typer.Argument(metavar="BOARD", help="Board type.")],
+    version: Annotated[str, typer.Argument(metavar="VERSION", help="Version.")],
     server: ServerOpt = None,
     token: TokenOpt = None,
     data_dir: DataDirOpt = None,
@@ -291,12 +328,17 @@ def unpublish(
 
 @firmware_app.command("bundle")
 def bundle(
-    version: Annotated[str, typer.Argument(help="The version the bundle installs, e.g. 0.2.0.")],
-    out: Annotated[Path, typer.Option("--out", help="Bundle file to write.")] = Path(
+    version: Annotated[
+        str, typer.Argument(metavar="VERSION", help="The version the bundle installs, e.g. 0.2.0.")
+    ],
+    out: Annotated[Path, typer.Option("--out", metavar="DIR", help="Bundle file to write.")] = Path(
         "build/firmware.bundle"
     ),
     build_dir: Annotated[
-        Path, typer.Option("--build", help="The build folder to pack (`firmware build --out`).")
+        Path,
+        typer.Option(
+            "--build", metavar="DIR", help="The build folder to pack (`firmware build --out`)."
+        ),
     ] = DEFAULT_OUT,
 ) -> None:
     """Pack a firmware build into an OTA bundle for `firmware publish` (our MicroPython

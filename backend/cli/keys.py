@@ -3,7 +3,7 @@
 The token is printed once, at creation; the bridge keeps only its SHA-256.
 """
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -13,9 +13,10 @@ from backend.cli.options import (
     JsonOpt,
     ServerOpt,
     TokenOpt,
+    WideOpt,
     admin_client,
 )
-from backend.cli.output import console, listing, print_json, say
+from backend.cli.output import Listing, listing, print_json, say, show, when
 from backend.keys import Scope
 from backend.keys.store import parse_scopes
 
@@ -43,11 +44,18 @@ def _checked_scopes(values: list[str]) -> list[str]:
 
 @keys_app.command("create")
 def create(
-    name: Annotated[str, typer.Argument(help="What the key is for, e.g. 'kitchen app'.")],
-    scope: Annotated[list[str], typer.Option("--scope", help=SCOPE_HELP, callback=_checked_scopes)],
+    name: Annotated[
+        str, typer.Argument(metavar="NAME", help="What the key is for, e.g. 'kitchen app'.")
+    ],
+    scope: Annotated[
+        list[str],
+        typer.Option("--scope", metavar="SCOPE", help=SCOPE_HELP, callback=_checked_scopes),
+    ],
     device: Annotated[
         list[str] | None,
-        typer.Option("--device", help="Limit device access to this device id (repeatable)."),
+        typer.Option(
+            "--device", metavar="DEVICE", help="Limit device access to this device id (repeatable)."
+        ),
     ] = None,
     server: ServerOpt = None,
     token: TokenOpt = None,
@@ -74,6 +82,7 @@ def list_keys(
         ),
     ] = False,
     as_json: JsonOpt = False,
+    wide: WideOpt = False,
     server: ServerOpt = None,
     token: TokenOpt = None,
     data_dir: DataDirOpt = None,
@@ -88,25 +97,33 @@ def list_keys(
     if not keys:
         say("no keys")
         return
+    show(keys_table(keys, wide=wide))
+
+
+def keys_table(keys: list[dict[str, Any]], *, wide: bool = False) -> Listing:
+    """The `keys list` table (never a token: the bridge keeps only their hashes)."""
     table = listing(
-        "id", "name", "scopes", "devices", "created_at", "last_used_at", "status", ids=("id",)
-    )
+        "id", "name", "scopes", "devices", "created_at", "last_used_at", "status",
+        ids=("id",), prose=("name", "scopes", "devices"), wide=wide,
+    )  # fmt: skip
     for key in keys:
         table.add_row(
             key["id"],
             key["name"],
-            ",".join(key["scopes"]),
-            ",".join(key["device_ids"]) if key["device_ids"] else "all",
-            key["created_at"],
-            key["last_used_at"] or "never",
-            "active" if key["active"] else f"revoked {key['revoked_at']}",
+            ", ".join(key["scopes"]),
+            ", ".join(key["device_ids"]) if key["device_ids"] else "all",
+            when(key["created_at"]),
+            when(key["last_used_at"]) or "never",
+            "active" if key["active"] else f"revoked {when(key['revoked_at'])}",
         )
-    console.print(table)
+    return table
 
 
 @keys_app.command("revoke")
 def revoke(
-    key_id: Annotated[str, typer.Argument(help="The key's id (see `keys list`).")],
+    key_id: Annotated[
+        str, typer.Argument(metavar="KEY_ID", help="The key's id (see `keys list`).")
+    ],
     server: ServerOpt = None,
     token: TokenOpt = None,
     data_dir: DataDirOpt = None,

@@ -2,6 +2,8 @@
 
 import asyncio
 import contextlib
+import difflib
+import importlib.metadata
 import json
 import shutil
 import signal
@@ -14,9 +16,10 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from backend.cli import output
+from backend.cli import helpstyle, output
 from backend.cli.audit import audit as audit_command
 from backend.cli.chat import chat as chat_command
+from backend.cli.client import AdminClient, AdminError
 from backend.cli.cluster import cluster_app
 from backend.cli.devices import devices_app
 from backend.cli.firmware import firmware_app
@@ -35,9 +38,10 @@ from backend.cli.options import (
     JsonOpt,
     ServerOpt,
     TokenOpt,
+    WideOpt,
     admin_client,
 )
-from backend.cli.output import console, fail, print_json
+from backend.cli.output import Listing, console, fail, listing, print_json, say, show
 from backend.cli.voice import VOICE_DEVICE_INDEX
 from backend.config import Settings
 from backend.errors import BridgeError, ListenError
@@ -51,14 +55,51 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+helpstyle.apply()
+
+# The distribution this CLI belongs to (pyproject.toml's project name).
+DISTRIBUTION = "esp32-mcp-bridge"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        try:
+            version = importlib.metadata.version(DISTRIBUTION)
+        except importlib.metadata.PackageNotFoundError:
+            version = "unknown (not installed)"
+        say(f"esp32-bridge ({DISTRIBUTION}) {version}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    _version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            is_eager=True,
+            callback=_print_version,
+            help="Print the version and exit.",
+        ),
+    ] = False,
+) -> None:
+    """Bridge for xiaozhi-compatible ESP32 devices: each device's tools over MCP."""
+
+
 app.add_typer(firmware_app, name="firmware")
 app.add_typer(mqtt_app, name="mqtt")
 
-WsPortOpt = Annotated[int | None, typer.Option("--ws-port", help="Device WebSocket port.")]
-HttpPortOpt = Annotated[int | None, typer.Option("--http-port", help="Admin API port.")]
+WsPortOpt = Annotated[
+    int | None, typer.Option("--ws-port", metavar="PORT", help="Device WebSocket port.")
+]
+HttpPortOpt = Annotated[
+    int | None, typer.Option("--http-port", metavar="PORT", help="Admin API port.")
+]
 DeviceHttpPortOpt = Annotated[
     int | None,
-    typer.Option("--device-http-port", help="Device HTTP port (OTA, activation, firmware)."),
+    typer.Option(
+        "--device-http-port", metavar="PORT", help="Device HTTP port (OTA, activation, firmware)."
+    ),
 ]
 
 
@@ -69,16 +110,20 @@ MqttOpt = Annotated[
     str | None,
     typer.Option(
         "--mqtt",
-        help="MQTT + UDP transport: 'embedded' (the bridge's own endpoint) or mqtt[s]://[user:pass@]"
-        "host:port of an external broker [env: BRIDGE_MQTT_URL, which keeps a password off ps].",
+        metavar="URL",
+        help="MQTT + UDP transport: 'embedded' (the bridge's own endpoint) or mqtt\\[s]://\\[user:pass@]"
+        "host:port of an external broker \\[env: BRIDGE_MQTT_URL, which keeps a password off ps].",
     ),
 ]
 MqttPortOpt = Annotated[
-    int | None, typer.Option("--mqtt-port", help="Port of the embedded MQTT endpoint (1883).")
+    int | None,
+    typer.Option("--mqtt-port", metavar="PORT", help="Port of the embedded MQTT endpoint (1883)."),
 ]
 UdpPublicHostOpt = Annotated[
     str | None,
-    typer.Option("--udp-public-host", help="Address devices send UDP audio to (MQTT only)."),
+    typer.Option(
+        "--udp-public-host", metavar="HOST", help="Address devices send UDP audio to (MQTT only)."
+    ),
 ]
 
 
@@ -117,6 +162,7 @@ def demo(
         Path | None,
         typer.Option(
             "--data-dir",
+            metavar="DIR",
             help="Keep the demo's data here \\[default: a temporary directory, removed at exit].",
         ),
     ] = None,
@@ -164,62 +210,97 @@ def _terminate_as_interrupt() -> Iterator[None]:
 
 SayOpt = Annotated[
     str | None,
-    typer.Option("--say", help="Voice: one device speaks this sentence (synthesized offline)."),
+    typer.Option(
+        "--say",
+        metavar="TEXT",
+        help="Voice: one device speaks this sentence (synthesized offline).",
+    ),
 ]
 SpeakOpt = Annotated[
     Path | None,
-    typer.Option("--speak", help="Voice: one device speaks this mono 16-bit WAV file."),
+    typer.Option(
+        "--speak", metavar="FILE", help="Voice: one device speaks this mono 16-bit WAV file."
+    ),
 ]
 SaveOpt = Annotated[
     Path | None,
     typer.Option(
         "--save",
+        metavar="FILE",
         help="Voice: WAV file for what the device heard; its events go to FILE.events.jsonl "
         "\\[default: answer.wav in a new directory under the system's temp dir].",
     ),
 ]
-CodecOpt = Annotated[str, typer.Option("--codec", help="Voice: uplink audio, opus or pcm16.")]
+CodecOpt = Annotated[
+    str, typer.Option("--codec", metavar="CODEC", help="Voice: uplink audio, opus or pcm16.")
+]
 ProtocolVersionOpt = Annotated[
     int,
     typer.Option(
-        "--protocol-version", min=1, max=3, help="Voice: WebSocket binary protocol 1, 2 or 3."
+        "--protocol-version",
+        metavar="N",
+        min=1,
+        max=3,
+        help="Voice: WebSocket binary protocol 1, 2 or 3.",
     ),
 ]
 ModeOpt = Annotated[
     str,
     typer.Option(
-        "--mode", help="Voice: auto (the bridge hears the end) or manual (listen stop ends it)."
+        "--mode",
+        metavar="MODE",
+        help="Voice: auto (the bridge hears the end) or manual (listen stop ends it).",
     ),
 ]
 
 
 @app.command()
 def simulate(
-    url: Annotated[str | None, typer.Option("--url", help="Device endpoint ws:// URL.")] = None,
-    devices: Annotated[int, typer.Option("--devices", min=1, help="Simulated devices.")] = 1,
-    tools: Annotated[int, typer.Option("--tools", min=0, help="Extra synthetic tools.")] = 0,
+    url: Annotated[
+        str | None, typer.Option("--url", metavar="URL", help="Device endpoint ws:// URL.")
+    ] = None,
+    devices: Annotated[
+        int,
+        typer.Option(
+            "--devices", metavar="N", min=1, help="How many simulated devices (1 or more)."
+        ),
+    ] = 1,
+    tools: Annotated[
+        int, typer.Option("--tools", metavar="N", min=0, help="Extra synthetic tools.")
+    ] = 0,
     workers: Annotated[
         int,
         typer.Option(
-            "--workers", min=0, help="Processes to spread the devices over (0: one per 5,000)."
+            "--workers",
+            metavar="N",
+            min=0,
+            help="Processes to spread the devices over (0: one per 5,000).",
         ),
     ] = 0,
     first_index: Annotated[
         int | None,
         typer.Option(
             "--first-index",
+            metavar="N",
             min=1,
             help="Index of the first device (its id) \\[default: 1; the voice device: "
             f"{VOICE_DEVICE_INDEX}, apart from a fleet's].",
         ),
     ] = None,
-    token: Annotated[str | None, typer.Option("--token", help="Device token.")] = None,
+    token: Annotated[
+        str | None, typer.Option("--token", metavar="TOKEN", help="Device token.")
+    ] = None,
     transport: Annotated[
-        str, typer.Option("--transport", help="ws (WebSocket) or mqtt (MQTT + UDP).")
+        str,
+        typer.Option(
+            "--transport", metavar="TRANSPORT", help="ws (WebSocket) or mqtt (MQTT + UDP)."
+        ),
     ] = "ws",
     mqtt: Annotated[
         str | None,
-        typer.Option("--mqtt", help="Broker mqtt://host:port \\[default: the local bridge's]."),
+        typer.Option(
+            "--mqtt", metavar="URL", help="Broker mqtt://host:port \\[default: the local bridge's]."
+        ),
     ] = None,
     stock: Annotated[
         bool,
@@ -232,6 +313,7 @@ def simulate(
         str | None,
         typer.Option(
             "--ota",
+            metavar="URL",
             envvar="BRIDGE_SIMULATE_OTA",
             help="OTA URL the devices ask for their URL and token (an enrollment URL approves "
             "them at once) \\[default: a local bridge in device mode enrols them].",
@@ -340,7 +422,7 @@ def _simulate_voice(
         url=url, token=token, mqtt=mqtt, stock=stock, ota=ota,
     )  # fmt: skip
     wav = voice.save or spoken.default_wav_path()
-    _run(spoken.run_voice_turn(link, device_id, clip, options, wav, console))
+    _run(spoken.run_voice_turn(link, device_id, clip, options, wav, console, output.err_console))
 
 
 def _turn_options(voice: VoiceRequest, devices: int) -> "TurnOptions":
@@ -366,7 +448,9 @@ def _turn_options(voice: VoiceRequest, devices: int) -> "TurnOptions":
 
 @app.command("forget")
 def forget_device(
-    device: Annotated[str, typer.Argument(help="Device id of an offline device.")],
+    device: Annotated[
+        str, typer.Argument(metavar="DEVICE", help="Device id of an offline device.")
+    ],
     server: ServerOpt = None,
     token: TokenOpt = None,
     data_dir: DataDirOpt = None,
@@ -375,52 +459,81 @@ def forget_device(
     """Remove an offline device and its cached tools from the catalogue."""
     with admin_client(server, token, data_dir, config) as admin:
         admin.forget(device)
-    console.print(f"forgot {device}", highlight=False)
+    say(f"forgot {device}")
 
 
 @app.command("tools")
 def list_tools(
-    device: Annotated[str, typer.Argument(help="Device id, e.g. a4:cf:12:34:56:78.")],
+    device: Annotated[
+        str, typer.Argument(metavar="DEVICE", help="Device id, e.g. a4:cf:12:34:56:78.")
+    ],
     user: Annotated[bool, typer.Option("--user/--no-user", help="Include user-only tools.")] = True,
     as_json: JsonOpt = False,
+    wide: WideOpt = False,
     server: ServerOpt = None,
     token: TokenOpt = None,
     data_dir: DataDirOpt = None,
     config: ConfigOpt = None,
 ) -> None:
-    """List one device's tools."""
+    """List one device's tools; a risky one (reboot, upgrade, settings: the confirm_tools
+    setting, or an MCP destructiveHint) runs only with `call --confirm`."""
     with admin_client(server, token, data_dir, config) as admin:
-        listing = admin.tools(device, include_user_only=user)
+        listed = admin.tools(device, include_user_only=user)
     if as_json:
-        print_json(listing)
+        print_json(listed)
         return
-    if listing["cached"]:
-        read_at = listing.get("read_at") or "an unknown time"
-        console.print(
-            f"{device} is offline: cached tools, read at {read_at}", highlight=False, markup=False
-        )
-    table = output.listing("name", "arguments", "description", "audience", ids=("name",))
-    for tool in listing["tools"]:
+    if listed["cached"]:
+        read_at = listed.get("read_at") or "an unknown time"
+        say(f"{device} is offline: cached tools, read at {read_at}")
+    table = tools_table(listed["tools"], wide=wide)
+    show(table)
+    if any(row[-1].plain for row in table.rows):
+        say(f"risky tools run only when confirmed: esp32-bridge call {device} TOOL --confirm")
+
+
+def tools_table(tools: list[dict[str, Any]], *, wide: bool = False) -> Listing:
+    """The `tools` table: name, arguments, description, audience and whether it is risky (the
+    bridge says so in the listing: its confirmation rules for this device)."""
+    table = listing(
+        "name", "arguments", "description", "audience", "risky",
+        ids=("name",), prose=("arguments", "description"), wide=wide,
+    )  # fmt: skip
+    for tool in tools:
+        annotations = tool.get("annotations") or {}
         table.add_row(
             tool["name"],
             _describe_arguments(tool.get("inputSchema") or {}),
             tool.get("description") or "",
-            ",".join((tool.get("annotations") or {}).get("audience", [])),
+            ", ".join(annotations.get("audience", [])),
+            "yes" if tool.get("needs_confirmation") else "",
         )
-    console.print(table)
+    return table
 
 
 @app.command("call")
 def call_tool(
-    device: Annotated[str, typer.Argument(help="Device id.")],
-    tool: Annotated[str, typer.Argument(help="Tool name, e.g. self.audio_speaker.set_volume.")],
+    device: Annotated[str, typer.Argument(metavar="DEVICE", help="Device id.")],
+    tool: Annotated[
+        str,
+        typer.Argument(metavar="TOOL", help="Tool name, e.g. self.audio_speaker.set_volume."),
+    ],
     arguments: Annotated[
-        str | None, typer.Argument(help="Arguments as a JSON object, e.g. '{\"volume\": 42}'.")
+        str | None,
+        typer.Argument(
+            metavar="ARGUMENTS", help="Arguments as a JSON object, e.g. '{\"volume\": 42}'."
+        ),
     ] = None,
     arg: Annotated[
-        list[str] | None, typer.Option("--arg", help="One argument as key=value (JSON value).")
+        list[str] | None,
+        typer.Option(
+            "--arg",
+            metavar="NAME=VALUE",
+            help="One argument (the value is JSON, or else a string); repeatable.",
+        ),
     ] = None,
-    timeout: Annotated[float | None, typer.Option("--timeout", help="Seconds.")] = None,
+    timeout: Annotated[
+        float | None, typer.Option("--timeout", metavar="SECONDS", help="How long to wait.")
+    ] = None,
     confirm: Annotated[
         bool,
         typer.Option("--confirm", help="Confirm a risky tool (reboot, upgrade, settings)."),
@@ -430,15 +543,57 @@ def call_tool(
     data_dir: DataDirOpt = None,
     config: ConfigOpt = None,
 ) -> None:
-    """Call one tool on one device and print its result."""
+    """Call one tool on one device and print its result.
+
+    An argument name the tool does not take is refused before the call is sent, with the
+    names it takes."""
     args = _parse_arguments(arguments, arg or [])
     with admin_client(server, token, data_dir, config) as admin:
+        if args:
+            _check_argument_names(admin, device, tool, args)
         result = admin.call(device, tool, args, timeout, confirm=confirm)
     for item in result["content"]:
         text = item.get("text") if item.get("type") == "text" else json.dumps(item)
-        console.print(text, highlight=False, markup=False, soft_wrap=True)
+        say(str(text))
     if result["isError"]:
         raise fail(f"{tool} reported an error ({result['duration_ms']:.1f} ms)")
+
+
+def _check_argument_names(
+    admin: AdminClient, device: str, tool: str, arguments: dict[str, Any]
+) -> None:
+    """Refuse an argument name `tool`'s inputSchema does not have (usage error, exit 2). Any
+    doubt (no such device or tool, a schema that takes any name) is left to the call itself."""
+    try:
+        listed = admin.tools(device, include_user_only=True)
+    except AdminError:
+        return
+    schema = next((t.get("inputSchema") for t in listed["tools"] if t["name"] == tool), None)
+    message = unknown_argument(tool, schema, arguments)
+    if message is not None:
+        raise fail(message, 2)
+
+
+def unknown_argument(tool: str, schema: Any, arguments: dict[str, Any]) -> str | None:
+    """`unknown argument "vol"; did you mean "volume"? ...` for the first argument name the
+    schema's `properties` lack, or None: all known, or a schema that lists no properties or
+    takes other names too (`additionalProperties`: true or a schema)."""
+    if not isinstance(schema, dict) or not isinstance(schema.get("properties"), dict):
+        return None
+    extra = schema.get("additionalProperties")
+    if extra is True or isinstance(extra, dict):
+        return None
+    names = [str(name) for name in schema["properties"]]
+    for given in arguments:
+        if given in names:
+            continue
+        message = f'unknown argument "{given}"'
+        close = difflib.get_close_matches(given, names, n=1, cutoff=0.5)
+        if close:
+            message += f'; did you mean "{close[0]}"?'
+        takes = ", ".join(names) if names else "no arguments"
+        return f"{message} ({tool} takes {takes})"
+    return None
 
 
 app.command("chat")(chat_command)
@@ -447,6 +602,7 @@ app.add_typer(devices_app, name="devices")
 app.add_typer(mcp_app, name="mcp")
 app.add_typer(cluster_app, name="cluster")
 app.command("audit")(audit_command)
+helpstyle.tidy_app(app)
 
 
 # ---- helpers ----------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """`esp32-bridge mcp servers`: the external MCP servers the chat uses (`GET /api/mcp/servers`,
 scope devices:read or admin): name, kind, state, last error, tools."""
 
+from typing import Any
+
 import typer
 
 from backend.cli.options import (
@@ -9,9 +11,10 @@ from backend.cli.options import (
     JsonOpt,
     ServerOpt,
     TokenOpt,
+    WideOpt,
     admin_client,
 )
-from backend.cli.output import console, listing, print_json, say
+from backend.cli.output import Listing, listing, print_json, say, show, when
 
 mcp_app = typer.Typer(
     help="External MCP servers the chat may use beside device tools (docs/mcp-servers.md).",
@@ -22,6 +25,7 @@ mcp_app = typer.Typer(
 @mcp_app.command("servers")
 def servers(
     as_json: JsonOpt = False,
+    wide: WideOpt = False,
     server: ServerOpt = None,
     token: TokenOpt = None,
     data_dir: DataDirOpt = None,
@@ -36,7 +40,15 @@ def servers(
     if not listed:
         say("no MCP servers configured (see [[mcp_servers]] in docs/mcp-servers.md)")
         return
-    table = listing("name", "kind", "state", "since", "last_error", "tools", ids=("name",))
+    show(servers_table(listed, wide=wide))
+
+
+def servers_table(listed: list[dict[str, Any]], *, wide: bool = False) -> Listing:
+    """The `mcp servers` table; a risky tool (it needs a "yes" in the chat) is marked."""
+    table = listing(
+        "name", "kind", "state", "since", "last_error", "tools",
+        ids=("name",), prose=("last_error", "tools"), wide=wide,
+    )  # fmt: skip
     for item in listed:
         tools = ", ".join(
             tool["name"] + (" (risky)" if tool.get("risky") else "") for tool in item["tools"]
@@ -45,8 +57,8 @@ def servers(
             item["name"],
             item["kind"],
             item["state"],
-            item.get("since") or "",
+            when(item.get("since")),
             item.get("last_error") or "",
             tools or "-",
         )
-    console.print(table)
+    return table

@@ -22,7 +22,8 @@ from backend.transports.mqtt_topics import TopicScheme, build_client_id
 mqtt_app = typer.Typer(help="MQTT + UDP transport: device credentials, broker files.")
 
 DataDirOpt = Annotated[
-    Path | None, typer.Option("--data-dir", help="Where the bridge keeps mqtt.secret.")
+    Path | None,
+    typer.Option("--data-dir", metavar="DIR", help="Where the bridge keeps mqtt.secret."),
 ]
 
 
@@ -51,10 +52,16 @@ def credentials_record(settings: Any, device_id: str, created: list[Path]) -> di
 
 @mqtt_app.command("credentials")
 def credentials(
-    device: Annotated[str, typer.Argument(help="Device id, e.g. a4:cf:12:34:56:78.")],
+    device: Annotated[
+        str,
+        typer.Argument(metavar="DEVICE", help="Device id, e.g. a4:cf:12:34:56:78."),
+    ],
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object, for scripts.")] = False,
     bridge_user: Annotated[
-        str, typer.Option("--bridge-user", help="The bridge's own username on the broker.")
+        str,
+        typer.Option(
+            "--bridge-user", metavar="NAME", help="The bridge's own username on the broker."
+        ),
     ] = "bridge",
     data_dir: DataDirOpt = None,
     config: ConfigOpt = None,

@@ -21,14 +21,25 @@ JsonOpt = Annotated[
     bool,
     typer.Option("--json", help="Print one JSON document (the API's rows) instead of a table."),
 ]
-ConfigOpt = Annotated[Path | None, typer.Option("--config", help="TOML config file.")]
+WideOpt = Annotated[
+    bool,
+    typer.Option(
+        "--wide",
+        help="Every column at full width, on one line per row (lines may run past the terminal).",
+    ),
+]
+ConfigOpt = Annotated[
+    Path | None, typer.Option("--config", metavar="FILE", help="TOML config file.")
+]
 DataDirOpt = Annotated[
-    Path | None, typer.Option("--data-dir", help="Where tokens and runtime files live.")
+    Path | None,
+    typer.Option("--data-dir", metavar="DIR", help="Where tokens and runtime files live."),
 ]
 ServerOpt = Annotated[
     str | None,
     typer.Option(
         "--server",
+        metavar="URL",
         help="Admin API URL \\[env: BRIDGE_SERVER; default: the bridge of --data-dir].",
     ),
 ]
@@ -36,6 +47,7 @@ TokenOpt = Annotated[
     str | None,
     typer.Option(
         "--token",
+        metavar="TOKEN",
         help="The admin token, or an API key with the scope the command needs "
         "\\[env: BRIDGE_ADMIN_TOKEN; default: the data directory's admin.token].",
     ),

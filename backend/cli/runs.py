@@ -7,6 +7,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,12 +16,13 @@ from urllib.parse import urlsplit
 
 import httpx
 from rich.console import Console
-from rich.table import Table
+from rich.markup import escape
 
 from backend.auth import ADMIN_TOKEN_FILE
 from backend.cli.network import network_addresses, urls_for
+from backend.cli.output import listing, show
 from backend.config import Settings
-from backend.errors import BridgeError
+from backend.errors import BridgeError, listen_errors
 from backend.logs import configure_logging
 from backend.runtime import (
     data_dir_error,
@@ -44,9 +46,11 @@ async def run_bridge(settings: Settings) -> None:
         data_dir_lock(settings.data_dir),
         data_dir_errors(settings.data_dir),
     ):
+        check_ports(settings)  # a port in use fails here, before any secret file is written
         bridge = Bridge(settings)
         for path in [*bridge.tokens.created, *bridge.secrets_created]:
             print(f"created secret file {path} (mode 0600)", flush=True)
+        print(admin_token_line(settings), flush=True)
         for warning in auth_warnings(settings):
             print(f"warning: {warning}", file=sys.stderr, flush=True)
         await bridge.start()
@@ -63,6 +67,48 @@ async def run_bridge(settings: Settings) -> None:
                 flush=True,
             )
         await bridge.serve_forever(stop)
+
+
+def admin_token_line(settings: Settings) -> str:
+    """Where the admin token is, said at every start (never the token itself)."""
+    if settings.admin_token is not None and settings.admin_token.get_secret_value():
+        return "admin token: the one given (BRIDGE_ADMIN_TOKEN or admin_token in the config file)"
+    return f"admin token: in {settings.data_dir / ADMIN_TOKEN_FILE} (log in to the console with it)"
+
+
+def check_ports(settings: Settings) -> None:
+    """Bind each configured fixed port for a moment: one already in use raises the same
+    ListenError the listener would, before the bridge writes or opens anything."""
+    listeners = [
+        ("device WebSockets", settings.ws_host, settings.ws_port, "ws", socket.SOCK_STREAM),
+        ("the admin API", settings.http_host, settings.http_port, "http", socket.SOCK_STREAM),
+        (
+            "device HTTP (OTA)",
+            settings.device_http_host,
+            settings.device_http_port,
+            "device_http",
+            socket.SOCK_STREAM,
+        ),
+    ]
+    if settings.metrics_enabled and settings.metrics_port is not None:
+        metrics = ("metrics", settings.metrics_host, settings.metrics_port, "metrics")
+        listeners.append((*metrics, socket.SOCK_STREAM))
+    if settings.mqtt_url:
+        if settings.mqtt_url == "embedded":
+            mqtt = ("devices over MQTT", settings.mqtt_host, settings.mqtt_port, "mqtt")
+            listeners.append((*mqtt, socket.SOCK_STREAM))
+        udp = ("UDP audio", settings.udp_host, settings.udp_port, "udp")
+        listeners.append((*udp, socket.SOCK_DGRAM))
+    for what, host, port, setting, kind in listeners:
+        if port == 0:
+            continue
+        with (
+            listen_errors(what, host, port, setting),
+            socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, kind) as probe,
+        ):
+            if kind == socket.SOCK_STREAM:  # as the listeners: a port in TIME_WAIT is free
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
 
 
 def ready_line(bridge: Bridge) -> str:
@@ -145,14 +191,19 @@ async def _demo(settings: Settings, console: Console, throwaway: bool) -> None:
         _enrollment, code = await bridge.provisioning.store.create_enrollment("demo", ttl_s=600)
         ota_url = bridge.provisioning.enrollment_url(code)
     device = SimulatedDevice(bridge.ws_url, None, index=1, ota_url=ota_url)
-    device.hal.on_change = lambda what, value: console.print(f"[dim]  device: {what} = {value}")
+    device.hal.on_change = lambda what, value: console.print(
+        f"  device: {what} = {value}", style="dim", markup=False, highlight=False
+    )
     device.start()
     try:
-        console.print(f"bridge: devices at {bridge.ws_url}, admin API at {bridge.api_url}")
+        console.print(
+            f"bridge: devices at {bridge.ws_url}, admin API at {bridge.api_url}", markup=False
+        )
         await bridge.registry.wait_for_state(device.device_id, timeout_s=20)
         console.print(
             f"device {device.device_id} enrolled through {bridge.provisioning.ota_url} "
-            "and connected with its own token"
+            "and connected with its own token",
+            markup=False,
         )
         await _demo_calls(bridge, device.device_id, console)
         await _demo_chat(bridge, device.device_id, console)
@@ -208,10 +259,13 @@ async def _demo_calls(bridge: Bridge, device_id: str, console: Console) -> None:
     headers = {"Authorization": f"Bearer {bridge.tokens.admin}"}
     async with httpx.AsyncClient(base_url=bridge.api_url, headers=headers) as api:
         tools = (await api.get(f"/api/devices/{device_id}/tools")).json()["tools"]
-        table = Table("tool", "description", title=f"device {device_id}: {len(tools)} tools")
+        table = listing(
+            "tool", "description", ids=("tool",), prose=("description",),
+            title=f"device {device_id}: {len(tools)} tools",
+        )  # fmt: skip
         for tool in tools:
             table.add_row(tool["name"], tool["description"])
-        console.print(table)
+        show(table, console)
         for name, arguments in (
             ("self.audio_speaker.set_volume", {"volume": 42}),
             ("self.get_device_status", {}),
@@ -221,7 +275,10 @@ async def _demo_calls(bridge: Bridge, device_id: str, console: Console) -> None:
                 json={"name": name, "arguments": arguments},
             )
             result = response.json()
-            console.print(f"\ncall {name} {json.dumps(arguments)} → HTTP {response.status_code}")
+            console.print(
+                f"\ncall {name} {json.dumps(arguments)} → HTTP {response.status_code}",
+                markup=False,
+            )
             console.print_json(json.dumps(result))
 
 
@@ -292,7 +349,7 @@ async def _offline_without_network(settings: Settings, console: Console) -> Sett
     reached = await asyncio.gather(*(_accepts(url) for url in [*urls, *searches.values()]))
     if model and not reached[0]:
         console.print(
-            f"[dim]chat: no model service at {settings.llm_base_url}: offline mode "
+            f"[dim]chat: no model service at {escape(settings.llm_base_url)}: offline mode "
             "(rules for device commands, quotes from the bundled knowledge base)"
         )
         settings = settings.model_copy(update={"llm_provider": "none"})
@@ -441,7 +498,9 @@ async def run_simulator(
 
     def log(*parts: Any) -> None:
         if count <= 10:
-            console.print("[dim]" + " ".join(str(p) for p in parts), highlight=False)
+            console.print(
+                " ".join(str(p) for p in parts), style="dim", markup=False, highlight=False
+            )
 
     devices = await run_fleet(
         url,
@@ -457,7 +516,8 @@ async def run_simulator(
     where = f"{url}" if ota_url is None else "the bridge (URL and tokens from its OTA endpoint)"
     console.print(
         f"{count} simulated device(s) (indexes {first_index}-{last}) connecting to {where}; "
-        "Ctrl-C stops them"
+        "Ctrl-C stops them",
+        markup=False,
     )
     try:
         await asyncio.Event().wait()

@@ -10,14 +10,16 @@ import asyncio
 import contextlib
 import json
 import tempfile
+import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import httpx
 from rich.console import Console
+from rich.text import Text
 
 from backend.errors import BridgeError
 
@@ -30,6 +32,7 @@ Codec = Literal["opus", "pcm16"]
 Mode = Literal["auto", "manual"]
 Transport = Literal["ws", "mqtt"]
 T = TypeVar("T")
+Progress = Callable[[str], None]  # told each stage of a turn as it starts
 
 MCP_READY_TIMEOUT_S = 10.0  # the bridge lists the device's tools right after the hello
 ANSWER_TIMEOUT_S = 30.0
@@ -198,19 +201,30 @@ def _no_query(url: str) -> str:
 
 
 async def hold_turn(
-    link: VoiceLink, device_id: str, clip: "Clip", options: TurnOptions, wav: Path
+    link: VoiceLink,
+    device_id: str,
+    clip: "Clip",
+    options: TurnOptions,
+    wav: Path,
+    progress: Progress | None = None,
 ) -> SpokenTurn:
-    """Enrol if needed, connect, speak `clip`, wait for the answer, save it to `wav`."""
+    """Enrol if needed, connect, speak `clip`, wait for the answer, save it to `wav`;
+    `progress` is told each stage as it starts."""
+    stage = progress or (lambda _text: None)
     client_id = str(uuid.uuid4())
+    if link.ota_url:
+        stage("enrolling through the OTA endpoint")
     link = await enrol(link, device_id, client_id)
     device = _voice_device(link, device_id, client_id, options)
     listed = _watch_tools_list(device)
     try:
+        stage(f"connecting to {link.url}")
         await _connect(device, link)
+        stage("waiting for the bridge to list the device's tools")
         # A bridge that never lists tools still answers questions: go on after the wait.
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(listed.wait(), MCP_READY_TIMEOUT_S)
-        reply = await _speak(device, clip, options)
+        reply = await _speak(device, clip, options, stage)
     finally:
         with contextlib.suppress(*_link_errors()):  # the turn is over either way
             await device.close()
@@ -280,7 +294,9 @@ def _describe(exc: Exception) -> str:
     return str(exc) or type(exc).__name__
 
 
-async def _speak(device: "VoiceDevice", clip: "Clip", options: TurnOptions) -> "VoiceReply":
+async def _speak(
+    device: "VoiceDevice", clip: "Clip", options: TurnOptions, stage: Progress
+) -> "VoiceReply":
     """listen start, the speech in real time, listen stop (manual), the answer; stops early when
     the bridge alerts the device instead (no voice there)."""
     from simulator.voice_client import VoiceClientError
@@ -288,9 +304,11 @@ async def _speak(device: "VoiceDevice", clip: "Clip", options: TurnOptions) -> "
     trailing_ms = 0 if options.mode == "manual" else 900
     try:
         await device.listen_start(options.mode)
+        stage(f"speaking ({clip.duration_ms / 1000:.1f} s of speech)")
         await _unless_alerted(device, device.send_speech(clip, trailing_silence_ms=trailing_ms))
         if options.mode == "manual":
             await device.listen_stop()
+        stage(f"waiting for the spoken answer (up to {options.answer_timeout_s:g} s)")
         return await _unless_alerted(device, device.wait_turn(options.answer_timeout_s))
     except VoiceClientError as exc:
         raise VoiceTurnFailed(f"no spoken answer: {exc}") from None
@@ -364,8 +382,10 @@ async def run_voice_turn(
     options: TurnOptions,
     wav: Path,
     console: Console,
+    err: Console | None = None,
 ) -> SpokenTurn:
-    """`simulate --say/--speak`: hold the turn and print it."""
+    """`simulate --say/--speak`: hold the turn and print it; while it lasts (up to half a minute
+    and more), what it waits for goes to `err` (stderr: stdout keeps the turn only)."""
     where = "the bridge (URL and token from its OTA endpoint)" if link.ota_url else link.url
     console.print(
         f"voice device {device_id} ({options.codec}, {options.mode} mode) speaking "
@@ -374,9 +394,58 @@ async def run_voice_turn(
         markup=False,
         soft_wrap=True,
     )
-    turn = await hold_turn(link, device_id, clip, options, wav)
+    async with waiting(err, clip, options) as progress:
+        turn = await hold_turn(link, device_id, clip, options, wav, progress)
     print_turn(turn, console)
     return turn
+
+
+# How often the spinner's elapsed seconds move.
+TICK_S = 0.5
+
+
+@contextlib.asynccontextmanager
+async def waiting(
+    err: Console | None, clip: "Clip", options: TurnOptions
+) -> AsyncIterator[Progress]:
+    """Progress on `err` while a turn is held: on a terminal a spinner with the stage and the
+    seconds spent (gone when the turn ends); elsewhere (a log, a pipe) one `waiting for` line."""
+    if err is None:
+        yield lambda _text: None
+        return
+    if not err.is_terminal:
+        err.print(
+            f"waiting for the spoken answer: {clip.duration_ms / 1000:.1f} s of speech, then up "
+            f"to {options.answer_timeout_s:g} s for the answer",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+        yield lambda _text: None
+        return
+    started = time.monotonic()
+    stage = "starting"
+    with err.status(stage) as status:
+
+        def show() -> None:
+            status.update(Text(f"{stage} ({time.monotonic() - started:.0f} s)"))
+
+        def told(text: str) -> None:
+            nonlocal stage
+            stage = text
+            show()
+
+        async def tick() -> None:
+            while True:
+                await asyncio.sleep(TICK_S)
+                show()
+
+        ticker = asyncio.create_task(tick())
+        try:
+            yield told
+        finally:
+            ticker.cancel()
+            await asyncio.gather(ticker, return_exceptions=True)
 
 
 # ---- where the device goes ---------------------------------------------------------------------
