@@ -82,7 +82,7 @@ async def test_a_refused_key_shows_an_error_and_a_good_one_logs_in(bridge: Bridg
         nav = page.get_by_role("navigation", name="Console")
         await nav.wait_for()
         links = await nav.get_by_role("link").all_inner_texts()
-        assert links == ["Chat", "Settings", "Devices", "Talk"]
+        assert links == ["Chat", "Settings", "Devices", "Talk", "Keys", "Activations", "Audit"]
         # The key is in the tab's session storage, never in the address or local storage.
         assert ADMIN_TOKEN not in page.url
         stored = await page.evaluate(

@@ -196,7 +196,8 @@ async def test_a_risky_tool_runs_after_the_confirm_button_and_not_after_cancel(
         await ask(page, "Upgrade your firmware from http://x/f.bin")
         box = page.get_by_role("group", name="Confirmation")
         await expect(box).to_contain_text(UPGRADE)
-        await expect(box).to_contain_text('{"url":"http://x/f.bin"}')
+        await expect(box.locator("code")).to_have_text([UPGRADE, "http://x/f.bin"])
+        await expect(box).to_contain_text("url http://x/f.bin")
         assert risky_device.stock.calls == []
         await assert_accessible(page)
         await box.get_by_role("button", name="Confirm").click()
@@ -268,13 +269,20 @@ async def test_stored_text_and_links_are_shown_never_run(bridge: Bridge) -> None
 
 
 async def test_a_key_without_chat_use_is_told_what_it_lacks(bridge: Bridge) -> None:
-    key = await create_key(bridge, "devices:read")
-    for path in ("/", "/settings"):
+    key = await create_key(bridge, "console:talk")
+    for path in ("/settings",):
         async with console_page(bridge, path, key) as console:
             notice = console.page.get_by_role("status").filter(has_text="chat:use")
             await expect(notice).to_be_visible()
             await expect(console.page.get_by_label("Message", exact=True)).to_have_count(0)
             console.assert_clean()
+    # A key with no page at all is told on the chat page too (a devices-only key lands on
+    # Devices: tests/test_console_round_two.py).
+    nothing = await create_key(bridge, "mcp:endpoint")
+    async with console_page(bridge, "/", nothing) as console:
+        notice = console.page.get_by_role("status").filter(has_text="chat:use")
+        await expect(notice).to_be_visible()
+        console.assert_clean()
 
 
 async def test_a_conversation_deleted_elsewhere_starts_afresh(bridge: Bridge) -> None:

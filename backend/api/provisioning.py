@@ -16,22 +16,28 @@
   32 MiB) → 201; `POST /api/firmware` body `{board, version, path}` with `path` a file inside
   the bridge's firmware folder (relative to it, or absolute) → 201; anything else is 422;
   `GET /api/firmware`; `DELETE /api/firmware/{board}/{version}`;
-- `GET /api/audit?device_id=&tool=&actor=&before=&limit=`: `{entries, next_before}`; with
-  `device_id`, a key with devices:read covering that device may read it too (the console's
-  device page shows a device's recent calls).
+- `DELETE /api/provisioning/pending/{code}`: rejects (forgets) a pending request; a device that
+  polls again gets a new code;
+- `GET /api/audit?device_id=&tool=&actor=&outcome=&since=&until=&before=&limit=`:
+  `{entries, next_before}`, newest first (`before`: the previous page's `next_before`; `since`
+  inclusive, `until` exclusive, RFC 3339 times with their zone); with `device_id`, a key with
+  devices:read covering that device may read it too (the console's device page shows a device's
+  recent calls).
 """
 
+import re
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi import Path as PathParam
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, BeforeValidator, Field
 
 from backend.api.errors import errors
 from backend.api.scopes import actor_of, needs, principal_of
-from backend.devices.audit import AuditLog
+from backend.devices.audit import AuditEntry, AuditLog
 from backend.keys import Principal, Scope
 from backend.provisioning.errors import InvalidInput, InvalidRelease
 from backend.provisioning.service import Provisioning
@@ -99,6 +105,55 @@ class PublishRequest(BaseModel):
     )
 
 
+Outcome = Literal["ok", "tool_error", "error", "refused"]
+# RFC 3339, as the schema's `date-time` says: seconds and a zone required (pydantic alone would
+# also take a number as Unix seconds, or a date without its time).
+_RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(\.\d{1,9})?([Zz]|[+-]\d{2}:\d{2})")
+
+
+def _rfc3339(value: object) -> object:
+    if isinstance(value, str) and _RFC3339.fullmatch(value) is None:
+        raise ValueError("an RFC 3339 time with its zone, e.g. 2026-11-29T15:30:00Z")
+    return value
+
+
+Moment = Annotated[datetime, BeforeValidator(_rfc3339)]
+CODE_PATTERN = r"^[0-9]{1,16}$"
+
+
+class AuditEntryView(BaseModel):
+    """One audit row: a device tool call (or photo upload); the arguments only as a digest."""
+
+    id: int
+    at: str = Field(description="ISO-8601 UTC")
+    actor: str | None = Field(description="`admin`, `key:<id>`, `chat:...` or `device:<id>`")
+    device_id: str
+    tool: str
+    arguments_sha256: str
+    outcome: str = Field(description="ok, tool_error, error or refused")
+    error: str | None
+    confirmed: bool
+    duration_ms: float
+    bytes: int | None = Field(None, description="a photo upload's size (null for tool calls)")
+
+
+class AuditPage(BaseModel):
+    """A page of `GET /api/audit`, newest first."""
+
+    entries: list[AuditEntryView]
+    next_before: int | None = Field(
+        description="pass as `before` for the next (older) page; null on the last page"
+    )
+
+
+def audit_page(entries: list[AuditEntry], limit: int) -> AuditPage:
+    """The page of these rows: `next_before` only when the page is full."""
+    return AuditPage(
+        entries=[AuditEntryView(**entry.to_json()) for entry in entries],
+        next_before=entries[-1].id if len(entries) == limit else None,
+    )
+
+
 def provisioning_router(service: Provisioning, audit: AuditLog) -> APIRouter:
     """Admin routes of provisioning: requests, devices, enrollment codes, serial keys, releases."""
     router = APIRouter()
@@ -114,6 +169,14 @@ def provisioning_router(service: Provisioning, audit: AuditLog) -> APIRouter:
             body.target, by=actor_of(principal), transport=body.transport
         )
         return device.to_json()
+
+    @router.delete("/api/provisioning/pending/{code}", responses=errors(404, 503))
+    async def reject(
+        code: Annotated[str, PathParam(pattern=CODE_PATTERN, description="the code it shows")],
+        principal: Admin,
+    ) -> dict[str, Any]:
+        request = await store.reject(code, by=actor_of(principal))
+        return request.to_json(key_registered=False)
 
     @router.get("/api/provisioning/devices")
     async def devices(_admin: Admin) -> dict[str, Any]:
@@ -208,23 +271,30 @@ def provisioning_router(service: Provisioning, audit: AuditLog) -> APIRouter:
     @router.get("/api/audit", responses=errors(503))
     async def audit_entries(
         request: Request,
-        device_id: str | None = None,
-        tool: str | None = None,
-        actor: str | None = None,
+        device_id: Annotated[str | None, Query(min_length=1, max_length=128)] = None,
+        tool: Annotated[str | None, Query(min_length=1, max_length=256)] = None,
+        actor: Annotated[str | None, Query(min_length=1, max_length=128)] = None,
+        outcome: Outcome | None = None,
+        since: Annotated[Moment | None, Query(description="from this time (RFC 3339)")] = None,
+        until: Annotated[Moment | None, Query(description="before this time (RFC 3339)")] = None,
         before: Annotated[int | None, Query(ge=1, le=2**62)] = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    ) -> dict[str, Any]:
+    ) -> AuditPage:
         principal = principal_of(request)
         if device_id is None:
             principal.require(Scope.ADMIN)
         else:  # admin, or devices:read covering this device
             principal.require_read(device_id)
         entries = await audit.entries(
-            device_id=device_id, tool=tool, actor=actor, before=before, limit=limit
+            device_id=device_id,
+            tool=tool,
+            actor=actor,
+            outcome=outcome,
+            since=since.timestamp() if since else None,
+            until=until.timestamp() if until else None,
+            before=before,
+            limit=limit,
         )
-        return {
-            "entries": [entry.to_json() for entry in entries],
-            "next_before": entries[-1].id if len(entries) == limit else None,
-        }
+        return audit_page(entries, limit)
 
     return router

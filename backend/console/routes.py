@@ -22,6 +22,9 @@ PAGES: dict[str, str] = {
     "/settings": "settings.html",
     "/devices": "devices.html",
     "/talk": "talk.html",
+    "/keys": "keys.html",
+    "/activations": "activations.html",
+    "/audit": "audit.html",
 }
 CONTENT_SECURITY_POLICY = "; ".join(
     (

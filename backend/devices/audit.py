@@ -423,20 +423,26 @@ class AuditLog:
         device_id: str | None = None,
         tool: str | None = None,
         actor: str | None = None,
+        outcome: str | None = None,
+        since: float | None = None,
+        until: float | None = None,
         before: int | None = None,
         limit: int = 100,
     ) -> list[AuditEntry]:
-        """Newest first; `before` is the id of the last entry of the previous page."""
+        """Newest first; `before` is the id of the last entry of the previous page; `since`
+        (inclusive) and `until` (exclusive) bound the time, as Unix seconds."""
         await self.flush()
         where: list[str] = []
         parameters: list[Any] = []
-        for column, value in (("device_id", device_id), ("tool", tool), ("actor", actor)):
+        filters = (("device_id", device_id), ("tool", tool), ("actor", actor), ("outcome", outcome))
+        for column, value in filters:
             if value is not None:
                 where.append(f"{column} = ?")
                 parameters.append(value)
-        if before is not None:
-            where.append("id < ?")
-            parameters.append(before)
+        for condition, bound in (("at >= ?", since), ("at < ?", until), ("id < ?", before)):
+            if bound is not None:
+                where.append(condition)
+                parameters.append(bound)
         clause = f"WHERE {' AND '.join(where)}" if where else ""
         rows = await self._db.fetchall(
             f"SELECT * FROM audit_log {clause} ORDER BY id DESC LIMIT ?", (*parameters, limit)

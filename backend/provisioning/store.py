@@ -391,6 +391,21 @@ class ProvisioningStore:
         self._check_verified(request)
         return await self.approve_request(request, by=by, transport=transport)
 
+    async def reject(self, code: str, *, by: str) -> PendingActivation:
+        """Forget the pending activation with this code (raises UnknownActivation); a device that
+        polls again gets a new code, which needs its own approval."""
+        code = code.strip()
+        request = self._pending.get(code)
+        if request is None and self.shared:
+            await self.refresh()  # a request another instance answered
+            request = self._pending.get(code)
+        if request is None:
+            raise UnknownActivation(code)
+        self._pending.remove(request.code)
+        await self.flush()
+        log.info("activation rejected", device_id=request.device_id, code=request.code, by=by)
+        return request
+
     async def approve_request(
         self, request: PendingActivation, *, by: str, transport: Transport | None = None
     ) -> Provisioned:

@@ -7,6 +7,7 @@ import {
   apiStream,
   can,
   el,
+  firstPage,
   formatMs,
   lacksScope,
   readSSE,
@@ -22,16 +23,30 @@ const LANGUAGES = { en: "English", vi: "Vietnamese" };
 const SOURCE_HEADINGS = ["Sources:", "Nguồn tham khảo:"];
 const SOURCE_LINE = /^\d+\. (.*) - (\S+)$/;
 
+// The question the bridge appends to an answer that waits for a confirmation (backend/chat/
+// confirm.py): the page asks with its own box and buttons instead, so it is not said twice.
+const QUESTION_STARTS = ["This needs your confirmation:", "Thao tác này cần bạn xác nhận:", "Did you want me to", "Bạn muốn tôi"];
+// A tool event for a call held back until the user confirms it (backend/chat/tools.py).
+const NOT_RUN_YET = /^not run yet\b/;
+
 const state = {
   me: null,
   conversationId: sessionStorage.getItem(CONVERSATION_ITEM),
   busy: false,
+  controller: null, // aborts the answer being streamed (the Stop button)
+  pinned: true, // the log follows new text while its end is in view
   nodes: {},
 };
 
 startPage("Chat", async (main, me) => {
   state.me = me;
   if (!can(me, "chat:use")) {
+    // A key for another part of the console (devices only, say) lands there, not here.
+    const other = location.pathname === "/" ? firstPage(me) : null;
+    if (other && other !== "/") {
+      location.replace(other);
+      return;
+    }
     lacksScope(main, "chat:use");
     return;
   }
@@ -84,6 +99,12 @@ function layout() {
   });
   n.empty = el("p", { class: "hint", text: "Ask about dental care, or ask the chosen device to do something." });
   n.log.append(n.empty);
+  // The log keeps its end in view while the reader is there: a line added or grown (a token,
+  // the badges, a confirmation) is never left below the visible part.
+  n.log.addEventListener("scroll", () => {
+    state.pinned = n.log.scrollHeight - n.log.scrollTop - n.log.clientHeight < 24;
+  });
+  new MutationObserver(() => keepPinned()).observe(n.log, { childList: true, subtree: true, characterData: true });
 
   n.input = el("textarea", {
     id: "chat-input",
@@ -100,16 +121,24 @@ function layout() {
     }
   });
   n.send = el("button", { type: "submit", id: "chat-send", text: "Send", disabled: true });
+  // While an answer streams the message box stays usable (the next message can be written);
+  // Stop ends the answer.
+  n.stop = el("button", { type: "button", id: "chat-stop", class: "secondary", text: "Stop", hidden: true, on: { click: stop } });
+  n.help = el("span", { id: "chat-input-help", class: "hint", text: "Enter sends, Shift+Enter starts a new line." });
   n.form = el(
     "form",
     { class: "chat-form", "aria-label": "Send a message" },
     el("label", { for: "chat-input", text: "Message" }),
     n.input,
-    el("span", { id: "chat-input-help", class: "hint", text: "Enter sends, Shift+Enter starts a new line." }),
-    el("div", { class: "row" }, n.send),
+    n.help,
+    el("div", { class: "row" }, n.send, n.stop),
   );
   n.form.addEventListener("submit", (event) => {
     event.preventDefault();
+    if (state.busy) {
+      announce("An answer is still coming: wait for it, or press Stop.");
+      return;
+    }
     const text = n.input.value.trim();
     if (text) send(text);
   });
@@ -196,7 +225,8 @@ async function openConversation(id, { quiet = false } = {}) {
   if (conversation.device_id) selectDevice(conversation.device_id);
   n.log.replaceChildren(...conversation.messages.map(storedMessage));
   if (!conversation.messages.length) n.log.append(n.empty);
-  n.log.scrollTop = n.log.scrollHeight;
+  state.pinned = true;
+  keepPinned();
   if (!quiet) {
     announce(`Opened ${n.title.textContent}, ${conversation.messages.length} messages`);
     n.input.focus();
@@ -208,7 +238,8 @@ function storedMessage(message) {
   const meta = message.metadata || {};
   const { text, sources } = splitSources(message.content, meta.sources || []);
   const bubble = assistantBubble();
-  bubble.text.textContent = text;
+  bubble.raw = text;
+  renderText(bubble);
   if (meta.tools && meta.tools.length) {
     bubble.tools.append(el("li", { class: "tool-event", text: `Device tools used: ${meta.tools.join(", ")}` }));
   }
@@ -273,7 +304,7 @@ function userBubble(text) {
 }
 
 function assistantBubble() {
-  const text = el("p", { class: "text" });
+  const text = el("div", { class: "text md" });
   const tools = el("ul", { class: "tools", "aria-label": "Device tools" });
   const sources = el("div", { class: "sources" });
   const meta = el("p", { class: "meta" });
@@ -288,13 +319,12 @@ function assistantBubble() {
     meta,
     extra,
   );
-  return { node, text, tools, sources, meta, extra, pending: new Map() };
+  return { node, text, tools, sources, meta, extra, pending: new Map(), raw: "", queued: false };
 }
 
 async function send(text) {
   if (state.busy) return;
   const n = state.nodes;
-  setBusy(true);
   n.empty.remove();
   n.log.querySelectorAll(".confirm").forEach((box) => box.remove());
   n.log.append(userBubble(text));
@@ -302,7 +332,10 @@ async function send(text) {
   const bubble = assistantBubble();
   bubble.node.setAttribute("aria-busy", "true");
   n.log.append(bubble.node);
-  n.log.scrollTop = n.log.scrollHeight;
+  state.pinned = true;
+  keepPinned();
+  const controller = new AbortController();
+  setBusy(true, controller);
 
   // A new conversation gets its id here: without one, a turn naming a device would continue
   // that device's own conversation instead of starting a new one.
@@ -311,25 +344,42 @@ async function send(text) {
   if (n.device.value) body.device_id = n.device.value;
   let done = null;
   try {
-    const response = await apiStream("/api/chat/stream", { body });
+    const response = await apiStream("/api/chat/stream", { body, signal: controller.signal });
     const id = response.headers.get("X-Conversation-Id");
     if (id) setConversation(id);
     await readSSE(response, ({ data }) => {
       if (data && data.type === "done") done = data;
       onEvent(bubble, data);
-      n.log.scrollTop = n.log.scrollHeight;
     });
   } catch (error) {
-    bubble.extra.append(el("p", { class: "error", role: "alert", text: `The request failed: ${error.message}` }));
+    if (controller.signal.aborted) {
+      bubble.extra.append(el("p", { class: "hint stopped", text: "Stopped: the rest of this answer was not read." }));
+      announce("Answer stopped");
+    } else {
+      bubble.extra.append(el("p", { class: "error", role: "alert", text: `The request failed: ${error.message}` }));
+    }
   } finally {
+    renderText(bubble, done && done.metadata && done.metadata.confirmation);
     bubble.node.setAttribute("aria-busy", "false");
-    setBusy(false);
+    setBusy(false, null);
   }
   if (done) {
     if (done.conversation_id) setConversation(done.conversation_id);
     finish(bubble, done.metadata || {});
     await loadConversations();
+  } else if (controller.signal.aborted) {
+    await loadConversations();
   }
+}
+
+function stop() {
+  if (state.controller) state.controller.abort();
+}
+
+/** Keeps the end of the log in view while the reader has not scrolled up. */
+function keepPinned() {
+  const log = state.nodes.log;
+  if (log && state.pinned) log.scrollTop = log.scrollHeight;
 }
 
 /** "web-" and 24 random hex digits (crypto.randomUUID needs a secure context; this does not). */
@@ -347,18 +397,22 @@ function chosenModels() {
   return body;
 }
 
-function setBusy(busy) {
+function setBusy(busy, controller) {
+  const n = state.nodes;
+  const hadFocus = document.activeElement === n.stop;
   state.busy = busy;
-  state.nodes.send.disabled = busy;
-  state.nodes.input.disabled = busy;
-  state.nodes.send.textContent = busy ? "Answering…" : "Send";
-  if (!busy) state.nodes.input.focus();
+  state.controller = controller;
+  n.send.disabled = busy;
+  n.send.textContent = busy ? "Answering…" : "Send";
+  n.stop.hidden = !busy;
+  if (!busy && (hadFocus || document.activeElement === document.body)) n.input.focus();
 }
 
 function onEvent(bubble, data) {
   if (!data || typeof data !== "object") return;
   if (data.type === "token") {
-    bubble.text.append(document.createTextNode(data.token));
+    bubble.raw += data.token;
+    queueText(bubble);
   } else if (data.type === "mcp_tool") {
     toolEvent(bubble, data);
   } else if (data.type === "sources") {
@@ -375,10 +429,16 @@ function toolEvent(bubble, data) {
     item = el("li", { class: "tool-event" });
     bubble.tools.append(item);
   }
-  item.dataset.status = status;
-  item.className = `tool-event ${status}`;
+  // A risky call held back for the user is waiting, not failed: the box below asks.
+  const waiting = status === "error" && NOT_RUN_YET.test(data.error || "");
+  const shown = waiting ? "waiting" : status;
+  item.dataset.status = shown;
+  item.className = `tool-event ${shown}`;
   const parts = [el("span", { class: "tool-name", text: data.tool })];
-  if (status === "started") {
+  if (waiting) {
+    bubble.pending.delete(data.tool);
+    parts.push(el("span", { class: "badge waiting", text: "waiting for you" }));
+  } else if (status === "started") {
     bubble.pending.set(data.tool, item);
     item.dataset.arguments = JSON.stringify(data.arguments || {});
     parts.push(el("span", { class: "badge", text: "running" }));
@@ -395,7 +455,7 @@ function toolEvent(bubble, data) {
   if (status === "completed") {
     const result = (data.result || []).map((part) => part.text || "").join("\n");
     parts.push(el("pre", { class: "result", text: result }));
-  } else if (status === "error") {
+  } else if (status === "error" && !waiting) {
     parts.push(el("p", { class: "error", text: data.error }));
   }
   item.replaceChildren(...parts);
@@ -441,18 +501,165 @@ function finish(bubble, metadata) {
 }
 
 function askConfirmation(bubble, confirmation) {
-  const args = JSON.stringify(confirmation.arguments || {});
+  const args = Object.entries(confirmation.arguments || {});
+  const what = args.length
+    ? ["with ", ...args.flatMap(([name, value], at) => [at ? ", " : "", `${name} `, el("code", { text: typeof value === "string" ? value : JSON.stringify(value) })])]
+    : ["with no settings"];
+  const title = el("p", { class: "confirm-title" }, el("span", { class: "badge waiting", text: "waiting for you" }), " Nothing has run yet.");
+  const confirm = el("button", { type: "button", class: "danger", text: "Confirm", on: { click: () => answerConfirmation(box, "yes") } });
+  const cancel = el("button", { type: "button", class: "secondary", text: "Cancel", on: { click: () => answerConfirmation(box, "no") } });
   const box = el(
     "div",
-    { class: "confirm", role: "group", "aria-label": "Confirmation" },
-    el("p", {}, "Run ", el("code", { text: confirmation.tool }), " ", el("code", { text: args }), `? (${confirmation.reason})`),
-    el(
-      "div",
-      { class: "row" },
-      el("button", { type: "button", class: "danger", text: "Confirm", on: { click: () => send("yes") } }),
-      el("button", { type: "button", class: "secondary", text: "Cancel", on: { click: () => send("no") } }),
-    ),
+    { class: "confirm", role: "group", "aria-label": "Confirmation", tabindex: "-1" },
+    title,
+    el("p", {}, "The assistant wants to use the device tool ", el("code", { text: confirmation.tool }), " ", ...what, "."),
+    el("p", { class: "hint", text: "This tool can change or restart the device. Press Confirm to run it, or Cancel to leave it." }),
+    el("div", { class: "row" }, confirm, cancel),
   );
   bubble.extra.append(box);
-  announce(`${confirmation.tool} needs your confirmation`);
+  state.pinned = true;
+  keepPinned();
+  box.scrollIntoView({ block: "nearest" });
+  box.focus({ preventScroll: true });
+  announce(`${confirmation.tool} is waiting for you: Confirm or Cancel`);
+}
+
+function answerConfirmation(box, answer) {
+  if (state.busy) return;
+  box.remove();
+  send(answer);
+}
+
+// ---- Markdown ----------------------------------------------------------------------------------
+// A small Markdown subset (paragraphs, bold, italic, inline code, code blocks, lists, links),
+// built as DOM nodes from text: no HTML of the model's reaches the page, and only http(s) links
+// become links.
+
+function queueText(bubble) {
+  if (bubble.queued) return;
+  bubble.queued = true;
+  requestAnimationFrame(() => {
+    bubble.queued = false;
+    renderText(bubble);
+  });
+}
+
+function renderText(bubble, confirmation = null) {
+  if (confirmation) bubble.raw = withoutQuestion(bubble.raw, confirmation);
+  bubble.text.replaceChildren(...markdown(bubble.raw));
+}
+
+/** The answer without the bridge's question about a pending call (the box asks it). */
+function withoutQuestion(text, confirmation) {
+  const at = text.lastIndexOf("\n\n");
+  const last = (at >= 0 ? text.slice(at + 2) : text).trim();
+  const asks = QUESTION_STARTS.some((start) => last.startsWith(start)) || last.includes(confirmation.tool);
+  if (!asks) return text;
+  return at >= 0 ? text.slice(0, at) : "";
+}
+
+const BULLET = /^\s{0,3}[-*+]\s+(.*)$/;
+const NUMBERED = /^\s{0,3}(\d{1,9})[.)]\s+(.*)$/;
+const FENCE = /^\s{0,3}(```|~~~)/;
+const HEADING = /^\s{0,3}#{1,6}\s+(.*?)\s*#*\s*$/;
+
+/** Block-level Markdown: a list of nodes. */
+function markdown(text) {
+  const lines = String(text || "").replace(/\r\n?/g, "\n").split("\n");
+  const blocks = [];
+  let paragraph = [];
+  const flush = () => {
+    if (!paragraph.length) return;
+    const p = el("p");
+    paragraph.forEach((line, index) => {
+      if (index) p.append(el("br"));
+      p.append(...inline(line));
+    });
+    blocks.push(p);
+    paragraph = [];
+  };
+  for (let i = 0; i < lines.length; i += 1) {
+    const line = lines[i];
+    const fence = FENCE.exec(line);
+    if (fence) {
+      flush();
+      const code = [];
+      for (i += 1; i < lines.length && !lines[i].trim().startsWith(fence[1]); i += 1) code.push(lines[i]);
+      blocks.push(el("pre", { class: "code" }, el("code", { text: code.join("\n") })));
+      continue;
+    }
+    const list = BULLET.test(line) ? BULLET : NUMBERED.test(line) ? NUMBERED : null;
+    if (list) {
+      flush();
+      const numbered = list === NUMBERED;
+      const first = numbered ? Number(NUMBERED.exec(line)[1]) : 1;
+      const node = el(numbered ? "ol" : "ul", { start: numbered && first !== 1 ? String(first) : null });
+      let item = null;
+      for (; i < lines.length; i += 1) {
+        const match = list.exec(lines[i]);
+        if (match) {
+          item = el("li", {}, ...inline(numbered ? match[2] : match[1]));
+          node.append(item);
+        } else if (item && /^\s{2,}\S/.test(lines[i]) && !BULLET.test(lines[i]) && !NUMBERED.test(lines[i])) {
+          item.append(el("br"), ...inline(lines[i].trim())); // a wrapped item goes on
+        } else break;
+      }
+      i -= 1;
+      blocks.push(node);
+      continue;
+    }
+    const heading = HEADING.exec(line);
+    if (heading) {
+      flush();
+      blocks.push(el("p", { class: "md-heading" }, el("strong", {}, ...inline(heading[1]))));
+      continue;
+    }
+    if (!line.trim()) flush();
+    else paragraph.push(line);
+  }
+  flush();
+  return blocks;
+}
+
+// Code spans, bold, italic, [links](url) and bare http(s) addresses; the rest is text.
+const INLINE = new RegExp(
+  [
+    "(`+)([^`]|[^`][\\s\\S]*?[^`])\\1(?!`)", // 1, 2: code
+    "\\*\\*(?=\\S)([\\s\\S]*?\\S)\\*\\*", // 3: bold
+    "(?<![\\w])__(?=\\S)([\\s\\S]*?\\S)__(?![\\w])", // 4: bold
+    "\\*(?=[^\\s*])([\\s\\S]*?[^\\s*])\\*", // 5: italic
+    "(?<![\\w])_(?=[^\\s_])([\\s\\S]*?[^\\s_])_(?![\\w])", // 6: italic
+    "\\[([^\\[\\]]+)\\]\\(\\s*(\\S+?)\\s*\\)", // 7, 8: link
+    "(https?:\\/\\/[^\\s<>()\\[\\]]*[^\\s<>()\\[\\].,;:!?'\"])", // 9: bare address
+  ].join("|"),
+  "g",
+);
+
+function inline(text, depth = 0) {
+  const nodes = [];
+  let last = 0;
+  INLINE.lastIndex = 0;
+  const matches = [...text.matchAll(INLINE)];
+  for (const match of matches) {
+    if (match.index > last) nodes.push(document.createTextNode(text.slice(last, match.index)));
+    last = match.index + match[0].length;
+    nodes.push(inlineNode(match, depth));
+  }
+  if (last < text.length) nodes.push(document.createTextNode(text.slice(last)));
+  return nodes;
+}
+
+function inlineNode(match, depth) {
+  const inner = (value) => (depth < 4 ? inline(value, depth + 1) : [document.createTextNode(value)]);
+  if (match[2] !== undefined) return el("code", { text: match[2] });
+  if (match[3] !== undefined || match[4] !== undefined) return el("strong", {}, ...inner(match[3] ?? match[4]));
+  if (match[5] !== undefined || match[6] !== undefined) return el("em", {}, ...inner(match[5] ?? match[6]));
+  if (match[7] !== undefined) {
+    const href = safeLink(match[8]);
+    // Only http(s) is followed; anything else (javascript:, data:) stays text, as written.
+    if (!href) return document.createTextNode(match[0]);
+    return el("a", { href, rel: "noopener noreferrer", target: "_blank" }, ...inner(match[7]));
+  }
+  const href = safeLink(match[9]);
+  return href ? el("a", { href, rel: "noopener noreferrer", target: "_blank", text: match[9] }) : document.createTextNode(match[9]);
 }

@@ -186,6 +186,9 @@ const NAV = [
   { path: "/settings", label: "Settings", scope: "chat:use" },
   { path: "/devices", label: "Devices", scope: "devices:read" },
   { path: "/talk", label: "Talk", scope: "console:talk" },
+  { path: "/keys", label: "Keys", scope: "admin" },
+  { path: "/activations", label: "Activations", scope: "admin" },
+  { path: "/audit", label: "Audit", scope: "devices:read" },
 ];
 
 function header(me) {
@@ -222,6 +225,12 @@ function logOut() {
   location.reload();
 }
 
+// Where `serve` keeps the admin token (backend/auth.py ADMIN_TOKEN_FILE, in the data directory),
+// and a key for every console page: chat, devices (and their tools), talk.
+const ADMIN_TOKEN_FILE = "admin.token";
+const CONSOLE_KEY_COMMAND =
+  'esp32-bridge keys create "web console" --scope chat:use --scope devices:read --scope devices:call --scope console:talk';
+
 function loginForm(main, title, problem, onKey) {
   const input = el("input", {
     id: "api-key",
@@ -239,11 +248,26 @@ function loginForm(main, title, problem, onKey) {
     el("h1", { id: "login-title", text: `${title}: log in` }),
     el("label", { for: "api-key", text: "API key or admin token" }),
     input,
-    el("p", {
-      id: "api-key-help",
-      class: "hint",
-      text: "Kept in this tab only (session storage) and sent as a Bearer token. Create one with: esp32-bridge keys create",
-    }),
+    el(
+      "div",
+      { id: "api-key-help", class: "hint" },
+      el("p", { text: "Kept in this tab only (session storage) and sent as a Bearer token." }),
+      el(
+        "p",
+        {},
+        "The admin token is in the file ",
+        el("code", { text: ADMIN_TOKEN_FILE }),
+        " of the bridge's data directory: esp32-bridge serve prints its path at every start (by default ",
+        el("code", { text: `~/.local/share/esp32-bridge/${ADMIN_TOKEN_FILE}` }),
+        ").",
+      ),
+      el(
+        "p",
+        {},
+        "Or create an API key for the console (its token is printed once) with: ",
+        el("code", { id: "api-key-command", text: CONSOLE_KEY_COMMAND }),
+      ),
+    ),
     error,
     el("button", { type: "submit", text: "Log in" }),
   );
@@ -302,6 +326,13 @@ export function startPage(title, render) {
     enter("The key stopped working (revoked?). Log in again.");
   });
   enter(null);
+}
+
+/** The first console page (in the navigation's order) this key may use, null for none: where
+ * a key lands when the page it opened is not for it (a devices-only key on the chat page). */
+export function firstPage(me) {
+  const page = NAV.find((item) => can(me, item.scope));
+  return page ? page.path : null;
 }
 
 /** A notice that the key cannot use this page, naming the scope it lacks. */

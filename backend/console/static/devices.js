@@ -33,6 +33,13 @@ const VOICE_LANGUAGES = [
   ["vi", "Vietnamese"],
 ];
 const LANGUAGE_NAMES = { en: "English", vi: "Vietnamese" };
+// A read-only tool whose JSON answer holds the device's current settings (volume, brightness,
+// theme): the tool forms start from its values.
+const STATUS_TOOL = /(^|\.)get_device_status$/;
+const VERBS = new Set(["self", "set", "get", "turn", "change"]);
+// A device that appears offline is shown after this long, unless it comes online meanwhile: a
+// connecting device's first row may say offline for an instant.
+const NEW_OFFLINE_GRACE_MS = 1500;
 const STATE_FILTERS = [
   ["all", "All states"],
   ["online", "Online"],
@@ -261,8 +268,13 @@ class DevicesPage {
     return snapshot;
   }
 
-  upsert(row, live) {
+  upsert(row, live, waited = false) {
     const id = row.device_id;
+    if (live && !waited && !this.entries.has(id) && !isOnline(row)) {
+      this.holdNew(row);
+      return;
+    }
+    this.dropHeld(id);
     let entry = this.entries.get(id);
     const before = entry ? this.passes(entry) : false;
     const wasOnline = entry ? isOnline(entry.row) : false;
@@ -282,7 +294,31 @@ class DevicesPage {
     else this.queueStatus(); // the counts may have changed, the list did not
   }
 
+  /** A device first seen offline in a live event: shown after a grace, if still offline. */
+  holdNew(row) {
+    this.held = this.held || new Map();
+    const held = this.held.get(row.device_id);
+    if (held) {
+      held.row = row;
+      return;
+    }
+    const entry = { row, timer: null };
+    entry.timer = setTimeout(() => {
+      this.held.delete(row.device_id);
+      if (!this.entries.has(row.device_id)) this.upsert(entry.row, this.ready, true);
+    }, NEW_OFFLINE_GRACE_MS);
+    this.held.set(row.device_id, entry);
+  }
+
+  dropHeld(id) {
+    const held = this.held && this.held.get(id);
+    if (!held) return;
+    clearTimeout(held.timer);
+    this.held.delete(id);
+  }
+
   remove(id, live) {
+    this.dropHeld(id);
     const entry = this.entries.get(id);
     if (!entry) return;
     this.entries.delete(id);
@@ -379,7 +415,7 @@ class DevicesPage {
       });
       const cells = {
         state: stateBadge(entry.row),
-        transport: el("td", { class: "wide" }),
+        transport: el("td", { class: "wide transport" }),
         board: el("td", { class: "wide" }),
         firmware: el("td", { class: "wide" }),
         seen: el("td"),
@@ -526,17 +562,39 @@ class DeviceDetail {
   async loadTools() {
     try {
       const listing = await api(`${this.path}/tools`, { signal: this.controller.signal });
-      const forms = listing.tools.map((tool, index) => new ToolForm(this, tool, index).element());
+      this.toolForms = listing.tools.map((tool, index) => new ToolForm(this, tool, index));
+      const forms = this.toolForms.map((form) => form.element());
       const note = listing.cached
         ? el("p", { class: "hint", text: "Offline: the tools it declared when last seen. Calls need it online." })
         : null;
       this.toolsBox.replaceChildren(...(note ? [note] : []), ...forms);
       if (!forms.length) this.toolsBox.replaceChildren(el("p", { class: "muted", text: "This device declares no tools." }));
+      if (!listing.cached) await this.prefill(listing.tools);
     } catch (error) {
       if (this.controller.signal.aborted) return;
       this.toolsBox.replaceChildren(el("p", { class: "error", role: "alert", text: `Tools: ${error.message}` }));
     }
     this.toolsBox.removeAttribute("aria-busy");
+  }
+
+  /** Fills the tool forms from the status tool's answer (its current volume, brightness...). */
+  async prefill(tools) {
+    const status = tools.find((tool) => STATUS_TOOL.test(tool.name) && !requiredOf(tool).length);
+    if (!status || this.denied) return;
+    let values;
+    try {
+      const body = { name: status.name, arguments: {} };
+      const result = await api(`${this.path}/tools/call`, { method: "POST", body, signal: this.controller.signal });
+      const text = (result.content || []).find((item) => item && item.type === "text");
+      if (result.isError || !text) return;
+      values = JSON.parse(text.text);
+    } catch {
+      return; // no status, no prefill: the forms keep the schema's defaults
+    }
+    if (!values || typeof values !== "object") return;
+    const leaves = leavesOf(values);
+    for (const form of this.toolForms) form.prefill(leaves, status.name);
+    this.loadAudit();
   }
 
   async loadAudit() {
@@ -700,13 +758,34 @@ class ToolForm {
       el("div", { class: "row" }, this.button),
       this.output,
     );
-    return el(
+    this.heading = el("h4", { id: `${this.prefix}-name` }, el("code", { text: tool.name }));
+    this.article = el(
       "article",
       { class: "tool card", "data-tool": tool.name },
-      el("h4", { id: `${this.prefix}-name` }, el("code", { text: tool.name })),
+      this.heading,
       tool.description ? el("p", { class: "hint", text: tool.description }) : null,
       this.form,
     );
+    if (isRisky(tool)) this.markRisky();
+    return this.article;
+  }
+
+  /** A badge (words, not a colour only) saying the tool asks for a confirmation first. */
+  markRisky() {
+    if (this.article.classList.contains("risky")) return;
+    this.article.classList.add("risky");
+    this.heading.append(" ", el("span", { class: "badge risky-badge", text: "⚠ asks to confirm" }));
+  }
+
+  /** Sets each field the status answer has a value for (`leaves`: [{path, value}]). */
+  prefill(leaves, statusName) {
+    const words = wordsOf(this.tool.name);
+    for (const field of this.fields) {
+      const value = matchLeaf(leaves, field.name, words);
+      if (value === undefined || !field.fill(value)) continue;
+      const note = el("span", { class: "hint prefilled", text: `Now ${typeof value === "string" ? value : JSON.stringify(value)} (from ${statusName})` });
+      field.input.closest(".field").append(note);
+    }
   }
 
   field(name, property, isRequired, index) {
@@ -716,9 +795,11 @@ class ToolForm {
     const common = { id, name, required: isRequired, "aria-describedby": help ? `${id}-help` : null };
     let input;
     let read;
+    let fill = () => false; // a JSON field is not prefilled
     if (kind === "boolean") {
       input = el("input", { ...common, type: "checkbox", required: false, checked: property.default === true });
       read = () => input.checked;
+      fill = (value) => typeof value === "boolean" && ((input.checked = value), true);
     } else if (kind === "enum") {
       input = el(
         "select",
@@ -729,6 +810,11 @@ class ToolForm {
       const preset = property.enum.findIndex((value) => value === property.default);
       if (preset >= 0) input.value = String(preset);
       read = () => (input.value === "" ? undefined : property.enum[Number(input.value)]);
+      fill = (value) => {
+        const at = property.enum.findIndex((item) => item === value);
+        if (at >= 0) input.value = String(at);
+        return at >= 0;
+      };
     } else if (kind === "integer" || kind === "number") {
       input = el("input", {
         ...common,
@@ -740,6 +826,11 @@ class ToolForm {
         value: property.default ?? null,
       });
       read = () => (input.value === "" ? undefined : Number(input.value));
+      fill = (value) => {
+        const fits = typeof value === "number" && (kind === "number" || Number.isInteger(value));
+        if (fits) input.value = String(value);
+        return fits;
+      };
     } else if (kind === "string") {
       input = el("input", {
         ...common,
@@ -749,6 +840,7 @@ class ToolForm {
         value: property.default ?? null,
       });
       read = () => (input.value === "" && !isRequired ? undefined : input.value);
+      fill = (value) => typeof value === "string" && ((input.value = value), true);
     } else {
       // A nested object or array, or a schema this form does not know: JSON as text.
       const preset = property.default !== undefined ? property.default : kind === "array" ? [] : kind === "object" ? {} : null;
@@ -763,7 +855,7 @@ class ToolForm {
         }
       };
     }
-    this.fields.push({ name, read, input });
+    this.fields.push({ name, read, input, fill });
     const label = el("label", { for: id }, name, isRequired ? el("span", { class: "muted", text: " (required)" }) : null);
     const range = kind === "integer" || kind === "number" ? rangeText(property) : "";
     return el(
@@ -813,7 +905,8 @@ class ToolForm {
       announce(`${this.tool.name}: ${result.isError ? "the tool reported an error" : "done"} in ${formatMs(result.duration_ms)}`);
     } catch (error) {
       if (error instanceof ApiError && error.status === 428 && error.code === "confirmation_required") {
-        this.askConfirmation(args, error.message);
+        this.markRisky();
+        this.askConfirmation(args);
       } else {
         this.show(el("p", { class: "error", role: "alert", text: `Refused (${error.status || "network"}): ${error.message}` }));
       }
@@ -823,7 +916,7 @@ class ToolForm {
     this.detail.loadAudit();
   }
 
-  askConfirmation(args, reason) {
+  askConfirmation(args) {
     const confirmButton = el("button", {
       type: "button",
       class: "danger",
@@ -845,7 +938,8 @@ class ToolForm {
       el(
         "div",
         { class: "confirm", role: "alert" },
-        el("p", { text: `This tool is risky and needs your confirmation. ${reason}` }),
+        el("p", {}, el("code", { text: this.tool.name }), " needs your confirmation: it can restart the device or change its settings. It has not run."),
+        el("p", { class: "hint", text: `Press “Confirm ${this.tool.name}” to run it, or Cancel to leave it.` }),
         el("div", { class: "row" }, confirmButton, cancel),
       ),
     );
@@ -894,4 +988,47 @@ class FieldError extends Error {
     super(message);
     this.input = input;
   }
+}
+
+// ---- risky tools and the status tool's values ------------------------------------------------
+
+// The bridge's confirmation rules decide, per device: the tool listing says `needs_confirmation`.
+// A tool the bridge asks about anyway (the rules changed since the listing) gets the mark then.
+function isRisky(tool) {
+  return tool.needs_confirmation === true;
+}
+
+function requiredOf(tool) {
+  const schema = tool.inputSchema && typeof tool.inputSchema === "object" ? tool.inputSchema : {};
+  return Array.isArray(schema.required) ? schema.required : [];
+}
+
+/** The words of a tool's or key's name: "self.audio_speaker.set_volume" → audio, speaker, volume. */
+function wordsOf(name) {
+  return String(name).toLowerCase().split(/[._\s-]+/).filter((word) => word && !VERBS.has(word));
+}
+
+/** Every scalar of a JSON value with its path: {screen: {theme: "dark"}} → [{path, value}]. */
+function leavesOf(value, path = [], out = []) {
+  if (value && typeof value === "object" && !Array.isArray(value)) {
+    if (path.length < 6) for (const [key, inner] of Object.entries(value)) leavesOf(inner, [...path, key], out);
+  } else if (value === null || ["string", "number", "boolean"].includes(typeof value)) {
+    out.push({ path, value });
+  }
+  return out;
+}
+
+/**
+ * The status value for a field named `name` of a tool whose name has `toolWords`: a leaf of that
+ * name whose parents name the tool's part ("screen" for self.screen.set_brightness). A tool that
+ * names no part takes the only leaf of that name; an ambiguous match fills nothing.
+ */
+function matchLeaf(leaves, name, toolWords) {
+  const key = name.toLowerCase();
+  const parts = toolWords.filter((word) => !wordsOf(key).includes(word));
+  const candidates = leaves.filter((leaf) => leaf.path.length && leaf.path[leaf.path.length - 1].toLowerCase() === key);
+  const named = candidates.filter((leaf) => leaf.path.slice(0, -1).some((part) => wordsOf(part).some((word) => parts.includes(word))));
+  if (named.length === 1) return named[0].value;
+  if (!parts.length && candidates.length === 1) return candidates[0].value;
+  return undefined;
 }
