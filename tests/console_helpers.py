@@ -131,12 +131,15 @@ async def console_page(
     browser_args: Sequence[str] = (),
     viewport: dict[str, int] | None = None,
     browser: Browser | None = None,
+    locale: str | None = None,
 ) -> AsyncIterator[ConsolePage]:
-    """`path` of the bridge's console opened in a new tab, logged in with `key` (None: not)."""
+    """`path` of the bridge's console opened in a new tab, logged in with `key` (None: not);
+    `locale` (say "vi-VN"): the browser's language, Chromium's default when None."""
     async with _browser(browser, browser_args) as running:
         context = await running.new_context(
             viewport=viewport or DESKTOP,  # type: ignore[arg-type]
             permissions=["microphone"] if browser_args else [],
+            locale=locale,
         )
         try:
             await context.add_init_script(_LOGIN_SCRIPT % json.dumps(key))

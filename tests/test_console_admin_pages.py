@@ -15,10 +15,11 @@ from playwright.async_api import Page, expect
 
 from backend.keys import Scope
 from backend.server import Bridge
+from testkit.settings import ADMIN_TOKEN
+from testkit.stock_device import CLIENT_ID
 from tests.console_helpers import DESKTOP, PHONE, assert_accessible, console_page
-from tests.helpers import ADMIN_TOKEN, create_key
+from tests.helpers import create_key
 from tests.provisioning_helpers import MAC, StockOta
-from tests.stock_device import CLIENT_ID
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -4,17 +4,29 @@ risky tool. The pages stream answers, show device tool events and sources, keep 
 conversation over a reload, send the settings page's models, and ask before a risky tool."""
 
 import re
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 from playwright.async_api import Page, expect
 
 from backend.server import Bridge
-from simulator.llm_server import FakeCall, FakeLlm, Reply
+from testkit.llm_server import FakeCall, FakeLlm, Reply
+from testkit.stock_device import WireDevice
+from tests.console_chat_helpers import (
+    MAC,
+    SCOPES,
+    UPGRADE,
+    ask,
+    choose_device,
+    llm_bridge,
+    no_overflow,
+    risky_device,
+)
 from tests.console_helpers import PHONE, assert_accessible, console_page, save_screenshot
-from tests.helpers import DEVICE_TOKEN, create_key, wait_state
-from tests.stock_device import STATUS_TOOL, VOLUME_TOOL, WireDevice
+from tests.helpers import create_key
+
+# Fixtures shared with the other chat page tests (tests/console_chat_helpers.py).
+__all__ = ["llm_bridge", "risky_device"]
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -22,42 +34,7 @@ VOLUME_LLM = "self_audio_speaker_set_volume"
 # A device request and a dental question in one message: the tool runs and the knowledge base
 # gives the answer its sources.
 VOLUME_AND_QUESTION = "Set the volume to 30 and tell me how long I should brush my teeth"
-UPGRADE = "self.firmware.upgrade"
-MAC = "a4:cf:12:34:56:78"
-SCOPES = ("chat:use", "devices:read", "devices:call")
 _MS = re.compile(r"^\d+ ms$")  # a tool call's duration as the page shows it
-
-
-@pytest.fixture
-async def llm_bridge(bridge_factory: Any, fake_llm: FakeLlm) -> Bridge:
-    bridge: Bridge = await bridge_factory(
-        llm_provider="openai",
-        llm_base_url=fake_llm.url,
-        llm_model="server-chat",
-        guardrail_model="server-guard",
-    )
-    return bridge
-
-
-async def ask(page: Page, text: str) -> None:
-    """Types a message, sends it with Enter and waits until the answer is complete."""
-    answers = page.locator(".message.assistant[aria-busy='false']")
-    before = await answers.count()
-    await page.get_by_label("Message", exact=True).fill(text)
-    await page.get_by_label("Message", exact=True).press("Enter")
-    await expect(answers).to_have_count(before + 1)
-
-
-async def choose_device(page: Page, device_id: str) -> None:
-    picker = page.get_by_label("Device", exact=True)
-    await expect(picker.locator(f"option[value='{device_id}']")).to_have_count(1)
-    await picker.select_option(device_id)
-
-
-async def no_overflow(page: Page) -> None:
-    """Nothing wider than the screen (a 375 px phone scrolls only vertically)."""
-    width = await page.evaluate("() => document.documentElement.scrollWidth")
-    assert width <= PHONE["width"], width
 
 
 async def test_a_turn_shows_its_tool_event_and_sources_and_survives_a_reload(
@@ -170,18 +147,6 @@ async def test_a_failed_listing_is_shown_and_a_saved_model_stays(
         await expect(page.get_by_label("Chat model")).to_have_value("kept:1b")
         await expect(page.get_by_label("Guardrail model")).to_have_value("")
         console.assert_clean()
-
-
-@pytest.fixture
-async def risky_device(llm_bridge: Bridge) -> AsyncIterator[WireDevice]:
-    url = {"type": "object", "properties": {"url": {"type": "string"}}, "required": ["url"]}
-    upgrade = {"name": UPGRADE, "description": "Upgrade the firmware.", "inputSchema": url}
-    tools = [STATUS_TOOL, VOLUME_TOOL, upgrade]
-    wire = WireDevice(llm_bridge.ws_url, DEVICE_TOKEN, MAC, tools=tools)
-    await wire.connect()
-    await wait_state(llm_bridge, MAC)
-    yield wire
-    await wire.close()
 
 
 async def test_a_risky_tool_runs_after_the_confirm_button_and_not_after_cancel(

@@ -10,6 +10,7 @@ from playwright.async_api import Page, expect
 
 from backend.server import Bridge
 from simulator.fleet import device_id_for
+from testkit.settings import ADMIN_TOKEN
 from tests.console_helpers import (
     PHONE,
     ConsolePage,
@@ -17,7 +18,7 @@ from tests.console_helpers import (
     console_page,
     save_screenshot,
 )
-from tests.helpers import ADMIN_TOKEN, create_key, eventually, wait_state
+from tests.helpers import create_key, eventually, wait_state
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,16 +10,24 @@ from playwright.async_api import Locator, Page, expect
 
 from backend.server import Bridge
 from simulator.fleet import SimulatedDevice
-from simulator.llm_server import FakeCall, FakeLlm, Reply
-from tests import test_console_chat as chat_tests
+from testkit.llm_server import FakeCall, FakeLlm, Reply
+from testkit.settings import ADMIN_TOKEN, DEVICE_TOKEN
+from testkit.stock_device import WireDevice
+from tests.console_chat_helpers import (
+    MAC,
+    SCOPES,
+    UPGRADE,
+    ask,
+    choose_device,
+    llm_bridge,
+    no_overflow,
+    risky_device,
+)
 from tests.console_helpers import DESKTOP, PHONE, assert_accessible, console_page
-from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, create_key
-from tests.stock_device import WireDevice
-from tests.test_console_chat import MAC, SCOPES, UPGRADE, ask, choose_device, no_overflow
+from tests.helpers import create_key
 
 # The chat tests' bridge with the fake LLM, and their device with a risky tool.
-llm_bridge = chat_tests.llm_bridge
-risky_device = chat_tests.risky_device
+__all__ = ["llm_bridge", "risky_device"]
 
 pytestmark = pytest.mark.timeout(120)
 

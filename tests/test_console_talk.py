@@ -25,7 +25,8 @@ from backend.server import Bridge
 from backend.transports.browser import DEVICE_PATH, TalkTickets, tool_call_text
 from simulator.voice_client import VoiceDevice, _hello, speak_turn
 from simulator.voice_links import WebSocketLink
-from tests.helpers import ADMIN_TOKEN, ManualClock, create_key, eventually, wait_state
+from testkit.settings import ADMIN_TOKEN
+from tests.helpers import ManualClock, create_key, eventually, wait_state
 from tests.voice_helpers import spoken
 
 TALK = "/api/console/talk"

@@ -1,4 +1,5 @@
-"""Admin API: list devices (live and remembered) and their tools, call a tool, forget a device.
+"""Admin API: list devices (live and remembered) and their tools, call a tool, forget a device,
+name it and keep notes on it.
 
 Bearer admin token or API key on every route but the probes (`/livez`; `/readyz` and its alias
 `/healthz`), each route requiring its scope (backend/api/scopes.py); errors are OpenAI's JSON
@@ -11,6 +12,7 @@ origins.
 
 import json
 import time
+import unicodedata
 from collections.abc import Callable, Iterable, Mapping
 from typing import Annotated, Any
 
@@ -19,7 +21,7 @@ from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match, Route
 
@@ -40,7 +42,7 @@ from backend.api.openapi import add_checked_constraints
 from backend.api.scopes import actor_of, needs, principal_of
 from backend.common import iso_time
 from backend.devices import DeviceRegistry, DeviceState
-from backend.devices.registry import LIVE_STATES, is_user_only
+from backend.devices.registry import LIVE_STATES, UNSET, is_user_only
 from backend.errors import BridgeError
 from backend.keys import Principal, Scope
 from backend.mcp_session import Tool
@@ -48,6 +50,8 @@ from backend.mcp_session import Tool
 log = structlog.get_logger("api")
 
 MAX_PAGE = 10_000
+MAX_DEVICE_NAME = 64  # a device's display name: one line
+MAX_DEVICE_NOTES = 2000  # an admin's notes on a device
 CALL_PATH = "/api/devices/{device_id}/tools/call"
 
 
@@ -68,6 +72,29 @@ class ToolCallRequest(BaseModel):
     arguments: dict[str, Any] = Field(default_factory=dict)
     timeout_s: float | None = Field(default=None, gt=0, le=600)
     confirm: bool = False  # a risky tool (reboot, upgrade, settings) runs only with it
+
+
+class DeviceNotes(BaseModel):
+    """The body of `PUT /api/devices/{id}/notes`: a display name (one line) and notes, each
+    left as it is when absent, cleared by null or ""."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # The patterns say what `_device_name` and `_device_notes` check.
+    name: str | None = Field(
+        default=None,
+        max_length=MAX_DEVICE_NAME,
+        json_schema_extra={
+            "pattern": "^[^\\u0000-\\u001f\\u007f-\\u009f\\u202a-\\u202e\\u2066-\\u2069]*$"
+        },
+    )
+    notes: str | None = Field(
+        default=None,
+        max_length=MAX_DEVICE_NOTES,
+        json_schema_extra={
+            "pattern": "^[^\\u0000-\\u0008\\u000b\\u000c\\u000e-\\u001f\\u007f-\\u009f]*$"
+        },
+    )
 
 
 class ToolCallResponse(BaseModel):
@@ -134,7 +161,7 @@ def create_app(
         app.add_middleware(
             CORSMiddleware,
             allow_origins=origins,
-            allow_methods=["GET", "POST", "PUT", "DELETE"],
+            allow_methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
             allow_headers=["Authorization", "Content-Type"],
             expose_headers=["X-Conversation-Id", "Retry-After"],
         )
@@ -195,6 +222,18 @@ def create_app(
     async def forget_device(device_id: str, _admin: Admin) -> Response:
         registry.forget(device_id)
         return Response(status_code=204)
+
+    @app.put("/api/devices/{device_id}/notes", responses=errors(404))
+    async def annotate_device(device_id: str, body: DeviceNotes, _admin: Admin) -> dict[str, Any]:
+        """Set the device's display name and notes (shown in its row); answers the row."""
+        given = body.model_fields_set
+        registry.annotate(
+            device_id,
+            name=_device_name(body.name) if "name" in given else UNSET,
+            notes=_device_notes(body.notes) if "notes" in given else UNSET,
+        )
+        log.info("device annotated", device_id=device_id, fields=sorted(given))
+        return registry.summary(device_id)
 
     @app.get("/api/devices/{device_id}/tools", responses=errors(404))
     async def list_tools(
@@ -320,6 +359,31 @@ def _limited_listing(
     return DeviceList(
         devices=page, next_cursor=page[-1]["device_id"] if more else None, total=len(rows)
     )
+
+
+# Bidirectional overrides and isolates: a name with them could show as another device's.
+_BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def _device_name(value: str | None) -> str | None:
+    """A display name on one line (runs of spaces as one); 422 for control characters."""
+    if value is None:
+        return None
+    if any(unicodedata.category(c) == "Cc" or c in _BIDI_CONTROLS for c in value):
+        message = "name: one line of visible text (no control or bidirectional characters)"
+        raise ApiError(422, "invalid_request", message, param="name")
+    return " ".join(value.split())
+
+
+def _device_notes(value: str | None) -> str | None:
+    """Notes with their line breaks as \\n; 422 for other control characters."""
+    if value is None:
+        return None
+    notes = value.replace("\r\n", "\n").replace("\r", "\n").strip()
+    if any(unicodedata.category(c) == "Cc" and c not in "\n\t" for c in notes):
+        message = "notes: text with line breaks and tabs, no other control characters"
+        raise ApiError(422, "invalid_request", message, param="notes")
+    return notes
 
 
 def _tool_json(tool: Tool, confirmation: str | None) -> dict[str, Any]:

@@ -8,7 +8,8 @@
 - `POST /v1/responses`, `GET /v1/responses/{id}`: OpenAI's Responses API, in
   backend/api/responses.py (it shares this module's checks, `ChatFront` and helpers).
 - `GET /v1/models`, `GET /v1/models/{id}`.
-- `GET /v1/conversations` (paged), `GET /v1/conversations/{id}` (history and summary),
+- `GET /v1/conversations` (paged; `q` searches titles and messages), `GET
+  /v1/conversations/{id}` (history and summary), `PATCH /v1/conversations/{id}` (`{"title"}`),
   `DELETE /v1/conversations/{id}`.
 - `POST /api/chat/stream` (the chat integration design): Server-Sent Events `token`, `mcp_tool`
   (`started`/`completed`/`error`), `sources`, `done` with the turn's metadata.
@@ -27,6 +28,7 @@ import asyncio
 import contextlib
 import json
 import time
+import unicodedata
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
@@ -66,7 +68,12 @@ from backend.chat import (
 )
 from backend.chat.errors import ConversationNotFound, LlmError
 from backend.chat.llm.base import ANY_SAMPLING, Sampling
-from backend.chat.memory import Conversation, check_conversation_id
+from backend.chat.memory import (
+    MAX_SEARCH_LENGTH,
+    MAX_TITLE_LENGTH,
+    Conversation,
+    check_conversation_id,
+)
 from backend.chat.text import first_surrogate
 from backend.config import Settings
 from backend.devices import DeviceRegistry, DeviceState
@@ -130,6 +137,24 @@ class StreamRequest(RequestModels):
     message: str = Field(min_length=1, max_length=MAX_QUERY_CHARS)
     conversation_id: str | None = Field(default=None, alias="conversationId", max_length=128)
     device_id: str | None = Field(default=None, alias="deviceId")
+
+
+_NOT_CONTROL = "[^\\u0000-\\u001f\\u007f-\\u009f]"
+TITLE_PATTERN = f"^{_NOT_CONTROL}*[^\\s\\u0000-\\u001f\\u007f-\\u009f]{_NOT_CONTROL}*$"
+
+
+class ConversationPatch(BaseModel):
+    """`PATCH /v1/conversations/{id}`: the new title (one line; spaces at its ends dropped)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    title: str = Field(
+        min_length=1,
+        max_length=MAX_TITLE_LENGTH,
+        # Checked in the route (one message for both rules): no control character, and one
+        # character at least that is not a space.
+        json_schema_extra={"pattern": TITLE_PATTERN},
+    )
 
 
 class ModelDefaults(BaseModel):
@@ -459,8 +484,17 @@ def chat_router(
         limit: Annotated[int, Query(ge=1, le=500)] = 50,
         offset: Annotated[int, Query(ge=0, le=1_000_000_000)] = 0,
         device_id: Annotated[str | None, Query(description="only this device's")] = None,
+        q: Annotated[
+            str | None,
+            Query(
+                max_length=MAX_SEARCH_LENGTH,
+                description="only those whose title or a message contains this text",
+            ),
+        ] = None,
     ) -> dict[str, Any]:
-        page = await chat.memory.list_conversations(limit=limit, offset=offset, device_id=device_id)
+        page = await chat.memory.list_conversations(
+            limit=limit, offset=offset, device_id=device_id, query=q
+        )
         end = offset + len(page.items)
         return {
             "object": "list",
@@ -477,6 +511,21 @@ def chat_router(
     ) -> dict[str, Any]:
         found = await chat.memory.get(conversation_id, with_messages=True)
         return conversation_json(found, with_messages=True)
+
+    @router.patch("/v1/conversations/{conversation_id}", responses=errors(404, 503))
+    async def rename_conversation(
+        conversation_id: ConversationIdPath, body: ConversationPatch, _chatter: Chatter
+    ) -> dict[str, Any]:
+        check_text(body.model_dump())
+        title = " ".join(body.title.split())
+        if not title or any(unicodedata.category(char) == "Cc" for char in body.title):
+            raise ApiError(
+                400,
+                "invalid_request",
+                "title: one line of visible text (no control characters, not only spaces)",
+                param="title",
+            )
+        return conversation_json(await chat.memory.rename(conversation_id, title))
 
     @router.delete(
         "/v1/conversations/{conversation_id}", status_code=204, responses=errors(404, 503)

@@ -50,7 +50,9 @@ CHAT_MIGRATIONS = [
     )
 ]
 
-TITLE_LENGTH = 80
+TITLE_LENGTH = 80  # a title made from the first message
+MAX_TITLE_LENGTH = 200  # a title given by `rename`
+MAX_SEARCH_LENGTH = 200  # a `list_conversations` search text
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,9 +138,19 @@ class MemoryStore(Protocol):
         """Replace the conversation's summary; raises ConversationNotFound."""
 
     async def list_conversations(
-        self, *, limit: int = 50, offset: int = 0, device_id: str | None = None
+        self,
+        *,
+        limit: int = 50,
+        offset: int = 0,
+        device_id: str | None = None,
+        query: str | None = None,
     ) -> ConversationPage:
-        """One page of conversations, newest first (only the device's with `device_id`)."""
+        """One page of conversations, newest first (only the device's with `device_id`; with
+        `query`, only those whose title or a message contains it, ignoring case)."""
+
+    async def rename(self, conversation_id: str, title: str) -> Conversation:
+        """Give the conversation a title (its `updated_at` is kept); raises
+        ConversationNotFound."""
 
     async def delete(self, conversation_id: str) -> bool:
         """Delete a conversation and its messages; False when there was none."""
@@ -319,12 +331,35 @@ class SqliteMemoryStore:
             raise ConversationNotFound(conversation_id)
 
     async def list_conversations(
-        self, *, limit: int = 50, offset: int = 0, device_id: str | None = None
+        self,
+        *,
+        limit: int = 50,
+        offset: int = 0,
+        device_id: str | None = None,
+        query: str | None = None,
     ) -> ConversationPage:
-        """See `MemoryStore.list_conversations` (`limit` is kept within 1..500)."""
+        """See `MemoryStore.list_conversations` (`limit` is kept within 1..500, `query` cut to
+        MAX_SEARCH_LENGTH characters; case is ignored for ASCII letters on SQLite, for all on
+        PostgreSQL). A search reads every title and, through the messages' index by
+        conversation, each conversation's messages: a scan, fine for the thousands of
+        conversations a bridge keeps, not for millions."""
         limit = max(1, min(limit, 500))
         offset = max(0, offset)
-        where, args = ("WHERE device_id = ?", [device_id]) if device_id else ("", [])
+        conditions: list[str] = []
+        args: list[Any] = []
+        if device_id:
+            conditions.append("device_id = ?")
+            args.append(device_id)
+        text = " ".join((query or "").split())[:MAX_SEARCH_LENGTH]
+        if text:
+            pattern = "%" + _like_escaped(text.lower()) + "%"
+            conditions.append(
+                "(LOWER(title) LIKE ? ESCAPE '!' OR EXISTS (SELECT 1 FROM chat_messages m"
+                " WHERE m.conversation_id = chat_conversations.id"
+                " AND LOWER(m.content) LIKE ? ESCAPE '!'))"
+            )
+            args += [pattern, pattern]
+        where = ("WHERE " + " AND ".join(conditions)) if conditions else ""
 
         def work(c: Connection) -> ConversationPage:
             total = c.execute(f"SELECT COUNT(*) FROM chat_conversations {where}", args).fetchone()
@@ -334,6 +369,22 @@ class SqliteMemoryStore:
                 [*args, limit, offset],
             ).fetchall()
             return ConversationPage([_conversation(row) for row in rows], int(total[0]))
+
+        return await self.db.run(work)
+
+    async def rename(self, conversation_id: str, title: str) -> Conversation:
+        """See `MemoryStore.rename`; the title is kept on one line, at most MAX_TITLE_LENGTH
+        characters."""
+        text = " ".join(title.split())[:MAX_TITLE_LENGTH]
+
+        def work(c: Connection) -> Conversation:
+            changed = c.execute(
+                "UPDATE chat_conversations SET title = ? WHERE id = ?", (text, conversation_id)
+            ).rowcount
+            found = _fetch(c, conversation_id) if changed else None
+            if found is None:
+                raise ConversationNotFound(conversation_id)
+            return found
 
         return await self.db.run(work)
 
@@ -389,6 +440,11 @@ def _message(row: Row) -> StoredMessage:
     return StoredMessage(
         role, row["content"], datetime.fromisoformat(row["created_at"]), metadata or {}
     )
+
+
+def _like_escaped(text: str) -> str:
+    """`text` matched literally by LIKE ... ESCAPE '!' (its `%` and `_` are not wildcards)."""
+    return text.replace("!", "!!").replace("%", "!%").replace("_", "!_")
 
 
 def _title(text: str) -> str:

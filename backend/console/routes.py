@@ -25,6 +25,9 @@ PAGES: dict[str, str] = {
     "/keys": "keys.html",
     "/activations": "activations.html",
     "/audit": "audit.html",
+    "/firmware": "firmware.html",
+    "/mcp-servers": "mcp-servers.html",
+    "/conversations": "conversations.html",
 }
 CONTENT_SECURITY_POLICY = "; ".join(
     (

@@ -66,6 +66,15 @@ DEVICE_MIGRATIONS = (
         ALTER TABLE devices ADD COLUMN ota_at {real};
         """,
     ),
+    # What an admin wrote about a device: a display name and notes (PUT /api/devices/{id}/notes).
+    Migration(
+        "devices",
+        3,
+        """
+        ALTER TABLE devices ADD COLUMN name TEXT;
+        ALTER TABLE devices ADD COLUMN notes TEXT;
+        """,
+    ),
 )
 
 _UPSERT = """
@@ -83,6 +92,9 @@ ON CONFLICT (device_id) DO UPDATE SET
 """
 # A heartbeat's `last_seen` for a live device whose row needs no other change.
 _TOUCH = "UPDATE devices SET last_seen = ? WHERE device_id = ? AND last_seen < ?"
+# An admin's name and notes: written apart from _UPSERT, so the instance a device is connected
+# to (which writes its rows) never overwrites them with a copy older than the edit.
+_ANNOTATE = "UPDATE devices SET name = ?, notes = ? WHERE device_id = ?"
 _DROP_ORPHAN_TOOL_LISTS = """
 DELETE FROM tool_lists WHERE digest NOT IN
     (SELECT tools_digest FROM devices WHERE tools_digest IS NOT NULL)
@@ -106,6 +118,7 @@ class DeviceCatalog:
         self._stored_digests: set[str] = set()
         self._dirty: set[str] = set()
         self._forgotten: set[str] = set()
+        self._annotated: set[str] = set()
         # Live devices' last_seen from the latest heartbeat, not written yet (device id -> time).
         self._seen: dict[str, float] = {}
         self._writer = WriteBehind(
@@ -114,7 +127,9 @@ class DeviceCatalog:
             interval_s=flush_interval_s,
             heartbeat_s=heartbeat_s,
             on_heartbeat=self._mark_live_devices,
-            depth=lambda: len(self._dirty) + len(self._forgotten) + len(self._seen),
+            depth=lambda: (
+                len(self._dirty) + len(self._forgotten) + len(self._seen) + len(self._annotated)
+            ),
         )
         self._unsubscribe: Any = None
         self.rows_written = 0  # device rows written since start (the tests count them)
@@ -154,7 +169,13 @@ class DeviceCatalog:
         dirty, self._dirty = self._dirty, set()
         forgotten, self._forgotten = self._forgotten, set()
         seen, self._seen = self._seen, {}
+        annotated, self._annotated = self._annotated, set()
         records = [r for r in map(self._registry.record, sorted(dirty)) if r is not None]
+        notes = [
+            (record.name, record.notes, record.device_id)
+            for record in map(self._registry.record, sorted(annotated))
+            if record is not None
+        ]
         new_tool_sets = {
             record.tools.digest: record.tools
             for record in records
@@ -164,16 +185,17 @@ class DeviceCatalog:
         rows = [_row(record, seen.get(record.device_id, record.last_seen)) for record in records]
         written = {record.device_id for record in records}
         touched = [(at, i, at) for i, at in sorted(seen.items()) if i not in written]
-        if not rows and not touched and not forgotten:
+        if not rows and not touched and not forgotten and not notes:
             return
         try:
             stored = await self._database.run(
-                lambda c: _write(c, rows, touched, new_tool_sets, forgotten)
+                lambda c: _write(c, rows, touched, new_tool_sets, forgotten, notes)
             )
         except DatabaseError as exc:
             log.error("device catalogue write failed; will retry", error=str(exc))
             self._dirty |= dirty
             self._forgotten |= forgotten
+            self._annotated |= annotated - self._forgotten
             for device_id, at in seen.items():
                 if device_id not in self._forgotten:
                     self._seen[device_id] = max(at, self._seen.get(device_id, at))
@@ -197,7 +219,12 @@ class DeviceCatalog:
         if kind is EventKind.FORGOTTEN:
             self._dirty.discard(event.device_id)
             self._seen.pop(event.device_id, None)
+            self._annotated.discard(event.device_id)
             self._forgotten.add(event.device_id)
+        elif kind is EventKind.ANNOTATED:
+            self._annotated.add(event.device_id)
+            if event.device_id not in self._persisted:  # its row first: the notes update it
+                self._dirty.add(event.device_id)
         elif kind is EventKind.DISCONNECTED or self._changed(event.device_id):
             self._forgotten.discard(event.device_id)
             self._dirty.add(event.device_id)
@@ -257,6 +284,8 @@ def _record(row: Row, tool_sets: dict[str, ToolSet]) -> DeviceRecord:
         tools_read_at=row["tools_read_at"],
         ota=ota if isinstance(ota, dict) else None,
         ota_at=row["ota_at"],
+        name=row["name"],
+        notes=row["notes"],
     )
 
 
@@ -266,9 +295,10 @@ def _write(
     touched: Iterable[tuple[float, str, float]],
     tool_sets: dict[str, ToolSet],
     forgotten: set[str],
+    notes: Iterable[tuple[str | None, str | None, str]] = (),
 ) -> set[str]:
-    """Write one batch: whole rows, heartbeat-only `last_seen` updates, deletions; returns the
-    digests of the tool lists stored afterwards."""
+    """Write one batch: whole rows, heartbeat-only `last_seen` updates, names and notes,
+    deletions; returns the digests of the tool lists stored afterwards."""
     now = time.time()
     connection.executemany(
         "INSERT INTO tool_lists (digest, tools, created_at) VALUES (?, ?, ?)"
@@ -280,6 +310,7 @@ def _write(
     )
     connection.executemany(_UPSERT, rows)
     connection.executemany(_TOUCH, touched)
+    connection.executemany(_ANNOTATE, notes)
     if forgotten:
         connection.executemany(
             "DELETE FROM devices WHERE device_id = ?", [(device_id,) for device_id in forgotten]

@@ -19,7 +19,7 @@ import weakref
 from bisect import bisect_right
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
+from enum import Enum, StrEnum
 from types import MappingProxyType
 from typing import Any, Protocol
 
@@ -88,9 +88,18 @@ class EventKind(StrEnum):
     TOOLS_CHANGED = "tools_changed"  # a ready device's tool list was read again and differs
     FORGOTTEN = "forgotten"  # an offline device was removed from the catalogue
     REPORTED = "reported"  # the device reported its system info (OTA check)
+    ANNOTATED = "annotated"  # an admin changed its display name or notes
     TOOL_CALLED = "tool_called"  # not a state change: one tools/call finished or was refused
     VOICE_TURN = "voice_turn"  # not a state change: a spoken turn ended; detail has its timings
 
+
+class Unset(Enum):
+    """The type of UNSET: a field a caller leaves as it is (None would clear it)."""
+
+    UNSET = "unset"
+
+
+UNSET = Unset.UNSET
 
 _MAX_AUDITED_ID = 256  # a refused call may name any device id or tool: kept bounded
 
@@ -195,6 +204,9 @@ class DeviceRecord:
     # What the device reported at its last OTA check (board, chip, firmware, network, ...).
     ota: Mapping[str, Any] | None = None
     ota_at: float | None = None
+    # What an admin wrote about it (`DeviceRegistry.annotate`): a display name and notes.
+    name: str | None = None
+    notes: str | None = None
 
     @property
     def board(self) -> str | None:
@@ -232,6 +244,8 @@ class DeviceRecord:
             "tools_read_at": iso_time(self.tools_read_at),
             "error": None,
             "ota": self.ota_summary(),
+            "name": self.name,
+            "notes": self.notes,
         }
 
 
@@ -352,6 +366,8 @@ class Device:
             "tools_read_at": iso_time(record.tools_read_at) if record else None,
             "error": self._error,
             "ota": record.ota_summary() if record else None,
+            "name": record.name if record else None,
+            "notes": record.notes if record else None,
             **self._registry.placement(self.owner),
         }
 
@@ -803,6 +819,20 @@ class DeviceRegistry:
         self._go_offline(device, reason)
         device.connection.disconnect(reason, code)
         return True
+
+    def annotate(
+        self, device_id: str, *, name: str | Unset | None = UNSET, notes: str | Unset | None = UNSET
+    ) -> DeviceRecord:
+        """Set a remembered device's display name and notes (None or "" clears one; UNSET keeps
+        it); raises UnknownDevice. Checking their length is the caller's."""
+        known = self.require_record(device_id)
+        if not isinstance(name, Unset):
+            known = replace(known, name=name or None)
+        if not isinstance(notes, Unset):
+            known = replace(known, notes=notes or None)
+        self._known[device_id] = known
+        self.emit(EventKind.ANNOTATED, device_id)
+        return known
 
     def forget(self, device_id: str) -> None:
         """Remove an offline device from memory and (through the event) from the catalogue."""

@@ -4,54 +4,13 @@
 // (POST /api/provisioning/devices/{id}/revoke). Every action needs `admin`; the server checks it
 // again. The lists are read again every REFRESH_MS while the tab is visible.
 import { ago, announce, api, can, el, startPage } from "/console/common.js";
+import { strings } from "/console/i18n.js";
+import TEXT_TABLE from "/console/text/activations.js";
 
 const REFRESH_MS = 5000;
 
-// Every string of the page, for a translation later.
-const TEXT = {
-  title: "Activations",
-  lacksAdmin: "This key lacks the admin scope: it can neither list, approve nor reject activations. Ask an admin for a key with it.",
-  approveTitle: "Approve a device",
-  approveHelp: "Type the code on the device's screen (or that it speaks). Approve only a code you read on the device itself: anyone can claim a device id.",
-  code: "Code the device shows",
-  transport: "Transport",
-  transports: [
-    ["", "The bridge's default"],
-    ["websocket", "WebSocket"],
-    ["mqtt", "MQTT"],
-  ],
-  approve: "Approve",
-  approving: "Approving…",
-  badCode: "The code is the 6 digits the device shows.",
-  approved: (device) => `Approved ${device.device_id} (generation ${device.generation}): it gets its credentials at its next poll.`,
-  notApproved: (message) => `Not approved: ${message}`,
-  pendingTitle: "Waiting for activation",
-  refresh: "Refresh",
-  pendingNone: "No device is waiting. A device shows a code after it asks the bridge's OTA URL.",
-  pendingCount: (n) => (n === 1 ? "1 device waiting" : `${n} devices waiting`),
-  pendingCaption: "Devices waiting for activation",
-  pendingColumns: ["Code", "Device id", "Client id", "Board", "Firmware", "Address", "Asked", "Last poll", "Action"],
-  candidates: (n) => `${n} requests claim this id`,
-  reject: "Reject",
-  rejectLabel: (code, device) => `Reject request ${code} of ${device}`,
-  rejectConfirm: (device) => `Reject the request of ${device}? If it keeps polling it gets a new code.`,
-  rejectYes: (code) => `Yes, reject ${code}`,
-  rejected: (code, device) => `Request ${code} of ${device} rejected.`,
-  devicesTitle: "Approved devices",
-  devicesNone: "No device approved yet.",
-  devicesCaption: "Approved and revoked devices",
-  devicesColumns: ["Device id", "Client id", "Status", "Generation", "Transport", "Approved", "Action"],
-  defaultTransport: "default",
-  revoke: "Revoke",
-  revokeLabel: (device) => `Revoke device ${device}`,
-  revokeConfirm: (device) => `Revoke ${device}? Its credentials stop working and its link closes at once.`,
-  revokeYes: (device) => `Yes, revoke ${device}`,
-  revokedSaid: (device) => `Device ${device} revoked.`,
-  cancel: "Cancel",
-  failed: (message) => `Not done: ${message}`,
-  notListed: (message) => `Could not read the list: ${message}`,
-  by: (when, who) => `${when} by ${who}`,
-};
+// Every string of the page: /console/text/activations.js, in the chosen language.
+const TEXT = strings(TEXT_TABLE);
 
 startPage(TEXT.title, async (main, me) => {
   await new ActivationsPage(main, can(me, "admin")).start();
@@ -235,7 +194,7 @@ class ActivationsPage {
         { "data-device-id": device.device_id, class: device.status === "approved" ? null : "revoked" },
         el("th", { scope: "row" }, el("code", { text: device.device_id })),
         el("td", { class: "wide" }, el("code", { text: device.client_id || "" })),
-        el("td", { text: device.status }),
+        el("td", { text: TEXT.status(device.status) }),
         el("td", { class: "wide num", text: String(device.generation) }),
         el("td", { class: "wide", text: device.transport || TEXT.defaultTransport }),
         el("td", { text: approved }),

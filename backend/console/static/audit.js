@@ -4,41 +4,14 @@
 // page's URL, so a filtered view can be linked. The whole log needs `admin`; a key with
 // devices:read may read the rows of the devices it covers, one device at a time.
 import { api, can, el, formatMs, startPage } from "/console/common.js";
+import { strings } from "/console/i18n.js";
+import TEXT_TABLE from "/console/text/audit.js";
 
 const PAGE_SIZES = [25, 50, 100, 200];
 const OUTCOMES = ["ok", "tool_error", "error", "refused"];
 
-// Every string of the page, for a translation later.
-const TEXT = {
-  title: "Audit log",
-  lacks: "This key lacks the admin and devices:read scopes: it cannot read the audit log. Ask an admin for a key with one of them.",
-  deviceOnly: "Without the admin scope, this key reads one device's rows at a time: enter a device id it covers.",
-  filtersTitle: "Filters",
-  device: "Device id",
-  actor: "Who (actor)",
-  actorHelp: "admin, key:<id>, chat:…, device:<id>",
-  tool: "Tool",
-  outcome: "Outcome",
-  anyOutcome: "Any outcome",
-  outcomes: { ok: "ok", tool_error: "tool error", error: "error", refused: "refused" },
-  since: "From",
-  until: "Until",
-  pageSize: "Rows per page",
-  apply: "Show",
-  clear: "Clear filters",
-  newer: "Newer",
-  older: "Older",
-  loading: "Loading…",
-  none: "No row matches these filters.",
-  page: (n, first, last, more) => `Page ${n}: rows ${first}–${last}${more ? "" : " (the last page)"}`,
-  notRead: (message) => `Could not read the audit log: ${message}`,
-  badRange: "“From” must be earlier than “Until”.",
-  caption: "Audit log rows, newest first",
-  columns: ["When", "Device", "Tool", "Who", "Outcome", "Duration", "Arguments (SHA-256)"],
-  confirmed: " (confirmed)",
-  bytes: (n) => `${n} bytes`,
-  deviceActor: "device",
-};
+// Every string of the page: /console/text/audit.js, in the chosen language.
+const TEXT = strings(TEXT_TABLE);
 
 startPage(TEXT.title, async (main, me) => {
   await new AuditPage(main, me).start();
@@ -84,7 +57,7 @@ class AuditPage {
       this.filterForm(),
       this.status,
       this.results,
-      el("nav", { class: "row pager", "aria-label": "Audit pages" }, this.newer, this.older),
+      el("nav", { class: "row pager", "aria-label": TEXT.pager }, this.newer, this.older),
     );
     if (this.allowed && (this.admin || this.inputs.device_id.value)) await this.load();
   }

@@ -14,11 +14,15 @@ import {
   settings,
   startPage,
 } from "/console/common.js";
+import { locale, strings } from "/console/i18n.js";
+import TEXT from "/console/text/chat.js";
+
+const T = strings(TEXT);
 
 // The open conversation survives a reload of this tab (its messages are re-read from the API).
 const CONVERSATION_ITEM = "bridge.chat.conversation";
 const DEVICE_ITEM = "bridge.chat.device";
-const LANGUAGES = { en: "English", vi: "Vietnamese" };
+const LANGUAGES = { en: T.english, vi: T.vietnamese };
 // The stored answer ends with its sources section: a heading, then "N. title - link" lines.
 const SOURCE_HEADINGS = ["Sources:", "Nguồn tham khảo:"];
 const SOURCE_LINE = /^\d+\. (.*) - (\S+)$/;
@@ -38,7 +42,7 @@ const state = {
   nodes: {},
 };
 
-startPage("Chat", async (main, me) => {
+startPage(T.title, async (main, me) => {
   state.me = me;
   if (!can(me, "chat:use")) {
     // A key for another part of the console (devices only, say) lands there, not here.
@@ -69,22 +73,22 @@ function layout() {
   const aside = el(
     "nav",
     { class: "card chat-side", "aria-labelledby": "conversations-title" },
-    el("h2", { id: "conversations-title", text: "Conversations" }),
-    el("button", { type: "button", id: "new-conversation", text: "New conversation", on: { click: newConversation } }),
+    el("h2", { id: "conversations-title", text: T.conversations }),
+    el("button", { type: "button", id: "new-conversation", text: T.newConversation, on: { click: newConversation } }),
     n.listStatus,
     n.list,
   );
 
-  n.title = el("h1", { id: "chat-title", text: "New conversation" });
+  n.title = el("h1", { id: "chat-title", text: T.newConversation });
   n.device = el("select", { id: "chat-device", "aria-describedby": "chat-device-help" });
-  n.device.append(el("option", { value: "", text: "No device" }));
+  n.device.append(el("option", { value: "", text: T.noDevice }));
   n.device.addEventListener("change", () => sessionStorage.setItem(DEVICE_ITEM, n.device.value));
   const devicePicker = el(
     "div",
     { class: "device-picker" },
-    el("label", { for: "chat-device", text: "Device" }),
+    el("label", { for: "chat-device", text: T.device }),
     n.device,
-    el("span", { id: "chat-device-help", class: "hint", text: "whose tools the assistant may use" }),
+    el("span", { id: "chat-device-help", class: "hint", text: T.deviceHelp }),
   );
   // role=log: new messages are read as they are added; an answer being streamed is aria-busy,
   // so a screen reader reads it once it is complete rather than word by word.
@@ -97,7 +101,7 @@ function layout() {
     "aria-labelledby": "chat-title",
     tabindex: "0",
   });
-  n.empty = el("p", { class: "hint", text: "Ask about dental care, or ask the chosen device to do something." });
+  n.empty = el("p", { class: "hint", text: T.empty });
   n.log.append(n.empty);
   // The log keeps its end in view while the reader is there: a line added or grown (a token,
   // the badges, a confirmation) is never left below the visible part.
@@ -120,15 +124,15 @@ function layout() {
       n.form.requestSubmit();
     }
   });
-  n.send = el("button", { type: "submit", id: "chat-send", text: "Send", disabled: true });
+  n.send = el("button", { type: "submit", id: "chat-send", text: T.send, disabled: true });
   // While an answer streams the message box stays usable (the next message can be written);
   // Stop ends the answer.
-  n.stop = el("button", { type: "button", id: "chat-stop", class: "secondary", text: "Stop", hidden: true, on: { click: stop } });
-  n.help = el("span", { id: "chat-input-help", class: "hint", text: "Enter sends, Shift+Enter starts a new line." });
+  n.stop = el("button", { type: "button", id: "chat-stop", class: "secondary", text: T.stop, hidden: true, on: { click: stop } });
+  n.help = el("span", { id: "chat-input-help", class: "hint", text: T.inputHelp });
   n.form = el(
     "form",
-    { class: "chat-form", "aria-label": "Send a message" },
-    el("label", { for: "chat-input", text: "Message" }),
+    { class: "chat-form", "aria-label": T.sendForm },
+    el("label", { for: "chat-input", text: T.message }),
     n.input,
     n.help,
     el("div", { class: "row" }, n.send, n.stop),
@@ -136,7 +140,7 @@ function layout() {
   n.form.addEventListener("submit", (event) => {
     event.preventDefault();
     if (state.busy) {
-      announce("An answer is still coming: wait for it, or press Stop.");
+      announce(T.stillComing);
       return;
     }
     const text = n.input.value.trim();
@@ -155,17 +159,17 @@ async function loadConversations() {
     const page = await api("/v1/conversations?limit=50");
     n.list.replaceChildren(...page.data.map(conversationItem));
     const current = page.data.find((item) => item.id === state.conversationId);
-    if (current) n.title.textContent = current.title || "Conversation";
-    n.listStatus.textContent = page.data.length ? "" : "No conversations yet.";
+    if (current) n.title.textContent = current.title || T.conversation;
+    n.listStatus.textContent = page.data.length ? "" : T.noConversations;
   } catch (error) {
-    n.listStatus.textContent = `Could not list conversations: ${error.message}`;
+    n.listStatus.textContent = T.cannotList(error.message);
   }
   markCurrent();
 }
 
 function conversationItem(conversation) {
   const label = conversation.title || conversation.id;
-  const when = new Date(conversation.updated_at).toLocaleString();
+  const when = new Date(conversation.updated_at).toLocaleString(locale());
   return el(
     "li",
     {},
@@ -178,7 +182,7 @@ function conversationItem(conversation) {
         on: { click: () => openConversation(conversation.id) },
       },
       el("span", { class: "conversation-title", text: label }),
-      el("span", { class: "hint", text: `${conversation.message_count} messages · ${when}` }),
+      el("span", { class: "hint", text: T.messagesWhen(conversation.message_count, when) }),
     ),
   );
 }
@@ -200,10 +204,10 @@ function setConversation(id) {
 function newConversation() {
   if (state.busy) return;
   setConversation(null);
-  state.nodes.title.textContent = "New conversation";
+  state.nodes.title.textContent = T.newConversation;
   state.nodes.log.replaceChildren(state.nodes.empty);
   state.nodes.input.focus();
-  announce("New conversation");
+  announce(T.newConversation);
 }
 
 async function openConversation(id, { quiet = false } = {}) {
@@ -217,18 +221,18 @@ async function openConversation(id, { quiet = false } = {}) {
       setConversation(null); // deleted elsewhere: start afresh
       return;
     }
-    n.log.replaceChildren(el("p", { class: "error", role: "alert", text: `Could not open the conversation: ${error.message}` }));
+    n.log.replaceChildren(el("p", { class: "error", role: "alert", text: T.cannotOpen(error.message) }));
     return;
   }
   setConversation(conversation.id);
-  n.title.textContent = conversation.title || "Conversation";
+  n.title.textContent = conversation.title || T.conversation;
   if (conversation.device_id) selectDevice(conversation.device_id);
   n.log.replaceChildren(...conversation.messages.map(storedMessage));
   if (!conversation.messages.length) n.log.append(n.empty);
   state.pinned = true;
   keepPinned();
   if (!quiet) {
-    announce(`Opened ${n.title.textContent}, ${conversation.messages.length} messages`);
+    announce(T.opened(n.title.textContent, conversation.messages.length));
     n.input.focus();
   }
 }
@@ -241,7 +245,7 @@ function storedMessage(message) {
   bubble.raw = text;
   renderText(bubble);
   if (meta.tools && meta.tools.length) {
-    bubble.tools.append(el("li", { class: "tool-event", text: `Device tools used: ${meta.tools.join(", ")}` }));
+    bubble.tools.append(el("li", { class: "tool-event", text: T.toolsUsed(meta.tools.join(", ")) }));
   }
   showSources(bubble, sources);
   showMeta(bubble, { language: meta.language, offline: meta.offline });
@@ -267,7 +271,7 @@ async function loadDevices() {
   const select = state.nodes.device;
   if (!can(state.me, "devices:read")) {
     select.disabled = true;
-    select.title = "This key cannot list devices (devices:read)";
+    select.title = T.noDevicesScope;
     return;
   }
   try {
@@ -280,7 +284,7 @@ async function loadDevices() {
       else select.append(el("option", { value: device.device_id, text: label }));
     }
   } catch (error) {
-    select.title = `Could not list devices: ${error.message}`;
+    select.title = T.cannotListDevices(error.message);
   }
   if (!select.value) selectDevice(sessionStorage.getItem(DEVICE_ITEM) || "");
 }
@@ -292,7 +296,7 @@ function selectDevice(deviceId) {
     return;
   }
   if (![...select.options].some((option) => option.value === deviceId)) {
-    select.append(el("option", { value: deviceId, text: `${deviceId} (not online)` }));
+    select.append(el("option", { value: deviceId, text: T.notOnline(deviceId) }));
   }
   select.value = deviceId;
 }
@@ -300,19 +304,19 @@ function selectDevice(deviceId) {
 // ---- a turn ------------------------------------------------------------------------------------
 
 function userBubble(text) {
-  return el("div", { class: "message user" }, el("h3", { class: "visually-hidden", text: "You" }), el("p", { class: "text", text }));
+  return el("div", { class: "message user" }, el("h3", { class: "visually-hidden", text: T.you }), el("p", { class: "text", text }));
 }
 
 function assistantBubble() {
   const text = el("div", { class: "text md" });
-  const tools = el("ul", { class: "tools", "aria-label": "Device tools" });
+  const tools = el("ul", { class: "tools", "aria-label": T.deviceTools });
   const sources = el("div", { class: "sources" });
   const meta = el("p", { class: "meta" });
   const extra = el("div", { class: "extra" });
   const node = el(
     "div",
     { class: "message assistant" },
-    el("h3", { class: "visually-hidden", text: "Assistant" }),
+    el("h3", { class: "visually-hidden", text: T.assistant }),
     tools,
     text,
     sources,
@@ -353,10 +357,10 @@ async function send(text) {
     });
   } catch (error) {
     if (controller.signal.aborted) {
-      bubble.extra.append(el("p", { class: "hint stopped", text: "Stopped: the rest of this answer was not read." }));
-      announce("Answer stopped");
+      bubble.extra.append(el("p", { class: "hint stopped", text: T.stopped }));
+      announce(T.answerStopped);
     } else {
-      bubble.extra.append(el("p", { class: "error", role: "alert", text: `The request failed: ${error.message}` }));
+      bubble.extra.append(el("p", { class: "error", role: "alert", text: T.requestFailed(error.message) }));
     }
   } finally {
     renderText(bubble, done && done.metadata && done.metadata.confirmation);
@@ -403,7 +407,7 @@ function setBusy(busy, controller) {
   state.busy = busy;
   state.controller = controller;
   n.send.disabled = busy;
-  n.send.textContent = busy ? "Answering…" : "Send";
+  n.send.textContent = busy ? T.answering : T.send;
   n.stop.hidden = !busy;
   if (!busy && (hadFocus || document.activeElement === document.body)) n.input.focus();
 }
@@ -418,7 +422,7 @@ function onEvent(bubble, data) {
   } else if (data.type === "sources") {
     showSources(bubble, data.items || []);
   } else if (data.type === "error") {
-    bubble.extra.append(el("p", { class: "error", role: "alert", text: data.error || "The bridge reported an error." }));
+    bubble.extra.append(el("p", { class: "error", role: "alert", text: data.error || T.bridgeError }));
   }
 }
 
@@ -437,14 +441,14 @@ function toolEvent(bubble, data) {
   const parts = [el("span", { class: "tool-name", text: data.tool })];
   if (waiting) {
     bubble.pending.delete(data.tool);
-    parts.push(el("span", { class: "badge waiting", text: "waiting for you" }));
+    parts.push(el("span", { class: "badge waiting", text: T.waiting }));
   } else if (status === "started") {
     bubble.pending.set(data.tool, item);
     item.dataset.arguments = JSON.stringify(data.arguments || {});
-    parts.push(el("span", { class: "badge", text: "running" }));
+    parts.push(el("span", { class: "badge", text: T.running }));
   } else {
     bubble.pending.delete(data.tool);
-    const label = status === "completed" ? (data.is_error ? "tool error" : "done") : "failed";
+    const label = status === "completed" ? (data.is_error ? T.toolError : T.done) : T.failed;
     parts.push(el("span", { class: `badge ${status === "completed" && !data.is_error ? "online" : "warn"}`, text: label }));
     if (data.duration_ms !== null && data.duration_ms !== undefined) {
       parts.push(el("span", { class: "duration hint", text: formatMs(data.duration_ms) }));
@@ -469,7 +473,7 @@ function showSources(bubble, items) {
     const title = item.title || item.link;
     list.append(el("li", {}, href ? el("a", { href, rel: "noopener noreferrer", target: "_blank", text: title }) : el("span", { text: title })));
   }
-  bubble.sources.replaceChildren(el("h4", { text: "Sources" }), list);
+  bubble.sources.replaceChildren(el("h4", { text: T.sources }), list);
 }
 
 /** The link when it is http(s); anything else (javascript:, data:) is shown, never followed. */
@@ -484,9 +488,9 @@ function safeLink(link) {
 
 function showMeta(bubble, { language, offline, offlineReason }) {
   const badges = [];
-  if (language) badges.push(el("span", { class: "badge language", text: `Language: ${LANGUAGES[language] || language}` }));
+  if (language) badges.push(el("span", { class: "badge language", text: T.answerLanguage(LANGUAGES[language] || language) }));
   if (offline) {
-    badges.push(el("span", { class: "badge warn offline-badge", title: offlineReason || null, text: "Offline mode" }));
+    badges.push(el("span", { class: "badge warn offline-badge", title: offlineReason || null, text: T.offline }));
   }
   bubble.meta.replaceChildren(...badges);
 }
@@ -497,23 +501,23 @@ function finish(bubble, metadata) {
     bubble.meta.append(el("span", { class: "hint", text: ` ${metadata.offline_reason}` }));
   }
   if (metadata.confirmation) askConfirmation(bubble, metadata.confirmation);
-  announce(metadata.offline ? "Answer complete (offline mode)" : "Answer complete");
+  announce(metadata.offline ? T.completeOffline : T.complete);
 }
 
 function askConfirmation(bubble, confirmation) {
   const args = Object.entries(confirmation.arguments || {});
   const what = args.length
-    ? ["with ", ...args.flatMap(([name, value], at) => [at ? ", " : "", `${name} `, el("code", { text: typeof value === "string" ? value : JSON.stringify(value) })])]
-    : ["with no settings"];
-  const title = el("p", { class: "confirm-title" }, el("span", { class: "badge waiting", text: "waiting for you" }), " Nothing has run yet.");
-  const confirm = el("button", { type: "button", class: "danger", text: "Confirm", on: { click: () => answerConfirmation(box, "yes") } });
-  const cancel = el("button", { type: "button", class: "secondary", text: "Cancel", on: { click: () => answerConfirmation(box, "no") } });
+    ? [T.withSettings, ...args.flatMap(([name, value], at) => [at ? ", " : "", `${name} `, el("code", { text: typeof value === "string" ? value : JSON.stringify(value) })])]
+    : [T.withNoSettings];
+  const title = el("p", { class: "confirm-title" }, el("span", { class: "badge waiting", text: T.waiting }), T.nothingRun);
+  const confirm = el("button", { type: "button", class: "danger", text: T.confirm, on: { click: () => answerConfirmation(box, "yes") } });
+  const cancel = el("button", { type: "button", class: "secondary", text: T.cancel, on: { click: () => answerConfirmation(box, "no") } });
   const box = el(
     "div",
-    { class: "confirm", role: "group", "aria-label": "Confirmation", tabindex: "-1" },
+    { class: "confirm", role: "group", "aria-label": T.confirmation, tabindex: "-1" },
     title,
-    el("p", {}, "The assistant wants to use the device tool ", el("code", { text: confirmation.tool }), " ", ...what, "."),
-    el("p", { class: "hint", text: "This tool can change or restart the device. Press Confirm to run it, or Cancel to leave it." }),
+    el("p", {}, T.wantsTool(el("code", { text: confirmation.tool }), what)),
+    el("p", { class: "hint", text: T.confirmHint }),
     el("div", { class: "row" }, confirm, cancel),
   );
   bubble.extra.append(box);
@@ -521,7 +525,7 @@ function askConfirmation(bubble, confirmation) {
   keepPinned();
   box.scrollIntoView({ block: "nearest" });
   box.focus({ preventScroll: true });
-  announce(`${confirmation.tool} is waiting for you: Confirm or Cancel`);
+  announce(T.toolWaiting(confirmation.tool));
 }
 
 function answerConfirmation(box, answer) {

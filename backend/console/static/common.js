@@ -1,6 +1,10 @@
 // Shared by every console page: the key, API calls, server-sent events, the page frame.
 // The key lives in sessionStorage only: never in a URL, a cookie or localStorage.
 
+import { LANGUAGES, language, locale, markLanguage, setLanguage, strings } from "/console/i18n.js";
+import TEXT from "/console/text/common.js";
+
+const T = strings(TEXT);
 const KEY_ITEM = "bridge.key";
 const SETTINGS_ITEM = "bridge.settings";
 
@@ -163,7 +167,7 @@ export function el(tag, attrs = {}, ...children) {
     } else if (name === "value") node.value = value;
     else node.setAttribute(name, value === true ? "" : String(value));
   }
-  for (const child of children.flat()) {
+  for (const child of children.flat(Infinity)) {
     if (child === null || child === undefined || child === false) continue;
     node.append(child instanceof Node ? child : document.createTextNode(String(child)));
   }
@@ -182,21 +186,27 @@ export function announce(text) {
 }
 
 const NAV = [
-  { path: "/", label: "Chat", scope: "chat:use" },
-  { path: "/settings", label: "Settings", scope: "chat:use" },
-  { path: "/devices", label: "Devices", scope: "devices:read" },
-  { path: "/talk", label: "Talk", scope: "console:talk" },
-  { path: "/keys", label: "Keys", scope: "admin" },
-  { path: "/activations", label: "Activations", scope: "admin" },
-  { path: "/audit", label: "Audit", scope: "devices:read" },
+  { path: "/", label: T.navChat, scope: "chat:use" },
+  { path: "/conversations", label: T.navConversations, scope: "chat:use" },
+  { path: "/settings", label: T.navSettings, scope: "chat:use" },
+  { path: "/devices", label: T.navDevices, scope: "devices:read" },
+  { path: "/talk", label: T.navTalk, scope: "console:talk" },
+  { path: "/mcp-servers", label: T.navMcpServers, scope: "devices:read" },
+  { path: "/firmware", label: T.navFirmware, scope: "admin" },
+  { path: "/activations", label: T.navActivations, scope: "admin" },
+  { path: "/keys", label: T.navKeys, scope: "admin" },
+  { path: "/audit", label: T.navAudit, scope: "devices:read" },
 ];
 
 function header(me) {
   const top = document.getElementById("top");
   top.replaceChildren();
-  top.append(el("a", { class: "skip", href: "#main", text: "Skip to content" }));
+  top.append(el("a", { class: "skip", href: "#main", text: T.skip }));
   top.append(el("span", { class: "brand", text: "esp32-mcp-bridge" }));
-  if (!me) return;
+  if (!me) {
+    top.append(languageSwitch());
+    return;
+  }
   const links = NAV.filter((item) => can(me, item.scope)).map((item) =>
     el(
       "li",
@@ -208,16 +218,28 @@ function header(me) {
       }),
     ),
   );
-  top.append(el("nav", { "aria-label": "Console" }, el("ul", {}, links)));
-  const who = me.is_admin ? "admin token" : `key ${me.name || me.key_id}`;
+  top.append(el("nav", { "aria-label": T.navLabel }, el("ul", {}, links)));
+  const who = me.is_admin ? T.adminToken : T.keyNamed(me.name || me.key_id);
   top.append(
     el(
       "div",
       { class: "identity" },
       el("span", { text: who }),
-      el("button", { type: "button", class: "link", text: "Log out", on: { click: logOut } }),
+      el("button", { type: "button", class: "link", text: T.logOut, on: { click: logOut } }),
     ),
   );
+  top.append(languageSwitch());
+}
+
+/** The language switch of the header: a labelled select; a change reloads the page in it. */
+function languageSwitch() {
+  const select = el(
+    "select",
+    { id: "language-switch", on: { change: () => setLanguage(select.value) } },
+    LANGUAGES.map(([code, name]) => el("option", { value: code, lang: code, text: name })),
+  );
+  select.value = language();
+  return el("div", { class: "language-switch" }, el("label", { for: "language-switch", text: T.language }), select);
 }
 
 function logOut() {
@@ -245,31 +267,22 @@ function loginForm(main, title, problem, onKey) {
   const form = el(
     "form",
     { class: "card login", "aria-labelledby": "login-title" },
-    el("h1", { id: "login-title", text: `${title}: log in` }),
-    el("label", { for: "api-key", text: "API key or admin token" }),
+    el("h1", { id: "login-title", text: T.loginTitle(title) }),
+    el("label", { for: "api-key", text: T.keyLabel }),
     input,
     el(
       "div",
       { id: "api-key-help", class: "hint" },
-      el("p", { text: "Kept in this tab only (session storage) and sent as a Bearer token." }),
+      el("p", { text: T.keyKept }),
       el(
         "p",
         {},
-        "The admin token is in the file ",
-        el("code", { text: ADMIN_TOKEN_FILE }),
-        " of the bridge's data directory: esp32-bridge serve prints its path at every start (by default ",
-        el("code", { text: `~/.local/share/esp32-bridge/${ADMIN_TOKEN_FILE}` }),
-        ").",
+        T.tokenFile(el("code", { text: ADMIN_TOKEN_FILE }), el("code", { text: `~/.local/share/esp32-bridge/${ADMIN_TOKEN_FILE}` })),
       ),
-      el(
-        "p",
-        {},
-        "Or create an API key for the console (its token is printed once) with: ",
-        el("code", { id: "api-key-command", text: CONSOLE_KEY_COMMAND }),
-      ),
+      el("p", {}, T.createKey, el("code", { id: "api-key-command", text: CONSOLE_KEY_COMMAND })),
     ),
     error,
-    el("button", { type: "submit", text: "Log in" }),
+    el("button", { type: "submit", text: T.logIn }),
   );
   form.addEventListener("submit", (event) => {
     event.preventDefault();
@@ -285,6 +298,7 @@ function loginForm(main, title, problem, onKey) {
  * calls render(main, me). A 401 from any later call brings the login form back.
  */
 export function startPage(title, render) {
+  markLanguage();
   document.title = `${title} · esp32-mcp-bridge`;
   const main = document.getElementById("main");
   if (!document.getElementById("announcer")) {
@@ -307,9 +321,9 @@ export function startPage(title, render) {
     } catch (error) {
       if (error instanceof ApiError && error.status === 401) {
         clearKey();
-        enter("That key was refused (unknown, revoked or mistyped).");
+        enter(T.keyRefused);
       } else {
-        main.replaceChildren(el("p", { class: "error", role: "alert", text: `The bridge did not answer: ${error.message}` }));
+        main.replaceChildren(el("p", { class: "error", role: "alert", text: T.noAnswer(error.message) }));
       }
       return;
     }
@@ -323,7 +337,7 @@ export function startPage(title, render) {
     if (!rendered) return;
     rendered = false;
     clearKey();
-    enter("The key stopped working (revoked?). Log in again.");
+    enter(T.keyStopped);
   });
   enter(null);
 }
@@ -337,28 +351,22 @@ export function firstPage(me) {
 
 /** A notice that the key cannot use this page, naming the scope it lacks. */
 export function lacksScope(main, scope) {
-  main.replaceChildren(
-    el(
-      "p",
-      { class: "notice", role: "status" },
-      `This key lacks the ${scope} scope, which this page needs. Ask an admin for a key with it.`,
-    ),
-  );
+  main.replaceChildren(el("p", { class: "notice", role: "status" }, T.lacksScope(scope)));
 }
 
-/** "1.2 s", "850 ms". */
+/** "1.2 s", "850 ms" (in Vietnamese "1,2 giây"). */
 export function formatMs(ms) {
   if (ms === null || ms === undefined) return "";
-  return ms >= 1000 ? `${(ms / 1000).toFixed(1)} s` : `${Math.round(ms)} ms`;
+  return ms >= 1000 ? T.seconds((ms / 1000).toFixed(1)) : T.milliseconds(String(Math.round(ms)));
 }
 
 /** "3 min ago" for an ISO time, or the time itself when older than a day. */
 export function ago(iso) {
-  if (!iso) return "never";
+  if (!iso) return T.never;
   const seconds = (Date.now() - Date.parse(iso)) / 1000;
   if (!Number.isFinite(seconds)) return iso;
-  if (seconds < 60) return "just now";
-  if (seconds < 3600) return `${Math.floor(seconds / 60)} min ago`;
-  if (seconds < 86400) return `${Math.floor(seconds / 3600)} h ago`;
-  return new Date(iso).toLocaleString();
+  if (seconds < 60) return T.justNow;
+  if (seconds < 3600) return T.minutesAgo(Math.floor(seconds / 60));
+  if (seconds < 86400) return T.hoursAgo(Math.floor(seconds / 3600));
+  return new Date(iso).toLocaleString(locale());
 }

@@ -20,6 +20,11 @@ import {
   readSSE,
   startPage,
 } from "/console/common.js";
+import { strings } from "/console/i18n.js";
+import TEXT from "/console/text/devices.js";
+import { mountDeviceActions } from "/console/device-actions.js";
+
+const T = strings(TEXT);
 
 const PAGE_SIZE = 100; // rows in the DOM at once: a filter over 10,000 renders one page
 const AUDIT_ROWS = 20;
@@ -28,11 +33,10 @@ const RETRY_MAX_MS = 15000;
 const LIVE = new Set(["connecting", "initializing", "ready", "failed"]);
 // A device's voice language (GET/PUT /api/devices/{id}/voice): the setting and its label.
 const VOICE_LANGUAGES = [
-  ["auto", "Automatic (the language of its last turns)"],
-  ["en", "English"],
-  ["vi", "Vietnamese"],
+  ["auto", T.voiceAuto],
+  ["en", T.languageName("en")],
+  ["vi", T.languageName("vi")],
 ];
-const LANGUAGE_NAMES = { en: "English", vi: "Vietnamese" };
 // A read-only tool whose JSON answer holds the device's current settings (volume, brightness,
 // theme): the tool forms start from its values.
 const STATUS_TOOL = /(^|\.)get_device_status$/;
@@ -41,15 +45,15 @@ const VERBS = new Set(["self", "set", "get", "turn", "change"]);
 // connecting device's first row may say offline for an instant.
 const NEW_OFFLINE_GRACE_MS = 1500;
 const STATE_FILTERS = [
-  ["all", "All states"],
-  ["online", "Online"],
-  ["offline", "Offline"],
-  ["ready", "Ready"],
-  ["connecting", "Connecting or initializing"],
-  ["failed", "Failed"],
+  ["all", T.filterAll],
+  ["online", T.filterOnline],
+  ["offline", T.filterOffline],
+  ["ready", T.filterReady],
+  ["connecting", T.filterConnecting],
+  ["failed", T.filterFailed],
 ];
 
-startPage("Devices", (main, me) => {
+startPage(T.title, (main, me) => {
   if (!can(me, "devices:read")) {
     lacksScope(main, "devices:read");
     return;
@@ -72,7 +76,7 @@ function isOnline(row) {
 }
 
 function lastSeenOf(row) {
-  return isOnline(row) ? "now" : ago(row.last_seen);
+  return isOnline(row) ? T.now : ago(row.last_seen);
 }
 
 function matchesState(row, wanted) {
@@ -97,7 +101,7 @@ function stateBadge(row) {
 }
 
 function setBadge(badge, row) {
-  badge.textContent = row.state;
+  badge.textContent = T.stateName(row.state);
   badge.className = `badge ${row.state === "failed" ? "warn" : isOnline(row) ? "online" : "offline"}`;
 }
 
@@ -150,7 +154,7 @@ class DevicesPage {
       type: "search",
       autocomplete: "off",
       spellcheck: "false",
-      placeholder: "id, board, firmware…",
+      placeholder: T.searchPlaceholder,
       on: { input: () => this.onFilter() },
     });
     this.stateSelect = el(
@@ -158,16 +162,16 @@ class DevicesPage {
       { id: "device-state", on: { change: () => this.onFilter() } },
       STATE_FILTERS.map(([value, label]) => el("option", { value, text: label })),
     );
-    this.status = el("p", { id: "fleet-status", class: "muted", role: "status", text: "Connecting…" });
-    this.link = el("span", { class: "badge", id: "stream-state", text: "connecting" });
+    this.status = el("p", { id: "fleet-status", class: "muted", role: "status", text: T.connectingStatus });
+    this.link = el("span", { class: "badge", id: "stream-state", text: T.linkConnecting });
     this.tbody = el("tbody", { id: "device-rows" });
-    this.prev = el("button", { type: "button", class: "secondary", text: "Previous", on: { click: () => this.turn(-1) } });
-    this.next = el("button", { type: "button", class: "secondary", text: "Next", on: { click: () => this.turn(1) } });
+    this.prev = el("button", { type: "button", class: "secondary", text: T.previous, on: { click: () => this.turn(-1) } });
+    this.next = el("button", { type: "button", class: "secondary", text: T.next, on: { click: () => this.turn(1) } });
     this.pageLabel = el("span", { class: "muted" });
     this.detailBox = el("section", {
       id: "device-detail",
       class: "detail",
-      "aria-label": "Selected device",
+      "aria-label": T.selectedDevice,
       hidden: true,
       on: { keydown: (event) => event.key === "Escape" && this.detail && this.unselect() },
     });
@@ -175,39 +179,39 @@ class DevicesPage {
     const filters = el(
       "form",
       { class: "filters row", role: "search", on: { submit: (event) => event.preventDefault() } },
-      el("div", { class: "field" }, el("label", { for: "device-search", text: "Search" }), this.search),
-      el("div", { class: "field" }, el("label", { for: "device-state", text: "State" }), this.stateSelect),
+      el("div", { class: "field" }, el("label", { for: "device-search", text: T.search }), this.search),
+      el("div", { class: "field" }, el("label", { for: "device-state", text: T.state }), this.stateSelect),
     );
     const table = el(
       "table",
       { class: "fleet" },
-      el("caption", { class: "visually-hidden", text: "Devices (select one to see its tools)" }),
+      el("caption", { class: "visually-hidden", text: T.caption }),
       el(
         "thead",
         {},
         el(
           "tr",
           {},
-          el("th", { scope: "col", text: "Device" }),
-          el("th", { scope: "col", text: "State" }),
-          el("th", { scope: "col", class: "wide", text: "Transport" }),
-          el("th", { scope: "col", class: "wide", text: "Board" }),
-          el("th", { scope: "col", class: "wide", text: "Firmware" }),
-          el("th", { scope: "col", text: "Last seen" }),
-          el("th", { scope: "col", class: "num", text: "Tools" }),
+          el("th", { scope: "col", text: T.device }),
+          el("th", { scope: "col", text: T.state }),
+          el("th", { scope: "col", class: "wide", text: T.transport }),
+          el("th", { scope: "col", class: "wide", text: T.board }),
+          el("th", { scope: "col", class: "wide", text: T.firmware }),
+          el("th", { scope: "col", text: T.lastSeen }),
+          el("th", { scope: "col", class: "num", text: T.tools }),
         ),
       ),
       this.tbody,
     );
     this.main.replaceChildren(
-      el("div", { class: "row heading" }, el("h1", { text: "Devices" }), this.link),
+      el("div", { class: "row heading" }, el("h1", { text: T.title }), this.link),
       filters,
       this.status,
       el("div", { class: "fleet-layout" },
         el("div", { class: "fleet-list" },
           // Focusable: a table wider than a phone scrolls, and the keyboard must reach it.
-          el("div", { class: "table-wrap", tabindex: "0", role: "region", "aria-label": "Device list" }, table),
-          el("nav", { class: "pager row", "aria-label": "Device list pages" }, this.prev, this.pageLabel, this.next),
+          el("div", { class: "table-wrap", tabindex: "0", role: "region", "aria-label": T.deviceList }, table),
+          el("nav", { class: "pager row", "aria-label": T.deviceListPages }, this.prev, this.pageLabel, this.next),
         ),
         this.detailBox,
       ),
@@ -223,20 +227,20 @@ class DevicesPage {
       let snapshot = new Set();
       try {
         const response = await apiStream("/api/fleet/events", { method: "GET", signal: this.controller.signal });
-        this.setLink("live", "online");
+        this.setLink(T.linkLive, "online");
         await readSSE(response, (event) => {
           snapshot = this.onEvent(event, snapshot);
         });
       } catch (error) {
         if (this.controller.signal.aborted) return;
         if (error instanceof ApiError && (error.status === 401 || error.status === 403)) {
-          this.setLink("refused", "warn");
+          this.setLink(T.linkRefused, "warn");
           this.status.textContent = error.message;
           return; // a 401 brings the login form back (common.js)
         }
       }
       if (this.controller.signal.aborted) return;
-      this.setLink("reconnecting", "warn");
+      this.setLink(T.linkReconnecting, "warn");
       await new Promise((resolve) => setTimeout(resolve, this.retryMs));
       this.retryMs = Math.min(this.retryMs * 2, RETRY_MAX_MS);
     }
@@ -382,12 +386,12 @@ class DevicesPage {
     const shown = this.filtered.slice(start, start + PAGE_SIZE);
     this.tbody.replaceChildren(...shown.map((id) => this.rowOf(this.entries.get(id))));
     if (!total) {
-      const text = this.entries.size ? "No device matches." : "No device yet: devices appear here as they connect.";
+      const text = this.entries.size ? T.noMatch : T.noDevice;
       this.tbody.replaceChildren(el("tr", {}, el("td", { colspan: "7", class: "muted", text })));
     }
     this.renderStatus();
     this.pageLabel.textContent = total > PAGE_SIZE
-      ? `Rows ${start + 1}–${Math.min(start + PAGE_SIZE, total)} of ${total}`
+      ? T.rows(start + 1, Math.min(start + PAGE_SIZE, total), total)
       : "";
     this.prev.disabled = this.page === 0;
     this.next.disabled = this.page >= pages - 1;
@@ -398,8 +402,8 @@ class DevicesPage {
     const total = this.filtered.length;
     const all = this.entries.size;
     const text = total === all
-      ? `${plural(all, "device")}, ${this.online} online`
-      : `${total} of ${plural(all, "device")} match (${this.online} online in all)`;
+      ? T.fleetCount(all, this.online)
+      : T.fleetMatch(total, all, this.online);
     if (this.status.textContent !== text) this.status.textContent = text;
   }
 
@@ -486,8 +490,8 @@ class DevicesPage {
 
 function callDeniedReason(me, deviceId) {
   if (me.is_admin) return null;
-  if (!can(me, "devices:call")) return "This key lacks the devices:call scope: it may read tools but not call them.";
-  if (me.device_ids && !me.device_ids.includes(deviceId)) return "This key's devices:call scope does not cover this device.";
+  if (!can(me, "devices:call")) return T.lacksCall;
+  if (me.device_ids && !me.device_ids.includes(deviceId)) return T.otherDevice;
   return null;
 }
 
@@ -507,26 +511,27 @@ class DeviceDetail {
     this.path = `/api/devices/${path}`;
     this.heading = el("h2", { id: "detail-title", tabindex: "-1", text: this.deviceId });
     this.facts = el("dl", { class: "facts" });
-    this.toolsBox = el("div", { class: "tools", "aria-busy": "true" }, el("p", { class: "muted", text: "Loading tools…" }));
-    this.auditBox = el("div", { class: "audit" }, el("p", { class: "muted", text: "Loading…" }));
+    this.toolsBox = el("div", { class: "tools", "aria-busy": "true" }, el("p", { class: "muted", text: T.loadingTools }));
+    this.auditBox = el("div", { class: "audit" }, el("p", { class: "muted", text: T.loading }));
     this.voice = new VoiceLanguage(this);
     const parts = [
       el(
         "div",
         { class: "row detail-head" },
         this.heading,
-        el("button", { type: "button", class: "secondary", text: "Close", on: { click: () => this.onClose() } }),
+        el("button", { type: "button", class: "secondary", text: T.close, on: { click: () => this.onClose() } }),
       ),
       this.facts,
-      el("h3", { text: "Voice" }),
+      el("h3", { text: T.voice }),
       this.voice.element(),
-      el("h3", { text: "Tools" }),
+      el("h3", { text: T.tools }),
       this.denied ? el("p", { class: "notice", id: "call-denied", text: this.denied }) : null,
       this.toolsBox,
-      el("h3", { text: `Recent calls (last ${AUDIT_ROWS})` }),
+      el("h3", { text: T.recentCalls(AUDIT_ROWS) }),
       this.auditBox,
     ];
     this.box.replaceChildren(...parts.filter(Boolean));
+    mountDeviceActions(this);
     this.box.setAttribute("aria-labelledby", "detail-title");
     this.box.hidden = false;
     this.update(this.row);
@@ -543,20 +548,20 @@ class DeviceDetail {
   update(row) {
     this.row = row;
     const facts = [
-      ["State", row.state + (row.error ? ` (${row.error})` : "")],
-      ["Transport", row.transport || "—"],
-      ["Board", boardOf(row) || "—"],
-      ["Firmware", firmwareOf(row) || "—"],
-      ["Client id", row.client_id || "—"],
-      ["Connected", row.connected_at ? new Date(row.connected_at).toLocaleString() : "—"],
-      ["Last seen", lastSeenOf(row)],
-      ["Tools", String(row.tool_count)],
+      [T.state, T.stateName(row.state) + (row.error ? ` (${row.error})` : "")],
+      [T.transport, row.transport || "—"],
+      [T.board, boardOf(row) || "—"],
+      [T.firmware, firmwareOf(row) || "—"],
+      [T.clientId, row.client_id || "—"],
+      [T.connected, row.connected_at ? new Date(row.connected_at).toLocaleString() : "—"],
+      [T.lastSeen, lastSeenOf(row)],
+      [T.tools, String(row.tool_count)],
     ];
     this.facts.replaceChildren(...facts.flatMap(([term, value]) => [el("dt", { text: term }), el("dd", { text: value })]));
   }
 
   gone() {
-    this.facts.replaceChildren(el("p", { class: "warn", role: "status", text: "This device was removed from the catalogue." }));
+    this.facts.replaceChildren(el("p", { class: "warn", role: "status", text: T.removed }));
   }
 
   async loadTools() {
@@ -565,14 +570,14 @@ class DeviceDetail {
       this.toolForms = listing.tools.map((tool, index) => new ToolForm(this, tool, index));
       const forms = this.toolForms.map((form) => form.element());
       const note = listing.cached
-        ? el("p", { class: "hint", text: "Offline: the tools it declared when last seen. Calls need it online." })
+        ? el("p", { class: "hint", text: T.offlineTools })
         : null;
       this.toolsBox.replaceChildren(...(note ? [note] : []), ...forms);
-      if (!forms.length) this.toolsBox.replaceChildren(el("p", { class: "muted", text: "This device declares no tools." }));
+      if (!forms.length) this.toolsBox.replaceChildren(el("p", { class: "muted", text: T.noTools }));
       if (!listing.cached) await this.prefill(listing.tools);
     } catch (error) {
       if (this.controller.signal.aborted) return;
-      this.toolsBox.replaceChildren(el("p", { class: "error", role: "alert", text: `Tools: ${error.message}` }));
+      this.toolsBox.replaceChildren(el("p", { class: "error", role: "alert", text: T.toolsError(error.message) }));
     }
     this.toolsBox.removeAttribute("aria-busy");
   }
@@ -604,7 +609,7 @@ class DeviceDetail {
       this.auditBox.replaceChildren(auditTable(page.entries));
     } catch (error) {
       if (this.controller.signal.aborted) return;
-      this.auditBox.replaceChildren(el("p", { class: "error", text: `Audit: ${error.message}` }));
+      this.auditBox.replaceChildren(el("p", { class: "error", text: T.auditError(error.message) }));
     }
   }
 }
@@ -615,7 +620,7 @@ class DeviceDetail {
 class VoiceLanguage {
   constructor(detail) {
     this.detail = detail;
-    this.denied = detail.me.is_admin ? null : "Changing it needs the admin scope.";
+    this.denied = detail.me.is_admin ? null : T.voiceDenied;
   }
 
   element() {
@@ -629,11 +634,11 @@ class VoiceLanguage {
       },
       VOICE_LANGUAGES.map(([value, label]) => el("option", { value, text: label })),
     );
-    this.effective = el("p", { id: "voice-effective", class: "hint", "aria-live": "polite", text: "Loading…" });
+    this.effective = el("p", { id: "voice-effective", class: "hint", "aria-live": "polite", text: T.loading });
     return el(
       "div",
       { class: "field voice" },
-      el("label", { for: "voice-language", text: "Language it is heard in" }),
+      el("label", { for: "voice-language", text: T.heardLabel }),
       this.select,
       this.effective,
     );
@@ -645,7 +650,7 @@ class VoiceLanguage {
     } catch (error) {
       if (this.detail.controller.signal.aborted) return;
       this.effective.className = "error";
-      this.effective.textContent = `Voice: ${error.message}`;
+      this.effective.textContent = T.voiceError(error.message);
     }
   }
 
@@ -656,10 +661,10 @@ class VoiceLanguage {
       // A language this bridge cannot hear is shown, not offered (the voice-vi extra is missing).
       const missing = option.value !== "auto" && !voice.languages_available.includes(option.value);
       option.disabled = missing;
-      if (missing) option.textContent = `${LANGUAGE_NAMES[option.value]} (not installed here)`;
+      if (missing) option.textContent = T.notInstalled(T.languageName(option.value));
     }
     this.select.disabled = Boolean(this.denied);
-    const heard = `Heard in ${LANGUAGE_NAMES[voice.effective] || voice.effective} now.`;
+    const heard = T.heard(T.languageName(voice.effective));
     this.effective.className = "hint";
     this.effective.textContent = this.denied ? `${heard} ${this.denied}` : heard;
   }
@@ -669,32 +674,32 @@ class VoiceLanguage {
     this.select.disabled = true;
     try {
       this.show(await api(`${this.detail.path}/voice`, { method: "PUT", body: { language } }));
-      announce(`Voice language saved: ${this.effective.textContent}`);
+      announce(T.voiceSaved(this.effective.textContent));
     } catch (error) {
       this.select.value = this.saved;
       this.select.disabled = Boolean(this.denied);
       this.effective.className = "error";
-      this.effective.textContent = `Not saved (${error.status || "network"}): ${error.message}`;
+      this.effective.textContent = T.notSaved(error.status, error.message);
     }
   }
 }
 
 function auditTable(entries) {
-  if (!entries.length) return el("p", { class: "muted", text: "No call recorded yet." });
+  if (!entries.length) return el("p", { class: "muted", text: T.noCalls });
   return el(
     "div",
-    { class: "table-wrap", tabindex: "0", role: "region", "aria-label": "Recent calls" },
+    { class: "table-wrap", tabindex: "0", role: "region", "aria-label": T.recentCallsLabel },
     el(
       "table",
       { class: "audit-table" },
-      el("caption", { class: "visually-hidden", text: "Recent tool calls of this device" }),
+      el("caption", { class: "visually-hidden", text: T.recentCallsCaption }),
       el(
         "thead",
         {},
         el(
           "tr",
           {},
-          ["When", "Tool", "Who", "Outcome", "Duration"].map((text) => el("th", { scope: "col", text })),
+          [T.when, T.tool, T.who, T.outcome, T.duration].map((text) => el("th", { scope: "col", text })),
         ),
       ),
       el(
@@ -706,10 +711,10 @@ function auditTable(entries) {
             {},
             el("td", { text: ago(entry.at) }),
             el("td", {}, el("code", { text: entry.tool })),
-            el("td", { text: entry.actor || "device" }),
+            el("td", { text: entry.actor || T.deviceActor }),
             el("td", {
               class: entry.outcome === "ok" ? "ok" : "warn",
-              text: entry.outcome + (entry.confirmed ? " (confirmed)" : "") + (entry.error ? `: ${entry.error}` : ""),
+              text: T.outcomeName(entry.outcome) + (entry.confirmed ? T.confirmed : "") + (entry.error ? `: ${entry.error}` : ""),
             }),
             el("td", { class: "num", text: formatMs(entry.duration_ms) }),
           ),
@@ -746,7 +751,7 @@ class ToolForm {
     const denied = this.detail.denied;
     this.button = el("button", {
       type: "submit",
-      text: "Call",
+      text: T.call,
       disabled: Boolean(denied),
       "aria-describedby": denied ? "call-denied" : null,
     });
@@ -774,7 +779,7 @@ class ToolForm {
   markRisky() {
     if (this.article.classList.contains("risky")) return;
     this.article.classList.add("risky");
-    this.heading.append(" ", el("span", { class: "badge risky-badge", text: "⚠ asks to confirm" }));
+    this.heading.append(" ", el("span", { class: "badge risky-badge", text: T.risky }));
   }
 
   /** Sets each field the status answer has a value for (`leaves`: [{path, value}]). */
@@ -783,7 +788,7 @@ class ToolForm {
     for (const field of this.fields) {
       const value = matchLeaf(leaves, field.name, words);
       if (value === undefined || !field.fill(value)) continue;
-      const note = el("span", { class: "hint prefilled", text: `Now ${typeof value === "string" ? value : JSON.stringify(value)} (from ${statusName})` });
+      const note = el("span", { class: "hint prefilled", text: T.prefilled(typeof value === "string" ? value : JSON.stringify(value), statusName) });
       field.input.closest(".field").append(note);
     }
   }
@@ -804,7 +809,7 @@ class ToolForm {
       input = el(
         "select",
         common,
-        isRequired ? null : el("option", { value: "", text: "(not set)" }),
+        isRequired ? null : el("option", { value: "", text: T.notSet }),
         property.enum.map((value, at) => el("option", { value: String(at), text: typeof value === "string" ? value : JSON.stringify(value) })),
       );
       const preset = property.enum.findIndex((value) => value === property.default);
@@ -851,12 +856,12 @@ class ToolForm {
         try {
           return JSON.parse(input.value);
         } catch {
-          throw new FieldError(input, `${name}: not valid JSON`);
+          throw new FieldError(input, T.notJson(name));
         }
       };
     }
     this.fields.push({ name, read, input, fill });
-    const label = el("label", { for: id }, name, isRequired ? el("span", { class: "muted", text: " (required)" }) : null);
+    const label = el("label", { for: id }, name, isRequired ? el("span", { class: "muted", text: T.required }) : null);
     const range = kind === "integer" || kind === "number" ? rangeText(property) : "";
     return el(
       "div",
@@ -897,18 +902,18 @@ class ToolForm {
 
   async call(args, confirm) {
     this.button.disabled = true;
-    this.show(el("p", { class: "muted", text: confirm ? "Calling (confirmed)…" : "Calling…" }));
+    this.show(el("p", { class: "muted", text: confirm ? T.callingConfirmed : T.calling }));
     try {
       const body = { name: this.tool.name, arguments: args, ...(confirm ? { confirm: true } : {}) };
       const result = await api(`${this.detail.path}/tools/call`, { method: "POST", body });
       this.showResult(result);
-      announce(`${this.tool.name}: ${result.isError ? "the tool reported an error" : "done"} in ${formatMs(result.duration_ms)}`);
+      announce(T.callDone(this.tool.name, result.isError, formatMs(result.duration_ms)));
     } catch (error) {
       if (error instanceof ApiError && error.status === 428 && error.code === "confirmation_required") {
         this.markRisky();
         this.askConfirmation(args);
       } else {
-        this.show(el("p", { class: "error", role: "alert", text: `Refused (${error.status || "network"}): ${error.message}` }));
+        this.show(el("p", { class: "error", role: "alert", text: T.refused(error.status, error.message) }));
       }
     } finally {
       this.button.disabled = Boolean(this.detail.denied);
@@ -920,16 +925,16 @@ class ToolForm {
     const confirmButton = el("button", {
       type: "button",
       class: "danger",
-      text: `Confirm ${this.tool.name}`,
+      text: T.confirmTool(this.tool.name),
       on: { click: () => this.call(args, true) },
     });
     const cancel = el("button", {
       type: "button",
       class: "secondary",
-      text: "Cancel",
+      text: T.cancel,
       on: {
         click: () => {
-          this.show(el("p", { class: "muted", text: "Not called." }));
+          this.show(el("p", { class: "muted", text: T.notCalled }));
           this.button.focus();
         },
       },
@@ -938,8 +943,8 @@ class ToolForm {
       el(
         "div",
         { class: "confirm", role: "alert" },
-        el("p", {}, el("code", { text: this.tool.name }), " needs your confirmation: it can restart the device or change its settings. It has not run."),
-        el("p", { class: "hint", text: `Press “Confirm ${this.tool.name}” to run it, or Cancel to leave it.` }),
+        el("p", {}, el("code", { text: this.tool.name }), T.needsConfirmation),
+        el("p", { class: "hint", text: T.confirmHint(this.tool.name) }),
         el("div", { class: "row" }, confirmButton, cancel),
       ),
     );
@@ -958,7 +963,7 @@ class ToolForm {
         { class: `result ${result.isError ? "is-error" : ""}` },
         el("p", {
           class: result.isError ? "error" : "ok",
-          text: `${result.isError ? "The tool reported an error" : "Result"} in ${formatMs(result.duration_ms)} (${result.duration_ms} ms)`,
+          text: T.result(result.isError, formatMs(result.duration_ms), result.duration_ms),
         }),
         parts,
       ),
@@ -970,16 +975,12 @@ class ToolForm {
   }
 }
 
-function plural(count, noun) {
-  return `${count} ${noun}${count === 1 ? "" : "s"}`;
-}
-
 function rangeText(property) {
   const low = property.minimum;
   const high = property.maximum;
-  if (low !== undefined && high !== undefined) return `${low} to ${high}`;
-  if (low !== undefined) return `at least ${low}`;
-  if (high !== undefined) return `at most ${high}`;
+  if (low !== undefined && high !== undefined) return T.rangeBoth(low, high);
+  if (low !== undefined) return T.rangeMin(low);
+  if (high !== undefined) return T.rangeMax(high);
   return "";
 }
 

@@ -2,50 +2,11 @@
 // scopes the bridge knows (GET /api/scopes), its token shown once with a copy button, and
 // revoking with a confirm step. Every action needs `admin`; the server checks it again.
 import { ago, announce, api, can, el, startPage } from "/console/common.js";
+import { strings } from "/console/i18n.js";
+import TEXT_TABLE from "/console/text/keys.js";
 
-// Every string of the page, for a translation later.
-const TEXT = {
-  title: "API keys",
-  lacksAdmin: "This key lacks the admin scope: it can neither list, create nor revoke keys. Ask an admin for a key with it.",
-  createTitle: "Create a key",
-  name: "Name",
-  nameHelp: "Who or what uses it, e.g. “kitchen tablet”.",
-  scopes: "Scopes",
-  scopesHelp: "What the key may do. admin includes every other scope.",
-  devices: "Limit to devices (optional)",
-  devicesHelp: "Device ids separated by commas or spaces; empty: every device. Limits devices:read and devices:call.",
-  create: "Create key",
-  creating: "Creating…",
-  pickScope: "Pick at least one scope.",
-  notCreated: (message) => `Not created: ${message}`,
-  createdTitle: (name) => `Key “${name}” created: copy it now`,
-  createdHelp: "This is the only time the bridge shows it: it keeps only a hash. Anyone with it has the scopes above.",
-  token: "New key",
-  copy: "Copy",
-  copied: "Copied to the clipboard.",
-  copyByHand: "The browser refused the clipboard: the key is selected, copy it with Ctrl+C.",
-  done: "Done, I copied it",
-  created: (name) => `Key ${name} created. Copy it now: it is shown once.`,
-  listTitle: "Keys",
-  showRevoked: "Show revoked keys",
-  loading: "Loading…",
-  none: "No key yet.",
-  count: (active, all) => `${active} active, ${all} in all`,
-  notListed: (message) => `Could not list the keys: ${message}`,
-  columns: ["Name", "Id", "Scopes", "Devices", "Created", "Last used", "Status", "Action"],
-  caption: "API keys",
-  allDevices: "all",
-  active: "active",
-  revoked: (when) => `revoked ${when}`,
-  never: "never",
-  revoke: "Revoke",
-  revokeLabel: (name) => `Revoke key ${name}`,
-  confirm: (name, id) => `Revoke “${name}” (${id})? Every client using it is refused at once; this cannot be undone.`,
-  confirmButton: (name) => `Yes, revoke ${name}`,
-  cancel: "Cancel",
-  revokedSaid: (name) => `Key ${name} revoked.`,
-  notRevoked: (message) => `Not revoked: ${message}`,
-};
+// Every string of the page: /console/text/keys.js, in the chosen language.
+const TEXT = strings(TEXT_TABLE);
 
 startPage(TEXT.title, async (main, me) => {
   const admin = can(me, "admin");
@@ -120,7 +81,7 @@ class KeysPage {
               { class: "scope" },
               boxes[index],
               el("label", { for: `scope-${index}`, text: scope.name }),
-              el("p", { id: `scope-${index}-help`, class: "hint", text: scope.description }),
+              el("p", { id: `scope-${index}-help`, class: "hint", text: TEXT.scopeHelp(scope.name, scope.description) }),
             ),
           ),
         ),

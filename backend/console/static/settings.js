@@ -2,22 +2,26 @@
 // requests ask for, chosen from what the bridge's model provider lists. Kept in localStorage
 // ("bridge.settings"); the chat page sends them with every turn (null: the server's default).
 import { announce, api, can, el, lacksScope, saveSettings, settings, startPage } from "/console/common.js";
+import { strings } from "/console/i18n.js";
+import TEXT from "/console/text/settings.js";
 
-const PROVIDERS = { openai: "OpenAI-compatible", ollama: "Ollama", none: "none (offline mode)" };
+const T = strings(TEXT);
+// Ollama is a name: the same in every language.
+const PROVIDERS = { openai: T.openaiCompatible, ollama: "Ollama", none: T.noProvider };
 
-startPage("Settings", async (main, me) => {
+startPage(T.title, async (main, me) => {
   if (!can(me, "chat:use")) {
     lacksScope(main, "chat:use");
     return;
   }
-  const status = el("p", { class: "hint", role: "status", text: "Asking the bridge for its models…" });
-  main.replaceChildren(el("h1", { text: "Settings" }), status);
+  const status = el("p", { class: "hint", role: "status", text: T.asking });
+  main.replaceChildren(el("h1", { text: T.title }), status);
   let listing;
   try {
     listing = await api("/api/chat/models");
   } catch (error) {
     status.className = "error";
-    status.textContent = `Could not read the models: ${error.message}`;
+    status.textContent = T.cannotRead(error.message);
     return;
   }
   status.remove();
@@ -34,20 +38,20 @@ function form(listing) {
   const node = el(
     "form",
     { class: "card settings", "aria-labelledby": "models-title" },
-    el("h2", { id: "models-title", text: "Models for this browser" }),
-    el("p", { class: "hint", text: `Provider: ${provider}. Saved in this browser and sent with each chat request; other browsers and devices keep the server's models.` }),
-    listing.error ? el("p", { class: "notice", text: `The provider listed no models: ${listing.error}` }) : null,
-    field("chat-model", "Chat model", chat, "Writes the answers and the conversation summary.", listing.defaults.chat),
-    field("guardrail-model", "Guardrail model", guard, "Decides whether a question is about dentistry.", listing.defaults.guardrail),
+    el("h2", { id: "models-title", text: T.modelsTitle }),
+    el("p", { class: "hint", text: T.provider(provider) }),
+    listing.error ? el("p", { class: "notice", text: T.noModels(listing.error) }) : null,
+    field("chat-model", T.chatModel, chat, T.chatHelp, listing.defaults.chat),
+    field("guardrail-model", T.guardrailModel, guard, T.guardrailHelp, listing.defaults.guardrail),
     message,
     el(
       "div",
       { class: "row" },
-      el("button", { type: "submit", text: "Save" }),
+      el("button", { type: "submit", text: T.save }),
       el("button", {
         type: "button",
         class: "secondary",
-        text: "Use the server's defaults",
+        text: T.useDefaults,
         on: {
           click: () => {
             chat.value = "";
@@ -62,7 +66,7 @@ function form(listing) {
     event.preventDefault();
     const values = { chat_model: chat.value || null, guardrail_model: guard.value || null };
     saveSettings(values);
-    const said = `Saved: chat model ${values.chat_model || "server default"}, guardrail model ${values.guardrail_model || "server default"}.`;
+    const said = T.saved(values.chat_model || T.serverDefaultWord, values.guardrail_model || T.serverDefaultWord);
     message.textContent = said;
     announce(said);
   });
@@ -70,7 +74,7 @@ function form(listing) {
 }
 
 function field(id, label, control, help, serverDefault) {
-  const helpText = serverDefault ? `${help} Server default: ${serverDefault}.` : help;
+  const helpText = serverDefault ? T.helpWithDefault(help, serverDefault) : help;
   control.setAttribute("aria-describedby", `${id}-help`);
   return el(
     "div",
@@ -85,11 +89,11 @@ function field(id, label, control, help, serverDefault) {
  *  lists stays selectable (marked), so saving again does not silently drop it. */
 function modelSelect(id, models, serverDefault, chosen) {
   const select = el("select", { id, name: id });
-  const defaultLabel = serverDefault ? `Server default (${serverDefault})` : "Server default";
+  const defaultLabel = serverDefault ? T.serverDefaultOf(serverDefault) : T.serverDefault;
   select.append(el("option", { value: "", text: defaultLabel }));
   for (const name of models) select.append(el("option", { value: name, text: name }));
   if (chosen && !models.includes(chosen)) {
-    select.append(el("option", { value: chosen, text: `${chosen} (saved; not listed now)` }));
+    select.append(el("option", { value: chosen, text: T.notListed(chosen) }));
   }
   select.value = chosen || "";
   return select;

@@ -12,6 +12,10 @@
 // of this device's own turns, shown under the turn in the transcript.
 
 import { api, announce, can, el, formatMs, lacksScope, startPage } from "/console/common.js";
+import { strings } from "/console/i18n.js";
+import TEXT from "/console/text/talk.js";
+
+const T = strings(TEXT);
 
 const RATE = 16000; // uplink: what the stock device sends
 const FRAME_MS = 60;
@@ -73,7 +77,7 @@ Object.defineProperty(window, "talkStats", {
 
 // ---- the page ----------------------------------------------------------------------------------
 
-startPage("Talk", (main, me) => {
+startPage(T.title, (main, me) => {
   if (!can(me, "console:talk")) {
     lacksScope(main, "console:talk");
     return;
@@ -108,13 +112,13 @@ class TalkPage {
   }
 
   render() {
-    this.status = el("p", { id: "talk-status", class: "talk-status", role: "status", text: "Not connected." });
-    this.connectButton = el("button", { type: "button", text: "Connect", on: { click: () => this.toggleConnection() } });
+    this.status = el("p", { id: "talk-status", class: "talk-status", role: "status", text: T.notConnected });
+    this.connectButton = el("button", { type: "button", text: T.connect, on: { click: () => this.toggleConnection() } });
     this.talkButton = el("button", {
       type: "button",
       id: "talk-hold",
       class: "talk-hold",
-      text: "Hold to talk",
+      text: T.holdToTalk,
       "aria-describedby": "talk-hold-help",
       on: {
         pointerdown: (event) => this.pressStart(event),
@@ -127,11 +131,11 @@ class TalkPage {
     this.autoButton = el("button", {
       type: "button",
       class: "secondary",
-      text: "Hands-free",
+      text: T.handsFree,
       "aria-pressed": "false",
       on: { click: () => this.toggleHandsFree() },
     });
-    this.abortButton = el("button", { type: "button", class: "danger", text: "Stop answer", on: { click: () => this.abort() } });
+    this.abortButton = el("button", { type: "button", class: "danger", text: T.stopAnswer, on: { click: () => this.abort() } });
     this.volumeInput = el("input", {
       id: "talk-volume",
       type: "range",
@@ -154,32 +158,32 @@ class TalkPage {
     this.typedForm = el(
       "form",
       { class: "talk-type", on: { submit: (event) => this.sendTyped(event) } },
-      el("label", { for: "talk-text", text: "Type a message" }),
-      el("div", { class: "row" }, this.typedInput, el("button", { type: "submit", text: "Send" })),
-      el("p", { id: "talk-text-help", class: "hint", text: "Sent as if you had said it; the answer plays here (or shows as text, without voice)." }),
+      el("label", { for: "talk-text", text: T.typeMessage }),
+      el("div", { class: "row" }, this.typedInput, el("button", { type: "submit", text: T.send })),
+      el("p", { id: "talk-text-help", class: "hint", text: T.typedHelp }),
     );
     // The live region wraps the list: a role on the <ol> itself would hide its items' list role.
     // It scrolls once the turns fill it: focusable, so a keyboard can scroll it too.
     this.log = el("ol", { class: "talk-log", tabindex: "0" });
-    const transcript = el("div", { id: "talk-transcript", role: "log", "aria-live": "polite", "aria-label": "Conversation transcript" }, this.log);
+    const transcript = el("div", { id: "talk-transcript", role: "log", "aria-live": "polite", "aria-label": T.transcriptLabel }, this.log);
     this.main.replaceChildren(
       el(
         "section",
         { class: "card", "aria-labelledby": "talk-title" },
-        el("h1", { id: "talk-title", text: "Talk to the assistant" }),
+        el("h1", { id: "talk-title", text: T.heading }),
         el("p", {
           class: "hint",
-          text: "This tab becomes a voice device of the bridge: hold the button (or the Space key) while you speak, or turn on hands-free and just talk.",
+          text: T.intro,
         }),
         this.status,
         this.voiceNote,
         el("div", { class: "row talk-controls" }, this.connectButton, this.talkButton, this.autoButton, this.abortButton),
-        el("p", { id: "talk-hold-help", class: "hint", text: "Space: hold to talk. The answer plays here." }),
-        el("div", { class: "row" }, el("label", { for: "talk-volume", text: "Speaker volume" }), this.volumeInput),
+        el("p", { id: "talk-hold-help", class: "hint", text: T.holdHelp }),
+        el("div", { class: "row" }, el("label", { for: "talk-volume", text: T.volume }), this.volumeInput),
         this.micNote,
         this.typedForm,
       ),
-      el("section", { class: "card", "aria-labelledby": "talk-log-title" }, el("h2", { id: "talk-log-title", text: "Transcript" }), transcript),
+      el("section", { class: "card", "aria-labelledby": "talk-log-title" }, el("h2", { id: "talk-log-title", text: T.transcript }), transcript),
     );
     document.addEventListener("keydown", (event) => this.keyStart(event));
     document.addEventListener("keyup", (event) => this.keyEnd(event));
@@ -202,21 +206,21 @@ class TalkPage {
 
   describeMicrophone() {
     const capture = Boolean(navigator.mediaDevices && navigator.mediaDevices.getUserMedia && window.AudioWorkletNode);
-    const codec = "AudioEncoder" in window ? "Opus through WebCodecs, when the browser supports it" : "PCM16 (this browser has no WebCodecs)";
+    const codec = "AudioEncoder" in window ? T.codecOpus : T.codecPcm;
     this.micNote.textContent = capture
-      ? `Microphone audio goes to the bridge only while you talk, as ${codec}.`
-      : "No microphone here: this browser (or a page not served over HTTPS or localhost) cannot capture audio. You can still connect; the device's tools and answers work, speaking does not.";
+      ? T.micAudio(codec)
+      : T.noMicrophone;
     this.hasCapture = capture;
   }
 
   updateControls() {
     const connected = Boolean(this.socket && this.socket.readyState === WebSocket.OPEN);
     const speech = this.hasCapture && !this.voiceOff;
-    this.connectButton.textContent = connected ? "Disconnect" : "Connect";
+    this.connectButton.textContent = connected ? T.disconnect : T.connect;
     this.talkButton.disabled = !speech || this.handsFree;
     this.autoButton.disabled = !speech;
     this.autoButton.setAttribute("aria-pressed", String(this.handsFree));
-    this.autoButton.textContent = this.handsFree ? "Hands-free: on" : "Hands-free";
+    this.autoButton.textContent = this.handsFree ? T.handsFreeOn : T.handsFree;
     this.abortButton.disabled = !connected || this.state === "idle";
     this.talkButton.classList.toggle("active", this.state === "listening" && this.mode === "manual");
   }
@@ -225,10 +229,10 @@ class TalkPage {
     this.state = state;
     stats.state = state;
     const words = {
-      idle: this.voiceOff ? "Connected: type a message (no voice on this bridge)." : this.handsFree ? "Hands-free: waiting." : "Connected. Hold to talk.",
-      listening: "Listening…",
-      thinking: "Thinking…",
-      speaking: this.voiceOff ? "Answering…" : "Speaking…",
+      idle: this.voiceOff ? T.idleNoVoice : this.handsFree ? T.idleHandsFree : T.idle,
+      listening: T.listening,
+      thinking: T.thinking,
+      speaking: this.voiceOff ? T.answering : T.speaking,
     };
     this.say(words[state] || state, state === "listening" ? "live" : "");
     this.updateControls();
@@ -238,13 +242,13 @@ class TalkPage {
 
   async toggleConnection() {
     if (this.socket) {
-      this.disconnect("Disconnected.");
+      this.disconnect(T.disconnected);
       return;
     }
     try {
       await this.connect();
     } catch (error) {
-      this.fail(`Could not connect: ${error.message}`);
+      this.fail(T.cannotConnect(error.message));
     }
   }
 
@@ -259,7 +263,7 @@ class TalkPage {
   }
 
   async open() {
-    this.say("Connecting…");
+    this.say(T.connecting);
     this.ensurePlayer(); // inside the click: browsers start audio only after a gesture
     this.uplinkFormat = await chooseFormat();
     stats.uplinkFormat = this.uplinkFormat;
@@ -274,7 +278,7 @@ class TalkPage {
     socket.binaryType = "arraybuffer";
     this.socket = socket;
     await new Promise((resolve, reject) => {
-      const timer = setTimeout(() => reject(new Error("no answer from the bridge in 10 s")), 10000);
+      const timer = setTimeout(() => reject(new Error(T.noAnswer)), 10000);
       socket.addEventListener("open", () => {
         socket.send(JSON.stringify(this.hello()));
       });
@@ -292,7 +296,7 @@ class TalkPage {
       });
       socket.addEventListener("close", (event) => {
         clearTimeout(timer);
-        reject(new Error(event.reason || `closed (${event.code})`));
+        reject(new Error(event.reason || T.closed(event.code)));
         this.onClosed(socket, event);
       });
     });
@@ -320,9 +324,9 @@ class TalkPage {
     stats.downlinkFormat = this.downlink.format;
     stats.downlinkRate = this.downlink.rate;
     this.setState("idle");
-    const how = this.voiceOff ? "text only" : `${this.uplinkFormat === "opus" ? "Opus" : "PCM16"} audio`;
-    this.say(`Connected as ${this.deviceId} (${how}).`, "ok");
-    announce("Connected.");
+    const how = this.voiceOff ? T.textOnly : T.audio(this.uplinkFormat === "opus" ? "Opus" : "PCM16");
+    this.say(T.connectedAs(this.deviceId, how), "ok");
+    announce(T.connected);
   }
 
   voiceAvailable() {
@@ -338,7 +342,7 @@ class TalkPage {
   // The bridge hears no speech (voice off, its packages missing): no capture, no audio sent;
   // the buttons that would listen are disabled and the note says why. Typing still works.
   voiceUnavailable(reason) {
-    const why = String(reason || "the bridge has no speech recognition or synthesis");
+    const why = String(reason || T.noSpeech);
     const first = !this.voiceOff;
     this.voiceOff = why;
     stats.voice = { available: false, reason: why };
@@ -349,12 +353,12 @@ class TalkPage {
       if (this.turn) this.turn = null; // nothing was heard: no turn to report
       this.setState("idle");
     }
-    this.voiceNote.textContent = `Voice is unavailable: ${why}. Nothing you say is sent; type a message instead, the answers come as text.`;
+    this.voiceNote.textContent = T.voiceUnavailable(why);
     this.voiceNote.hidden = false;
     this.talkButton.setAttribute("aria-describedby", "talk-hold-help talk-voice");
     this.autoButton.setAttribute("aria-describedby", "talk-voice");
     this.updateControls();
-    if (first) announce("Voice is unavailable on this bridge: type a message instead.");
+    if (first) announce(T.typeInstead);
   }
 
   onClosed(socket, event) {
@@ -365,9 +369,9 @@ class TalkPage {
     this.stopCapture();
     this.stopPlayback();
     this.state = "idle";
-    const why = event.reason ? `: ${event.reason}` : "";
-    const text = event.code === 1000 ? "Disconnected." : `Disconnected (${event.code}${why}).`;
-    this.say(this.handsFree ? `${text} Talk again to reconnect.` : text);
+    const text =
+      event.code === 1000 ? T.disconnected : event.reason ? T.disconnectedWhy(event.code, event.reason) : T.disconnectedCode(event.code);
+    this.say(this.handsFree ? T.talkAgain(text) : text);
     this.handsFree = false;
     this.updateControls();
   }
@@ -392,7 +396,7 @@ class TalkPage {
         // Nobody would hear it: the microphone is never opened.
         this.handsFree = false;
         this.updateControls();
-        announce("Voice is unavailable on this bridge: type a message instead.");
+        announce(T.typeInstead);
         return false;
       }
       await this.startCapture();
@@ -455,7 +459,7 @@ class TalkPage {
     try {
       await this.connect();
     } catch (error) {
-      this.fail(`Could not connect: ${error.message}`);
+      this.fail(T.cannotConnect(error.message));
       return;
     }
     if (this.state !== "idle") {
@@ -489,12 +493,12 @@ class TalkPage {
       } else {
         this.updateControls();
       }
-      announce("Hands-free off.");
+      announce(T.handsFreeOff);
       return;
     }
     this.handsFree = true;
     this.updateControls();
-    if (await this.startListening("auto")) announce("Hands-free on: just talk.");
+    if (await this.startListening("auto")) announce(T.handsFreeStarted);
   }
 
   abort() {
@@ -509,7 +513,7 @@ class TalkPage {
 
   async startCapture() {
     if (this.microphone) return;
-    if (!this.hasCapture) throw new Error("no microphone in this browser");
+    if (!this.hasCapture) throw new Error(T.noMicrophoneHere);
     const stream = await navigator.mediaDevices.getUserMedia({
       audio: { channelCount: 1, echoCancellation: true, noiseSuppression: true, autoGainControl: true },
     });
@@ -553,7 +557,7 @@ class TalkPage {
         chunk.copyTo(packet);
         this.sendAudio(packet);
       },
-      error: (error) => this.fail(`Audio encoder: ${error.message}`),
+      error: (error) => this.fail(T.encoderError(error.message)),
     });
     encoder.configure(OPUS_CONFIG);
     this.encodedSamples = 0;
@@ -610,7 +614,7 @@ class TalkPage {
     if (this.downlink.format !== "opus") return;
     this.decoder = new AudioDecoder({
       output: (audio) => this.playDecoded(audio),
-      error: (error) => this.fail(`Audio decoder: ${error.message}`),
+      error: (error) => this.fail(T.decoderError(error.message)),
     });
     this.decoder.configure({ codec: "opus", sampleRate: this.downlink.rate, numberOfChannels: 1 });
     this.decodedFrames = 0;
@@ -685,7 +689,7 @@ class TalkPage {
     stats.volume = volume;
     if (this.player) this.player.gain.gain.value = volume / 100;
     this.volumeInput.value = String(volume);
-    if (fromDevice) announce(`Volume set to ${volume}.`);
+    if (fromDevice) announce(T.volumeSet(volume));
   }
 
   // ---- messages from the bridge ----
@@ -711,7 +715,7 @@ class TalkPage {
         this.onTts(message);
         break;
       case "alert":
-        this.line("alert", `${message.status || "Alert"}: ${message.message || ""}`);
+        this.line("alert", `${message.status || T.alert}: ${message.message || ""}`);
         if (message.status === VOICE_UNAVAILABLE) this.voiceUnavailable(message.message);
         break;
       case "tool_call":
@@ -726,7 +730,7 @@ class TalkPage {
     stats.transcripts.push(text);
     if (!this.turn) this.turn = newTurn(false); // a turn the page did not start (an apology)
     this.turn.transcript = text;
-    this.toolAnchor = this.line("user", text || "(nothing recognized)");
+    this.toolAnchor = this.line("user", text || T.nothingRecognized);
     this.assistantLine = null;
     if (this.state === "listening" || this.state === "idle") this.setState("thinking");
   }
@@ -750,7 +754,7 @@ class TalkPage {
       "li",
       { class: `talk-tool ${kind}` },
       el("span", { class: "talk-who", "aria-hidden": "true", text: "🔧 " }),
-      el("span", { class: "visually-hidden", text: "Tool call: " }),
+      el("span", { class: "visually-hidden", text: T.toolCall }),
       el("code", { class: "talk-tool-name", text: name }),
       " ",
       el("code", { class: "talk-tool-arguments", text: formatArguments(call.arguments) }),
@@ -808,7 +812,7 @@ class TalkPage {
   }
 
   line(kind, text) {
-    const who = { user: "You", assistant: "Assistant", alert: "Bridge" }[kind];
+    const who = { user: T.you, assistant: T.assistant, alert: T.bridge }[kind];
     const entry = el("li", { class: `talk-${kind}` }, el("span", { class: "talk-who", text: `${who}: ` }), el("span", { class: "talk-words", text }));
     this.append(entry);
     return entry;
@@ -819,7 +823,7 @@ class TalkPage {
       this.assistantLine = el(
         "li",
         { class: "talk-assistant" },
-        el("span", { class: "talk-who", text: "Assistant: " }),
+        el("span", { class: "talk-who", text: `${T.assistant}: ` }),
         el("span", { class: "talk-emotion", "aria-hidden": "true" }),
         el("span", { class: "talk-words" }),
       );
@@ -904,21 +908,21 @@ function newTurn(typed) {
 
 // [shown mark, what a screen reader says, class] of a tool call's outcome.
 function outcomeOf(call) {
-  if (call.outcome === "ok") return ["✓", "done", "ok"];
-  if (call.error === "ConfirmationRequired") return ["?", "not run: it needs your yes", "warn"];
-  if (call.outcome === "tool_error") return ["⚠", "the tool reported an error", "warn"];
-  if (call.outcome === "refused") return ["✗", "refused", "error"];
-  return ["✗", "failed", "error"];
+  if (call.outcome === "ok") return ["✓", T.outcomeOk, "ok"];
+  if (call.error === "ConfirmationRequired") return ["?", T.outcomeNeedsYes, "warn"];
+  if (call.outcome === "tool_error") return ["⚠", T.outcomeToolError, "warn"];
+  if (call.outcome === "refused") return ["✗", T.outcomeRefused, "error"];
+  return ["✗", T.outcomeFailed, "error"];
 }
 
 // The bridge names an error by its class: the one a user acts on is said in words.
 function errorText(error) {
-  return error === "ConfirmationRequired" ? "waits for your yes" : error;
+  return error === "ConfirmationRequired" ? T.waitsForYes : error;
 }
 
 // `{volume: 30}`: keys bare when they are identifiers, values as JSON; long ones cut.
 function formatArguments(value) {
-  if (value === null || value === undefined) return "(arguments not shown)";
+  if (value === null || value === undefined) return T.argumentsHidden;
   let text;
   if (typeof value === "object" && !Array.isArray(value)) {
     const parts = Object.entries(value).map(([key, item]) => `${/^[A-Za-z_$][\w$]*$/.test(key) ? key : JSON.stringify(key)}: ${JSON.stringify(item)}`);
@@ -944,12 +948,12 @@ async function chooseFormat() {
 
 function microphoneProblem(error) {
   if (error.name === "NotAllowedError" || error.name === "SecurityError") {
-    return "The microphone was refused: allow it for this page to talk. The device stays connected.";
+    return T.micRefused;
   }
   if (error.name === "NotFoundError" || error.name === "OverconstrainedError") {
-    return "No microphone found: connect one to talk. The device stays connected.";
+    return T.micMissing;
   }
-  return `Cannot listen: ${error.message}`;
+  return T.cannotListen(error.message);
 }
 
 function parse(text) {
