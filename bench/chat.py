@@ -63,7 +63,7 @@ from backend.chat.llm.base import (
 from backend.storage import Database
 from bench.common import Stats, bench_main, ms, quiet_logging, table, verdict
 from bench.report import environment
-from simulator.in_process import FirmwareDevice
+from testkit.in_process import FirmwareDevice
 
 NAME = "chat"
 TARGET_P50_MS = 5.0
@@ -229,7 +229,7 @@ async def _over_http(folder: Path, turns: int, warmup: int) -> tuple[Stats, Stat
     import httpx
 
     from backend.chat.llm import OpenAiProvider
-    from simulator.llm_server import FakeLlm, Reply
+    from testkit.llm_server import FakeLlm, Reply
 
     fake = FakeLlm().start()
     fake.defaults["chat"] = Reply(ANSWER)

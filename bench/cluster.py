@@ -3,9 +3,9 @@
 Real `esp32-bridge serve` processes configured through BRIDGE_* env, one throwaway PostgreSQL,
 one Mosquitto (an account per instance) and a layer-4 round-robin balancer in front of their
 WebSocket ports. The harness is the tests' own, imported from `tests.` rather than copied:
-`tests.cluster_processes` (ServeInstance, instance_env), `tests.cluster_helpers` (Balancer),
-`tests.haproxy` (HAProxy on the shipped deploy/haproxy.cfg),
-`tests.postgres` (running_postgres) and `tests.mosquitto` (Mosquitto).
+`testkit.cluster_processes` (ServeInstance, instance_env), `tests.cluster_helpers` (Balancer),
+`testkit.haproxy` (HAProxy on the shipped deploy/haproxy.cfg),
+`testkit.postgres` (running_postgres) and `testkit.mosquitto` (Mosquitto).
 
 1. Devices ready with 1, 2 and 3 instances: a fleet of simulated devices (the firmware code,
    `python -m bench.peers fleet`, a process of its own) connects through the balancer; time from
@@ -18,7 +18,7 @@ WebSocket ports. The harness is the tests' own, imported from `tests.` rather th
    rounds; then the same in-process on `registry.require(id).call_tool(...)` of two in-process
    Bridges (no HTTP on either side).
 3. Failover after kill -9: three instances behind a real HAProxy running the SHIPPED
-   deploy/haproxy.cfg (only its `bind` and `server` lines rewritten: tests/haproxy.py), so the
+   deploy/haproxy.cfg (only its `bind` and `server` lines rewritten: testkit/haproxy.py), so the
    figure is what a user of that file gets; SIGKILL of the instance holding the most devices,
    time until all of them are ready on the others (another instance's listing); the killed one
    restarts on its old data directory between trials (HAProxy is restarted on the new ports, and
@@ -56,12 +56,12 @@ from bench.common import (
 )
 from bench.report import environment
 from simulator import SimulatedDevice
-from tests.cluster_helpers import Balancer
-from tests.cluster_processes import ADMIN_TOKEN, DEVICE_TOKEN, ServeInstance, instance_env
-from tests.haproxy import ADMIN_PORT, OTA_PORT, WS_PORT, HAProxy, InstancePorts, haproxy_binary
-from tests.mosquitto import Mosquitto
-from tests.ports import reserve_port
-from tests.postgres import PostgresServer, running_postgres
+from testkit.cluster import Balancer
+from testkit.cluster_processes import ADMIN_TOKEN, DEVICE_TOKEN, ServeInstance, instance_env
+from testkit.haproxy import ADMIN_PORT, OTA_PORT, WS_PORT, HAProxy, InstancePorts, haproxy_binary
+from testkit.mosquitto import Mosquitto
+from testkit.ports import reserve_port
+from testkit.postgres import PostgresServer, running_postgres
 
 NAME = "cluster"
 NAMES = ("a", "b", "c")
@@ -363,8 +363,8 @@ async def call_run(infra: Infra, plan: Plan, *, with_in_process: bool) -> CallRu
 async def in_process_run(infra: Infra, plan: Plan) -> dict[str, PathResult]:
     """Two in-process Bridges (tests.cluster_helpers.Cluster) and an in-process device on b:
     `registry.require(id).call_tool` on b (local) and on a (forwarded)."""
-    from tests.cluster_helpers import Cluster
-    from tests.helpers import DEVICE_TOKEN as TEST_DEVICE_TOKEN
+    from testkit.cluster import Cluster
+    from testkit.settings import DEVICE_TOKEN as TEST_DEVICE_TOKEN
 
     database_url = infra.postgres.new_database()
     balancer = Balancer()
@@ -772,7 +772,7 @@ def render_failover(sizes: Sizes, failover: Failover) -> str:
     rows.append(["p50 / max", "", "", f"{p50:.2f} / {worst:.2f}"])
     balancer = (
         "a real HAProxy running the shipped `deploy/haproxy.cfg` (only its `bind` and `server` "
-        "lines rewritten to these loopback ports, `tests/haproxy.py`: `balance leastconn`, "
+        "lines rewritten to these loopback ports, `testkit/haproxy.py`: `balance leastconn`, "
         "`retries 2`, `option redispatch 1`, health checks on `/readyz` every 2 s)"
         if failover.real_haproxy
         else "the Python balancer (**HAProxy is not installed**: not the shipped configuration)"

@@ -45,8 +45,8 @@ from bench.cluster import (
 )
 from bench.common import bench_main, peer, quiet_logging, raise_open_files, table, verdict
 from bench.report import environment
-from tests.cluster_processes import ADMIN_TOKEN, DEVICE_TOKEN, ServeInstance, instance_env
-from tests.haproxy import ADMIN_PORT, OTA_PORT, WS_PORT, HAProxy, InstancePorts
+from testkit.cluster_processes import ADMIN_TOKEN, DEVICE_TOKEN, ServeInstance, instance_env
+from testkit.haproxy import ADMIN_PORT, OTA_PORT, WS_PORT, HAProxy, InstancePorts
 
 NAME = "cluster_outage"
 CALL_EVERY_S = 0.02
@@ -308,7 +308,7 @@ def free_port() -> int:
 
 
 async def rolling_run(infra: Infra, sizes: Sizes) -> Rolling:
-    """Behind a real HAProxy running the shipped deploy/haproxy.cfg (tests/haproxy.py: only its
+    """Behind a real HAProxy running the shipped deploy/haproxy.cfg (testkit/haproxy.py: only its
     bind and server lines rewritten): SIGTERM each instance in turn (it drains hitlessly, then
     stops), start it again on its data directory and ports, wait until it is alive, then the
     next one; calls every 20 ms throughout through HAProxy's API frontend."""

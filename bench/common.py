@@ -4,7 +4,7 @@ Peers (`bench/peers.py`) run in their own processes so that each side of a link 
 core of its own; they talk to the benchmark in JSON lines (commands on stdin, reports on stdout) and
 exit when their stdin closes. Timestamps that cross processes use `time.monotonic_ns()`, which
 is CLOCK_MONOTONIC on Linux: one clock for the whole machine. A `WatchedProcess` (the firmware
-under MicroPython, or a bridge) only prints; it lives in `simulator.processes` because the tests
+under MicroPython, or a bridge) only prints; it lives in `testkit.processes` because the tests
 use it too, and is re-exported here.
 """
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from simulator.processes import WatchedProcess as WatchedProcess  # re-exported for benchmarks
+from testkit.processes import WatchedProcess as WatchedProcess  # re-exported for benchmarks
 
 if TYPE_CHECKING:  # imported lazily below: peers that need no bridge start faster without them
     from backend.config import Settings

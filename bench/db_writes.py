@@ -10,7 +10,7 @@ and the orphan sweep) on a real `Database` of each engine, in the same run:
    takes a few seconds.
 
 SQLite: the bridge's file (WAL, synchronous=NORMAL) in a temporary folder. PostgreSQL: a
-throwaway cluster (tests/postgres.py) on a Unix socket of the same machine, switched back to
+throwaway cluster (testkit/postgres.py) on a Unix socket of the same machine, switched back to
 `fsync=on`, `synchronous_commit=on`, `full_page_writes=on` so both engines make commits durable.
 Each figure is the median of the repetitions. Target: each 10,000-record flush within 1 s on
 both engines (the catalogue's flush interval is 0.5 s; a slower flush only merges more changes).
@@ -32,8 +32,8 @@ from backend.mcp_session.models import parse_tools
 from backend.storage import Database
 from bench.common import bench_main, quiet_logging, ratio, table, verdict
 from bench.report import environment
-from tests.postgres import PostgresServer, postgres_available, running_postgres
-from tests.stock_device import stock_tools
+from testkit.postgres import PostgresServer, postgres_available, running_postgres
+from testkit.stock_device import stock_tools
 
 NAME = "db_writes"
 DEVICES_FULL = 10_000

@@ -2,7 +2,7 @@
 
     python -m bench.firmware_memory [--quick]
 
-Runs the scenario of simulator/firmware_memory.py (the firmware as deployed, under the
+Runs the scenario of testkit/firmware_memory.py (the firmware as deployed, under the
 MicroPython unix port with `-X heapsize=180K`, connected to a real bridge in this process; 1,000
 tools/call one at a time) three times: .mpy, .mpy with a collect at every probe (peak live heap),
 and plain .py sources; then, without --quick, bisects the smallest heap that survives. Writes the
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from backend.firmware.tools import find_tool
 from bench.report import environment, write_section
-from simulator.firmware_memory import CALLS, QUICK_CALLS, MemoryRun, run_scenario, smallest_heap
+from testkit.firmware_memory import CALLS, QUICK_CALLS, MemoryRun, run_scenario, smallest_heap
 
 # ---- the report -----------------------------------------------------------------------------
 
@@ -79,7 +79,7 @@ firmware/lib compiled with `mpy-cross -O2`, main.py as source, fake HAL, under
 are 64-bit here), connected over loopback to a real bridge; {mpy.calls:,} `tools/call` one at a
 time (set_volume, get_device_status, set_brightness through `Device.call_tool`; set_volume 101
 through the bridge's `McpClient`, refused by the device with its stock message). Figures are
-read inside MicroPython by simulator/firmware_memory_harness.py. "Live" means `gc.mem_alloc()`
+read inside MicroPython by testkit/firmware_memory_harness.py. "Live" means `gc.mem_alloc()`
 right after `gc.collect()`; the peak-live figures come from a second run that collects at every
 probe (after each reply is built and before each frame is written), because MicroPython collects
 only when an allocation fails, so without that the peak `gc.mem_alloc()` is simply the heap size.

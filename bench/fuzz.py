@@ -1,10 +1,10 @@
 """Fuzzing: 100,000 generated inputs per parser of device and API data (hypothesis, generation
 phase only), with no exception but the parser's own error allowed out.
 
-The backend's parsers and their properties are `simulator.fuzzing`; the firmware's MCP server
-(`McpServer.handle` / `handle_message`) and its properties are `simulator.firmware_fuzzing`, run
+The backend's parsers and their properties are `testkit.fuzzing`; the firmware's MCP server
+(`McpServer.handle` / `handle_message`) and its properties are `testkit.firmware_fuzzing`, run
 in this process on CPython and, for the MicroPython unix port, as a generated corpus streamed to
-simulator/firmware_fuzz_corpus.py (that row is skipped without a `micropython` binary). The
+testkit/firmware_fuzz_corpus.py (that row is skipped without a `micropython` binary). The
 test suite runs the same properties with a few hundred examples (tests/test_fuzz_parsers.py,
 tests/test_firmware_fuzz.py); tools/fuzz_firmware_mcp.py is a coverage-guided campaign with
 atheris.
@@ -22,7 +22,7 @@ from hypothesis.strategies import SearchStrategy
 from backend.firmware.tools import find_tool
 from bench.common import bench_main, table, verdict
 from bench.report import environment
-from simulator import firmware_fuzzing, fuzzing, mcp_server_fuzzing
+from testkit import firmware_fuzzing, fuzzing, mcp_server_fuzzing
 
 NAME = "fuzz"
 FULL = 100_000

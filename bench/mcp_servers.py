@@ -50,7 +50,7 @@ from backend.storage import Database
 from bench.chat import ZeroLlm, ZeroSearch
 from bench.common import Stats, bench_main, ms, quiet_logging, table, verdict
 from bench.report import environment
-from simulator.in_process import FirmwareDevice
+from testkit.in_process import FirmwareDevice
 
 NAME = "mcp_servers"
 TARGET_OVERHEAD_P50_MS = (

@@ -2,7 +2,7 @@
 
 One valid device login connects, sends CONNECT, waits for its CONNACK and sends DISCONNECT,
 `CONCURRENCY` at a time, 10,000 times, against a real bridge in its own process
-(`simulator.hostile_mqtt.MqttSiege`, no other devices). Reported: the bridge's RSS before the
+(`testkit.hostile_mqtt.MqttSiege`, no other devices). Reported: the bridge's RSS before the
 first connection, every 1,000 connections, right after the last, and after a 5 s settle; and the
 log lines the bridge wrote per 1,000 connections (with the events that wrote them).
 
@@ -25,8 +25,8 @@ from pathlib import Path
 
 from bench.common import bench_main, quiet_logging, raise_open_files, table, verdict
 from bench.report import environment
-from simulator.hostile_mqtt import LEGIT_DEVICE, SECRET, Link, MqttSiege, Target, open_link
-from simulator.siege import EVIL_DEVICE
+from testkit.hostile_mqtt import LEGIT_DEVICE, SECRET, Link, MqttSiege, Target, open_link
+from testkit.siege import EVIL_DEVICE
 
 NAME = "mqtt-churn"
 CONNECTIONS_FULL, CONNECTIONS_QUICK = 10_000, 500

@@ -4,7 +4,7 @@
 Fills one database with `--devices` approved devices and `--pending` pending activations through
 store `a`, then times `refresh()` of store `b` holding the same state (the steady case: nothing
 changed), and one after `--changed` devices were revoked on `a`. PostgreSQL runs as the tests'
-throwaway cluster (tests/postgres.py) on a Unix socket of this machine.
+throwaway cluster (testkit/postgres.py) on a Unix socket of this machine.
 
     .venv/bin/python -m bench.provisioning_refresh [--devices 10000] [--pending 4096]
 """
@@ -19,7 +19,7 @@ from backend.provisioning.store import ProvisioningStore
 from backend.provisioning.tables import PROVISIONING_MIGRATIONS, pending_row, upsert_device
 from backend.provisioning.tokens import derive_token, token_hash
 from backend.storage import Connection, Database
-from tests.postgres import postgres_available, running_postgres
+from testkit.postgres import postgres_available, running_postgres
 
 SECRET = b"bench secret"
 

@@ -1,14 +1,14 @@
 """Reliability: each attack of a hostile device against a live bridge, and what it costs others.
 
-For every attack in `simulator.hostile`, a fresh `simulator.siege.Siege` (a real `esp32-bridge
+For every attack in `testkit.hostile`, a fresh `testkit.siege.Siege` (a real `esp32-bridge
 serve` with JSON logs, well-behaved simulated devices called through the admin API every 50 ms,
 `/healthz` probed every 50 ms, the bridge's RSS sampled every 20 ms) measures a window without an
 attacker (the baseline of the same run), then the same window with the attack. The table goes to
 docs/reliability.md (and its own section of docs/benchmarks.md).
 
 The MQTT table (issue #16): the same measurement against `serve --mqtt embedded`, with simulated
-MQTT devices as the others (`simulator.hostile_mqtt.MqttSiege`) and the attacks of
-`simulator.hostile_mqtt`; each row also says whether a victim was acted for or went offline.
+MQTT devices as the others (`testkit.hostile_mqtt.MqttSiege`) and the attacks of
+`testkit.hostile_mqtt`; each row also says whether a victim was acted for or went offline.
 `--transport websocket|mqtt` runs one table only (default: both, each written to its section).
 
 Targets (issue #7): RSS growth under 20 MB per attacker, under 100 log lines per attacker per
@@ -21,9 +21,9 @@ from collections.abc import Awaitable, Callable
 
 from bench.common import REPO, bench_main, quiet_logging, raise_open_files, table, verdict
 from bench.report import environment, write_section
-from simulator.hostile import AttackReport
-from simulator.hostile_mqtt import MqttSiege, MqttSiegeResult, mqtt_attack
-from simulator.siege import Attack, Siege, SiegeResult
+from testkit.hostile import AttackReport
+from testkit.hostile_mqtt import MqttSiege, MqttSiegeResult, mqtt_attack
+from testkit.siege import Attack, Siege, SiegeResult
 
 NAME = "reliability"
 MQTT_NAME = "reliability-mqtt"

@@ -1,6 +1,6 @@
 """Reliability of the admin listener (issue #32 item 3): idle sockets against a live bridge.
 
-Each row: a fresh `simulator.siege.Siege` (a real `esp32-bridge serve`, `rate_limit_exempt = []`,
+Each row: a fresh `testkit.siege.Siege` (a real `esp32-bridge serve`, `rate_limit_exempt = []`,
 4 simulated devices whose `set_volume` is called through the admin API every 50 ms on a kept-alive
 connection) measures a baseline window, then the same window while an attacker process opens
 6,000 TCP connections to the admin port from 127.0.0.2 (or spread over 100 loopback addresses)
@@ -27,8 +27,8 @@ import psutil
 
 from bench.common import bench_main, quiet_logging, raise_open_files, table
 from bench.report import environment
-from simulator.hostile import AttackReport
-from simulator.siege import Attack, Siege, SiegeResult, percentile
+from testkit.hostile import AttackReport
+from testkit.siege import Attack, Siege, SiegeResult, percentile
 
 NAME = "reliability-admin"
 HOLD_S = 20.0

@@ -1,7 +1,7 @@
 """Reliability of the device HTTP listener (OTA, activation, vision) against one hostile address
 (issue #32, items 2, 4 and 7), against a live bridge.
 
-Each row: a fresh `simulator.siege.Siege` (a real `esp32-bridge serve`, JSON logs at the default
+Each row: a fresh `testkit.siege.Siege` (a real `esp32-bridge serve`, JSON logs at the default
 level, `rate_limit_exempt = []`, 4 simulated WebSocket devices whose `set_volume` is called
 through the admin API every 50 ms, `/healthz` probed every 50 ms, the bridge's RSS sampled every
 20 ms): a baseline window without an attacker, then the attack from 127.0.0.2 in its own process
@@ -42,10 +42,10 @@ import httpx
 
 from bench.common import bench_main, quiet_logging, raise_open_files, table, verdict
 from bench.report import environment
-from simulator.camera_upload import chunked, fake_jpeg, read_answer, stock_head, stock_parts
-from simulator.hostile import AttackReport
-from simulator.siege import Attack, Siege, SiegeResult
 from simulator.stock_ota import stock_headers, system_info
+from testkit.camera_upload import chunked, fake_jpeg, read_answer, stock_head, stock_parts
+from testkit.hostile import AttackReport
+from testkit.siege import Attack, Siege, SiegeResult
 
 NAME = "reliability-device-http"
 ATTACKER = "127.0.0.2"

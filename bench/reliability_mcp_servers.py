@@ -1,10 +1,10 @@
 """Reliability: a hostile MCP server dialed in to a live bridge, and what it costs others
 (issue #32, item 1).
 
-A `simulator.siege.Siege` (a real `esp32-bridge serve` with JSON logs, simulated devices called
+A `testkit.siege.Siege` (a real `esp32-bridge serve` with JSON logs, simulated devices called
 through the admin API every 50 ms, `/healthz` probed every 50 ms, the bridge's RSS sampled every
 20 ms) measures a window without an attacker (the baseline of the same run), then the window of
-the attack: `simulator.hostile_mcp_server` in its own process dials in with a key bound to one
+the attack: `testkit.hostile_mcp_server` in its own process dials in with a key bound to one
 simulated device and offers 50 pages of ~1 MiB of tools (500 tools with ~95 KB input schemas,
 over-long and bad-charset names, a 40-deep schema), then sends `tools/list_changed` every 20 ms
 until it leaves. Reported: the bridge's RSS growth during the attack and after the server left,
@@ -23,8 +23,8 @@ import sys
 from bench.common import bench_main, quiet_logging, table, verdict
 from bench.report import environment
 from simulator.fleet import device_id_for
-from simulator.hostile import AttackReport
-from simulator.siege import Attack, Siege
+from testkit.hostile import AttackReport
+from testkit.siege import Attack, Siege
 
 NAME = "reliability-mcp-servers"
 TARGET_RSS_MB = 20.0
@@ -47,7 +47,7 @@ class DialInSiege(Siege):
         created.raise_for_status()
         token = created.json()["token"]
         url = self.api_url.replace("http://", "ws://") + f"/v1/mcp-endpoint/?token={token}"
-        argv = [sys.executable, "-m", "simulator.hostile_mcp_server", url, str(attack.amount)]
+        argv = [sys.executable, "-m", "testkit.hostile_mcp_server", url, str(attack.amount)]
         process = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE)
         out, _ = await process.communicate()
         if process.returncode != 0:

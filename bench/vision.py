@@ -1,12 +1,12 @@
 """Benchmark: a camera board's photo upload to the bridge's vision endpoint, to its answer.
 
 One process: a real `Bridge` (shared device token, its device-facing HTTP listener), the fake
-OpenAI-compatible vision model (`simulator.vision_model`, zero latency, in a thread) and the
+OpenAI-compatible vision model (`testkit.vision_model`, zero latency, in a thread) and the
 load, one request at a time, each on a fresh TCP connection as the firmware opens one per photo.
 
 Paths, interleaved in rounds (`bench.common.interleaved`):
 - **vision upload**: a 100 KB JPEG sent byte for byte as stock firmware sends it (chunked
-  multipart, `simulator.camera_upload`) to `POST /vision/explain`, through the token check, the
+  multipart, `testkit.camera_upload`) to `POST /vision/explain`, through the token check, the
   streaming multipart reader and the magic-byte check, then the model call (the photo as a
   base64 `data:` URL in an OpenAI chat request), to the JSON answer;
 - **model call alone**: the bridge's `VisionModel.describe` of the same photo (what the model
@@ -34,9 +34,9 @@ from bench.common import (
     verdict,
 )
 from bench.report import environment
-from simulator.camera_upload import fake_jpeg, send_raw, stock_upload
 from simulator.stock_ota import stock_headers, system_info
-from simulator.vision_model import FakeVisionModel
+from testkit.camera_upload import fake_jpeg, send_raw, stock_upload
+from testkit.vision_model import FakeVisionModel
 
 NAME = "vision"
 PHOTO_BYTES = 100 * 1024

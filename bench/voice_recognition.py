@@ -1,6 +1,6 @@
 """Speech recognition on ordinary speech: what the bridge understands, and what it would act on.
 
-`python -m bench.voice_recognition [--quick]`. The recognition set (tests/recognition_set.py: 67
+`python -m bench.voice_recognition [--quick]`. The recognition set (testkit/recognition_set.py: 67
 phrases written apart from the recognizer, 3 eSpeak voices, clean and under a 25 dB noise
 floor, Opus as the stock device sends it and PCM16) goes through what a bridge runs: the
 `Listener` (speech detector, pre-roll, tail) cuts each utterance from the audio, the embedded
@@ -100,7 +100,7 @@ class Judge:
         from backend.chat.offline import IntentDetector, with_description_choices
         from backend.chat.search import KnowledgeBase
         from backend.chat.tools import DeviceToolBox
-        from simulator.in_process import FirmwareDevice
+        from testkit.in_process import FirmwareDevice
 
         box = DeviceToolBox(FirmwareDevice())
         self.functions = [with_description_choices(s) for s in box.functions()]
@@ -210,7 +210,7 @@ class _Stack:
         from backend.voice.recognition.vocabulary import prompt_for
         from backend.voice.understanding import DeviceWords, Understanding
         from backend.voice.vad import SileroPool
-        from simulator.in_process import FirmwareDevice
+        from testkit.in_process import FirmwareDevice
 
         pool = SileroPool(4)
         pool.warm()
@@ -229,7 +229,7 @@ class _Stack:
 
 
 async def run(stack: _Stack, quick: bool) -> list[Result]:
-    from tests import recognition_set as rs
+    from testkit import recognition_set as rs
 
     cases = rs.rotated_cases() if quick else rs.all_cases()
     audio = rs.render_cases(cases)
@@ -265,7 +265,7 @@ async def run(stack: _Stack, quick: bool) -> list[Result]:
 
 async def silence_sweep(stack: _Stack, waits: Sequence[int]) -> dict[int, list[Result]]:
     """Commands and state questions (each phrase once) cut with other silence waits."""
-    from tests import recognition_set as rs
+    from testkit import recognition_set as rs
 
     cases = [c for c in rs.rotated_cases() if c.phrase.kind in ("command", "state")]
     audio = rs.render_cases(cases)

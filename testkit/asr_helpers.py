@@ -9,7 +9,7 @@ from pathlib import Path
 from backend.chat.llm import FunctionSpec
 from backend.chat.offline import with_description_choices
 from backend.chat.tools import DeviceToolBox
-from simulator.in_process import FirmwareDevice
+from testkit.in_process import FirmwareDevice
 
 _ROOT = Path(__file__).resolve().parent.parent
 # eSpeak's output for a text depends on everything it synthesized before in the process (its

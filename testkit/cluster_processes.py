@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from simulator.processes import WatchedProcess
+from testkit.processes import WatchedProcess
 
 ADMIN_TOKEN = "cluster-admin-token-for-tests-0123456789"
 DEVICE_TOKEN = "cluster-device-token-for-tests-0123456789"

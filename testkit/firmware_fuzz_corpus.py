@@ -1,10 +1,10 @@
 """Feed a fuzz corpus to the firmware's McpServer.handle, run by the MicroPython unix port (not by
 CPython):
 
-    MICROPYPATH=firmware/lib micropython simulator/firmware_fuzz_corpus.py CORPUS
+    MICROPYPATH=firmware/lib micropython testkit/firmware_fuzz_corpus.py CORPUS
 
 (`-`: read CORPUS from stdin; without MICROPYPATH, firmware/lib of a source checkout is used).
-`simulator.firmware_fuzzing.run_micropython_corpus` generates the corpus with hypothesis on
+`testkit.firmware_fuzzing.run_micropython_corpus` generates the corpus with hypothesis on
 CPython and streams it here (tests/test_firmware_fuzz.py, bench/fuzz.py). CORPUS has one input
 per line, `t <hex>` (UTF-8 text; fed as bytes if this runtime will not decode it) or `b <hex>`
 (bytes). For each input: handle() must not raise, a reply must be a JSON-RPC object that carries

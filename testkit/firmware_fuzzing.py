@@ -377,7 +377,7 @@ def generate_corpus(size: int, emit: Callable[[str], None]) -> None:
 class CorpusRun:
     """What the unix port made of a generated corpus."""
 
-    corpus: Path  # kept for a rerun: micropython simulator/firmware_fuzz_corpus.py CORPUS
+    corpus: Path  # kept for a rerun: micropython testkit/firmware_fuzz_corpus.py CORPUS
     written: int  # inputs generated and sent
     returncode: int
     output: str

@@ -24,7 +24,7 @@ from backend.firmware.build import build
 from backend.firmware.tools import micropython_argv, micropython_env
 from backend.mcp_session import CallResult, DeviceError
 from backend.server import Bridge
-from simulator.processes import WatchedProcess
+from testkit.processes import WatchedProcess
 
 HARNESS = Path(__file__).resolve().parent / "firmware_memory_harness.py"
 HEAP_KB = 180

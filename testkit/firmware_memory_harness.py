@@ -8,7 +8,7 @@ firmware, notes the heap its modules hold, then runs main.start() with two probe
 server builds a reply and when the transport has the bytes of an outgoing frame ready (the
 moments when request, reply and frame bytes are all alive). Each MCP `ping` prints one line
 `[mem] {json}` with the figures since the previous ping and resets them, so the driver
-(simulator/firmware_memory.py) marks phases by pinging. With `collect` every probe runs gc.collect()
+(testkit/firmware_memory.py) marks phases by pinging. With `collect` every probe runs gc.collect()
 first, so its peak is the live heap rather than live data plus not yet collected garbage; that
 changes when the collector runs, so survival is judged on runs without it.
 

@@ -5,8 +5,8 @@ bench/reliability.py (the figures in docs/reliability.md). Every attack speaks r
 the bridge like a stock device, then misbehaves; it runs for `duration_s` or until the bridge
 cuts it off, and reports what it sent and how its link ended.
 
-The MQTT attacks (against the bridge's embedded endpoint) are in `simulator.hostile_mqtt`, with
-the same `AttackReport`; `python -m simulator.hostile_mqtt` runs one of them.
+The MQTT attacks (against the bridge's embedded endpoint) are in `testkit.hostile_mqtt`, with
+the same `AttackReport`; `python -m testkit.hostile_mqtt` runs one of them.
 """
 
 import asyncio
@@ -461,7 +461,7 @@ async def run_attack(
 
 
 def main() -> None:
-    """`python -m simulator.hostile ATTACK URL TOKEN DEVICE_ID AMOUNT`: one attack in its own
+    """`python -m testkit.hostile ATTACK URL TOKEN DEVICE_ID AMOUNT`: one attack in its own
     process (so its bursts never slow the measuring process), its report as one JSON line."""
     import sys
     from dataclasses import asdict

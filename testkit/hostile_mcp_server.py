@@ -6,7 +6,7 @@ so every byte is the attacker's choice: `tools/list` answers 50 pages of ~1 MiB 
 `notifications/tools/list_changed` every 20 ms, and a `big` tool whose result is 1 MB of text.
 
 `HostileServer` is used by tests/test_mcp_server_bounds.py and, in its own process
-(`python -m simulator.hostile_mcp_server URL SECONDS`, one JSON report line on stdout), by
+(`python -m testkit.hostile_mcp_server URL SECONDS`, one JSON report line on stdout), by
 bench/reliability_mcp_servers.py.
 """
 

@@ -1,12 +1,12 @@
 """Hostile MQTT devices against the bridge's own endpoint (`serve --mqtt embedded`, issue #16).
 
-The MQTT counterpart of `simulator.hostile`: each attack is what a device holding its own broker
+The MQTT counterpart of `testkit.hostile`: each attack is what a device holding its own broker
 login (username = its key, password = its derived password) or no login at all could do, spoken
 as raw MQTT 3.1.1 on loopback so nothing filters what is sent. The attacker connects from
 `ATTACKER_HOST` (another loopback address), so the bridge's per-address bounds apply to it and
 not to the victims. Each attack runs for its window or count, and reports an `AttackReport`.
 
-`MqttSiege` is `simulator.siege.Siege` with the bridge's embedded endpoint on and simulated MQTT
+`MqttSiege` is `testkit.siege.Siege` with the bridge's embedded endpoint on and simulated MQTT
 devices (`esp32-bridge simulate --transport mqtt`) as the victims; it also reports whether a
 victim was acted for (an audit entry by `device:<victim>`) or went offline (its "device
 disconnected" line) while the attack ran. Used by bench/reliability.py, bench/mqtt_churn.py and
@@ -30,8 +30,8 @@ from backend.protocol.mqtt_packets import remaining_length
 from backend.transports.mqtt_credentials import DerivedCredentials
 from backend.transports.mqtt_topics import TopicScheme, device_key
 from simulator.fleet import device_id_for
-from simulator.hostile import AttackReport, close_counting_peer_closes
-from simulator.siege import EVIL_DEVICE, Attack, Siege, SiegeResult
+from testkit.hostile import AttackReport, close_counting_peer_closes
+from testkit.siege import EVIL_DEVICE, Attack, Siege, SiegeResult
 
 SECRET = "siege-mqtt-secret-0123456789abcdef"  # the bridge's credential secret in a siege
 ATTACKER_HOST = "127.0.0.2"  # not the victims' 127.0.0.1: the per-address bounds hit only it
@@ -528,7 +528,7 @@ class _Done(Exception):
 
 
 Step = Callable[[Link, AttackReport], Awaitable[None]]
-RETRY_S = 0.5  # as `simulator.hostile.RETRY_S`: how soon a cut-off attacker tries again
+RETRY_S = 0.5  # as `testkit.hostile.RETRY_S`: how soon a cut-off attacker tries again
 
 
 async def _persistently(name: str, target: Target, duration_s: float, step: Step) -> AttackReport:
@@ -615,7 +615,7 @@ class MqttSiegeResult(SiegeResult):
 
 class MqttSiege(Siege):
     """`Siege` over MQTT: `serve --mqtt embedded` (loopback, shared-mode logins derived from
-    `SECRET`) with `devices` simulated MQTT devices; attacks from `simulator.hostile_mqtt`."""
+    `SECRET`) with `devices` simulated MQTT devices; attacks from `testkit.hostile_mqtt`."""
 
     def __init__(self, devices: int = 4, **options: Any) -> None:
         super().__init__(devices, **options)
@@ -673,7 +673,7 @@ class MqttSiege(Siege):
 
     def _attack_argv(self, attack: Attack) -> list[str]:
         """Against the MQTT endpoint, the first victim named."""
-        argv = [sys.executable, "-m", "simulator.hostile_mqtt", attack.name, self.mqtt_url]
+        argv = [sys.executable, "-m", "testkit.hostile_mqtt", attack.name, self.mqtt_url]
         argv += [SECRET, attack.device_id, self.victims[0] if self.devices else LEGIT_DEVICE]
         return [*argv, str(attack.amount)]
 
@@ -699,7 +699,7 @@ def mqtt_attack(name: str, amount: float) -> Attack:
 
 
 def main() -> None:
-    """`python -m simulator.hostile_mqtt ATTACK MQTT_URL SECRET DEVICE_ID VICTIM_ID AMOUNT`: one
+    """`python -m testkit.hostile_mqtt ATTACK MQTT_URL SECRET DEVICE_ID VICTIM_ID AMOUNT`: one
     attack in its own process, its report as one JSON line."""
     name, url, secret, device_id, victim_id, amount = sys.argv[1:7]
     report = asyncio.run(run_attack(name, url, secret, device_id, victim_id, float(amount)))

@@ -33,7 +33,7 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from backend.chat.prompts import GUARDRAIL_OPENINGS, SUMMARY_OPENINGS
-from simulator.loopback_http import LoopbackHttpServer
+from testkit.loopback_http import LoopbackHttpServer
 
 
 @dataclass

@@ -28,7 +28,7 @@ from backend.mcp_servers.hub import (
     json_depth,
     list_tools_bounded,
 )
-from simulator.fuzzing import deep_nesting, json_values, jsonrpc_shaped
+from testkit.fuzzing import deep_nesting, json_values, jsonrpc_shaped
 
 BOUNDS = ToolBounds(
     max_tools=5, max_name_chars=16, max_schema_bytes=300, max_schema_depth=4, max_tool_bytes=4096,

@@ -24,14 +24,14 @@ from backend.transports.mqtt_credentials import (
     mosquitto_conf,
     write_mosquitto_password_file,
 )
-from tests.ports import reserve_port
+from testkit.ports import reserve_port
 
 START_TIMEOUT_S = 10.0
 
 
 def free_port(kind: int = socket.SOCK_STREAM) -> int:
     """A port nothing listens on now (a "connection refused" target). A server that binds it
-    later takes `tests.ports.reserve_port` instead: a parallel worker may grab a probed port."""
+    later takes `testkit.ports.reserve_port` instead: a parallel worker may grab a probed port."""
     with socket.socket(socket.AF_INET, kind) as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])

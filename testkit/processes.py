@@ -1,5 +1,5 @@
 """Child processes whose output is collected line by line as it arrives: the firmware under the
-MicroPython unix port, or a bridge. Tests, benchmarks and `simulator.firmware_memory` use them.
+MicroPython unix port, or a bridge. Tests, benchmarks and `testkit.firmware_memory` use them.
 """
 
 import asyncio

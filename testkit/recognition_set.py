@@ -186,7 +186,7 @@ def _cycle(
 def render_cases(cases: list[Case]) -> list[bytes]:
     """16 kHz PCM16 of each case as a device's microphone hears it: lead, speech, tail, and
     noise under all of it when noisy (a device then sends it in its codec)."""
-    from tests.asr_helpers import render_fresh
+    from testkit.asr_helpers import render_fresh
 
     unique = sorted({(c.phrase.text, c.voice) for c in cases if c.phrase.text})
     speech = dict(zip(unique, render_fresh(list(unique)), strict=True))

@@ -3,7 +3,7 @@
 `Siege` runs a real bridge (`esp32-bridge serve`, its own process, JSON logs at the default
 level) with well-behaved simulated devices (`esp32-bridge simulate`, another process) whose tools
 are called in a loop through the admin API while `/healthz` is probed, and samples the bridge's
-RSS. `measure(attack)` runs one attack from `simulator.hostile` against it and reports the
+RSS. `measure(attack)` runs one attack from `testkit.hostile` against it and reports the
 bridge's RSS growth, the log lines it wrote, and the other devices' call and `/healthz` latency.
 `measure(None)` is the same window without an attacker: the baseline of the same run.
 
@@ -26,8 +26,8 @@ import httpx
 import psutil
 
 from simulator.fleet import device_id_for
-from simulator.hostile import AttackReport
-from simulator.processes import WatchedProcess
+from testkit.hostile import AttackReport
+from testkit.processes import WatchedProcess
 
 ADMIN_TOKEN = "siege-admin-token"
 DEVICE_TOKEN = "siege-device-token"
@@ -37,7 +37,7 @@ EVIL_DEVICE = "a4:cf:66:66:66:66"
 
 @dataclass(frozen=True)
 class Attack:
-    """One `simulator.hostile` attack by name; `amount` is seconds, or a count for storms."""
+    """One `testkit.hostile` attack by name; `amount` is seconds, or a count for storms."""
 
     name: str
     amount: float
@@ -221,7 +221,7 @@ class Siege:
 
     def _attack_argv(self, attack: Attack) -> list[str]:
         """The command line of the attack's process."""
-        argv = [sys.executable, "-m", "simulator.hostile", attack.name, self.ws_url]
+        argv = [sys.executable, "-m", "testkit.hostile", attack.name, self.ws_url]
         return [*argv, DEVICE_TOKEN, attack.device_id, str(attack.amount)]
 
     async def _attack(self, attack: Attack) -> AttackReport:

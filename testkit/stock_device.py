@@ -29,7 +29,9 @@ CLIENT_ID = "6c4a5a2e-2f0e-4a4e-9d59-3b2d1c0e9f11"
 SERVER_INFO = {"name": "bread-compact-wifi", "version": "2.4.2"}
 
 
-def _schema(properties: dict[str, Any] | None = None, required: list[str] | None = None) -> dict:
+def _schema(
+    properties: dict[str, Any] | None = None, required: list[str] | None = None
+) -> dict[str, Any]:
     schema: dict[str, Any] = {"type": "object", "properties": properties or {}}
     if required:
         schema["required"] = required
@@ -55,7 +57,10 @@ VOLUME_TOOL = {
 def stock_tools() -> list[dict[str, Any]]:
     """The stock tool list of a device with speaker, backlight, theme and LED."""
     user = {"audience": ["user"]}
-    led = {"on": {"type": "boolean"}, "brightness": {"type": "integer", "default": 100}}
+    led: dict[str, dict[str, Any]] = {
+        "on": {"type": "boolean"},
+        "brightness": {"type": "integer", "default": 100},
+    }
     led["brightness"].update(minimum=0, maximum=100)
     return [
         STATUS_TOOL,
@@ -151,7 +156,7 @@ class StockMcp:
     def call(self, message: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
         name = params.get("name")
         arguments = params.get("arguments") or {}
-        self.calls.append((name, arguments))
+        self.calls.append((str(name), arguments))
         if name == VOLUME_TOOL["name"]:
             volume = arguments.get("volume")
             if not isinstance(volume, int):
@@ -258,13 +263,21 @@ class WireDevice:
         await self.send({"session_id": self.session_id, "type": "mcp", "payload": payload})
 
     async def wait_for_method(self, method: str, timeout_s: float = 5.0) -> dict[str, Any]:
-        return await self._wait(lambda: _first(self.received, "method", method), timeout_s)
+        found: dict[str, Any] = await self._wait(
+            lambda: _first(self.received, "method", method), timeout_s
+        )
+        return found
 
     async def wait_for_message(self, kind: str, timeout_s: float = 5.0) -> dict[str, Any]:
         """The first non-MCP message of this `type` (e.g. "tts"), waiting for it if needed."""
-        return await self._wait(lambda: _first(self.messages, "type", kind), timeout_s)
+        found: dict[str, Any] = await self._wait(
+            lambda: _first(self.messages, "type", kind), timeout_s
+        )
+        return found
 
-    async def wait_for_count(self, what: Callable[[], int], count: int, timeout_s: float = 5.0):
+    async def wait_for_count(
+        self, what: Callable[[], int], count: int, timeout_s: float = 5.0
+    ) -> None:
         await self._wait(lambda: True if what() >= count else None, timeout_s)
 
     def methods(self) -> list[str]:

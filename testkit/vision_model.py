@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
-from simulator.loopback_http import LoopbackHttpServer
+from testkit.loopback_http import LoopbackHttpServer
 
 
 @dataclass

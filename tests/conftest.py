@@ -12,11 +12,12 @@ import pytest
 from backend.auth import Tokens
 from backend.server import Bridge
 from simulator import SimulatedDevice
-from simulator.llm_server import FakeLlm
-from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, make_settings, reap_started
-from tests.postgres import PostgresServer, running_postgres
+from testkit.llm_server import FakeLlm
+from testkit.postgres import PostgresServer, running_postgres
+from testkit.settings import ADMIN_TOKEN, DEVICE_TOKEN, make_settings
+from testkit.stock_device import WireDevice
+from tests.helpers import reap_started
 from tests.scheduling import SpreadScheduling, spread_first
-from tests.stock_device import WireDevice
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> SpreadScheduling | None:
@@ -39,7 +40,7 @@ async def no_leftover_processes() -> AsyncIterator[None]:
 
 @pytest.fixture(scope="session")
 def postgres_server() -> Iterator[PostgresServer]:
-    """One throwaway PostgreSQL per test worker (tests/postgres.py)."""
+    """One throwaway PostgreSQL per test worker (testkit/postgres.py)."""
     with running_postgres() as server:
         yield server
 

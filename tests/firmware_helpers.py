@@ -12,7 +12,7 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.http11 import Request
 
 from backend.firmware import find_tool, firmware_dir, micropython_argv, micropython_env
-from simulator.processes import WatchedProcess
+from testkit.processes import WatchedProcess
 
 MICROPYTHON = find_tool("micropython")
 needs_micropython = pytest.mark.skipif(

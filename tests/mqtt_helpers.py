@@ -13,7 +13,7 @@ from backend.transports.base import DeviceLink
 from backend.transports.mqtt import BrokerVouched, MqttSettings, MqttTransport
 from backend.transports.mqtt_credentials import CredentialTable
 from backend.transports.mqtt_topics import TopicScheme
-from tests.mosquitto import Mosquitto
+from testkit.mosquitto import Mosquitto
 from tests.mqtt_wire import RawMqttClient
 
 PREFIX = "xiaozhi"

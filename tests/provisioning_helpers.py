@@ -10,7 +10,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from simulator import stock_ota
-from tests.stock_device import CLIENT_ID
+from testkit.stock_device import CLIENT_ID
 
 MAC = "a4:cf:12:34:56:78"
 OTHER_CLIENT = "0f8e2c61-1b7a-4c3e-9a55-7d2e0c9b1a44"

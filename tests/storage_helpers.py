@@ -2,14 +2,14 @@
 
 Import it into a test module (`from tests.storage_helpers import database_target`) and build
 `Database(database_target, MIGRATIONS)`: a SQLite file in the test's folder, or a fresh database
-on the worker's throwaway PostgreSQL (tests/postgres.py; started only when a test asks for it).
+on the worker's throwaway PostgreSQL (testkit/postgres.py; started only when a test asks for it).
 """
 
 from pathlib import Path
 
 import pytest
 
-from tests.postgres import postgres_available
+from testkit.postgres import postgres_available
 
 ENGINES = ("sqlite", "postgresql")
 

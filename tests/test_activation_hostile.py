@@ -20,7 +20,8 @@ import pytest
 from backend.provisioning.pending import MAX_PENDING_PER_DEVICE
 from backend.server import Bridge
 from simulator.stock_ota import stock_headers, system_info
-from tests.helpers import ADMIN_TOKEN, ManualClock, can_bind, run_cli
+from testkit.settings import ADMIN_TOKEN
+from tests.helpers import ManualClock, can_bind, run_cli
 
 VICTIM = "a4:cf:12:34:56:78"
 VICTIM_CLIENT = "7d2e0c9b-1a44-4c3e-9a55-0f8e2c611b7a"

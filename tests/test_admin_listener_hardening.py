@@ -17,8 +17,9 @@ import psutil
 import pytest
 
 from backend.server import Bridge
-from simulator.processes import WatchedProcess
-from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, can_bind, eventually
+from testkit.processes import WatchedProcess
+from testkit.settings import ADMIN_TOKEN, DEVICE_TOKEN
+from tests.helpers import can_bind, eventually
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -3,8 +3,8 @@
 import httpx
 import pytest
 
+from testkit.stock_device import never_answer
 from tests.helpers import wait_state
-from tests.stock_device import never_answer
 
 
 async def test_healthz_needs_no_token(bridge):

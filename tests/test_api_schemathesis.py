@@ -24,7 +24,8 @@ import pytest
 import schemathesis
 
 from simulator.fleet import device_id_for
-from tests.helpers import ADMIN_TOKEN, CLI, DEVICE_TOKEN
+from testkit.settings import ADMIN_TOKEN, DEVICE_TOKEN
+from tests.helpers import CLI
 
 EXAMPLES = int(os.environ.get("SCHEMATHESIS_EXAMPLES", "12"))
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}

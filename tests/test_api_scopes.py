@@ -9,8 +9,9 @@ import pytest
 
 from backend.auth import Tokens
 from backend.server import Bridge
-from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, make_settings, wait_state
-from tests.stock_device import WireDevice
+from testkit.settings import ADMIN_TOKEN, DEVICE_TOKEN, make_settings
+from testkit.stock_device import WireDevice
+from tests.helpers import wait_state
 
 DEVICE = "a4:cf:12:34:56:78"
 OTHER = "a4:cf:12:34:56:79"

@@ -15,8 +15,9 @@ import pytest
 
 from backend.api.errors import error_type, openai_status, param_of
 from backend.server import Bridge
-from tests.helpers import ADMIN_TOKEN, create_key, eventually, wait_state
-from tests.stock_device import WireDevice, hang_and_signal
+from testkit.settings import ADMIN_TOKEN
+from testkit.stock_device import WireDevice, hang_and_signal
+from tests.helpers import create_key, eventually, wait_state
 
 MODEL = "dental-duckduckgo"
 QUESTION = "How long should I brush my teeth?"

@@ -17,16 +17,9 @@ from backend.devices.audit import AUDIT_MIGRATIONS, AuditLog
 from backend.devices.registry import DeviceEvent, EventKind
 from backend.server import Bridge
 from backend.storage import Database, DatabaseError
-from tests.helpers import (
-    ADMIN_TOKEN,
-    DEVICE_TOKEN,
-    create_key,
-    eventually,
-    make_settings,
-    run_cli,
-    wait_state,
-)
-from tests.stock_device import WireDevice, stock_tools
+from testkit.settings import ADMIN_TOKEN, DEVICE_TOKEN, make_settings
+from testkit.stock_device import WireDevice, stock_tools
+from tests.helpers import create_key, eventually, run_cli, wait_state
 from tests.storage_helpers import database_target
 
 __all__ = ["database_target"]  # the fixture: the store test runs on SQLite and PostgreSQL

@@ -32,8 +32,14 @@ from backend.devices.registry import EventKind
 from backend.storage import Database, DatabaseError
 from backend.storage.database import DATABASE_FILE
 from simulator import SimulatedDevice
-from tests.cluster_helpers import Balancer
-from tests.cluster_processes import ADMIN_TOKEN, DEVICE_TOKEN, ServeInstance, serve_env, wait_until
+from testkit.cluster import Balancer
+from testkit.cluster_processes import (
+    ADMIN_TOKEN,
+    DEVICE_TOKEN,
+    ServeInstance,
+    serve_env,
+    wait_until,
+)
 
 KILLS = {"sqlite": 5, "postgresql": 1}  # the figure on SQLite; PostgreSQL: the same path
 WORKERS = 8  # concurrent callers

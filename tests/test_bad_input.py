@@ -7,8 +7,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from backend.devices import DeviceState
+from testkit.stock_device import STOCK_HELLO, WireDevice, answer_with, never_answer, ok
 from tests.helpers import ManualClock, eventually, wait_state
-from tests.stock_device import STOCK_HELLO, WireDevice, answer_with, never_answer, ok
 
 
 async def healthy_call(device) -> None:

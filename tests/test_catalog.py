@@ -17,8 +17,9 @@ from backend.devices.catalog import DeviceCatalog
 from backend.server import Bridge
 from backend.storage import Database, DatabaseError
 from backend.storage.database import DATABASE_FILE
-from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, eventually, make_settings, run_cli
-from tests.stock_device import STATUS_TOOL, VOLUME_TOOL, WireDevice, stock_tools
+from testkit.settings import ADMIN_TOKEN, DEVICE_TOKEN, make_settings
+from testkit.stock_device import STATUS_TOOL, VOLUME_TOOL, WireDevice, stock_tools
+from tests.helpers import eventually, run_cli
 from tests.storage_helpers import bridge_database_url
 
 __all__ = ["bridge_database_url"]  # the fixture: the catalogue's tests run on both engines

@@ -10,16 +10,10 @@ import openai
 import pytest
 
 from backend.server import Bridge
-from simulator.llm_server import FakeCall, FakeLlm, Reply
-from tests.helpers import (
-    ADMIN_TOKEN,
-    DEVICE_TOKEN,
-    create_key,
-    eventually,
-    sse_events,
-    wait_state,
-)
-from tests.stock_device import WireDevice
+from testkit.llm_server import FakeCall, FakeLlm, Reply
+from testkit.settings import ADMIN_TOKEN, DEVICE_TOKEN
+from testkit.stock_device import WireDevice
+from tests.helpers import create_key, eventually, sse_events, wait_state
 
 MODEL = "dental-duckduckgo"
 VOLUME_LLM = "self_audio_speaker_set_volume"

@@ -30,8 +30,8 @@ from backend.chat.tools import DeviceToolBox
 from backend.config import Settings
 from backend.server import Bridge
 from backend.storage import Database
-from simulator.in_process import FirmwareDevice
-from simulator.llm_server import FakeLlm, Reply
+from testkit.in_process import FirmwareDevice
+from testkit.llm_server import FakeLlm, Reply
 from tests.helpers import create_key, eventually, wait_state
 
 DATA = Path(__file__).parent / "data"
@@ -340,7 +340,7 @@ class _TimeServer:
 async def test_a_request_an_external_tool_serves_is_not_refused(
     fake_llm: FakeLlm, memory: SqliteMemoryStore
 ) -> None:
-    from simulator.llm_server import FakeCall
+    from testkit.llm_server import FakeCall
 
     fake_llm.defaults["guardrail"] = Reply("NO")
     fake_llm.script(

@@ -16,9 +16,10 @@ from backend.chat.text import bounded_summary, estimated_tokens
 from backend.devices.confirm import ConfirmationPolicy, normalized_name
 from backend.mcp_session import Tool
 from backend.server import Bridge
-from simulator.llm_server import FakeLlm, Reply
-from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, wait_state
-from tests.stock_device import STATUS_TOOL, WireDevice
+from testkit.llm_server import FakeLlm, Reply
+from testkit.settings import ADMIN_TOKEN, DEVICE_TOKEN
+from testkit.stock_device import STATUS_TOOL, WireDevice
+from tests.helpers import wait_state
 
 QUESTION = "How long should I brush my teeth?"
 MAC = "a4:cf:12:34:56:78"

@@ -21,7 +21,7 @@ from backend.chat.llm import (
 )
 from backend.chat.llm.base import LlmProvider, StreamEnd, StreamItem
 from backend.config import Settings
-from simulator.llm_server import FakeCall, FakeLlm, Reply
+from testkit.llm_server import FakeCall, FakeLlm, Reply
 
 MODELS = Usage(chat="chat-model", guardrail="guard-model")
 VOLUME = FunctionSpec(

@@ -10,9 +10,10 @@ import httpx
 import pytest
 
 from backend.server import Bridge
-from simulator.llm_server import FakeCall, FakeLlm, Reply
-from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, create_key, sse_events, wait_state
-from tests.stock_device import STATUS_TOOL, VOLUME_TOOL, WireDevice
+from testkit.llm_server import FakeCall, FakeLlm, Reply
+from testkit.settings import ADMIN_TOKEN, DEVICE_TOKEN
+from testkit.stock_device import STATUS_TOOL, VOLUME_TOOL, WireDevice
+from tests.helpers import create_key, sse_events, wait_state
 
 MODEL = "dental-duckduckgo"
 CHAT_DEFAULT = "server-chat"

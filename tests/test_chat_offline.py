@@ -35,7 +35,7 @@ from backend.chat.offline import (
 from backend.chat.search import KnowledgeBase, kb_terms
 from backend.chat.tools import DeviceToolBox
 from backend.storage import Database
-from simulator.in_process import FirmwareDevice
+from testkit.in_process import FirmwareDevice
 
 TARGET_SHARE = 0.90  # the target for routing and refusal
 

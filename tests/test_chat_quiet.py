@@ -29,7 +29,7 @@ from backend.cli.runs import _offline_without_network
 from backend.config import Settings
 from backend.server import Bridge
 from backend.storage import Database
-from simulator.llm_server import FakeLlm, Reply
+from testkit.llm_server import FakeLlm, Reply
 from tests.helpers import run_cli
 
 MODELS = Usage(chat="chat-model", guardrail="guard-model")

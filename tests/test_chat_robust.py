@@ -27,9 +27,10 @@ from backend.chat.llm import LlmProvider, OllamaProvider, OpenAiProvider, Usage
 from backend.chat.tokens import count_tokens
 from backend.server import Bridge
 from backend.storage import Database
-from simulator.in_process import FirmwareDevice
-from simulator.llm_server import FakeCall, FakeLlm, Reply
-from tests.helpers import ADMIN_TOKEN, eventually
+from testkit.in_process import FirmwareDevice
+from testkit.llm_server import FakeCall, FakeLlm, Reply
+from testkit.settings import ADMIN_TOKEN
+from tests.helpers import eventually
 
 MODELS = Usage(chat="chat-model", guardrail="guard-model")
 VOLUME_LLM = "self_audio_speaker_set_volume"

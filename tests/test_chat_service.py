@@ -33,10 +33,10 @@ from backend.devices import Device
 from backend.server import Bridge
 from backend.storage import Database
 from simulator import SimulatedDevice
-from simulator.in_process import FirmwareDevice
-from simulator.llm_server import FakeCall, FakeLlm, Reply
+from testkit.in_process import FirmwareDevice
+from testkit.llm_server import FakeCall, FakeLlm, Reply
+from testkit.settings import DEVICE_TOKEN
 from tests.fakes.search import FakeWebSearch
-from tests.helpers import DEVICE_TOKEN
 
 MODELS = Usage(chat="chat-model", guardrail="guard-model")
 VOLUME = "self.audio_speaker.set_volume"

@@ -12,8 +12,9 @@ import pytest
 
 from backend.config import Settings
 from backend.server import Bridge
-from tests.helpers import DEVICE_TOKEN, run_cli, wait_state
-from tests.stock_device import WireDevice
+from testkit.settings import DEVICE_TOKEN
+from testkit.stock_device import WireDevice
+from tests.helpers import run_cli, wait_state
 
 
 @pytest.fixture

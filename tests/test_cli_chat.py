@@ -10,8 +10,8 @@ import pytest
 
 from backend.config import Settings
 from backend.server import Bridge
+from testkit.stock_device import WireDevice, stock_tools
 from tests.helpers import create_key, run_cli, wait_state
-from tests.stock_device import WireDevice, stock_tools
 
 
 @pytest.fixture

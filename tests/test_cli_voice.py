@@ -17,7 +17,8 @@ from rich.console import Console
 from backend.cli.voice import TurnOptions, waiting
 from backend.voice.audio import Clip, read_wav, write_wav
 from backend.voice.tts import render
-from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, run_cli
+from testkit.settings import ADMIN_TOKEN, DEVICE_TOKEN
+from tests.helpers import run_cli
 
 VOICE_DEVICE = "02:00:00:00:03:e8"  # the voice device's default id (index 1000)
 # The CLI finds the bridge through its data dir; no token from the test environment.

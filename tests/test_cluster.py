@@ -16,17 +16,12 @@ import pytest
 from backend.devices.registry import DeviceState, RemoteDevice
 from backend.server import Bridge
 from simulator import SimulatedDevice
-from simulator.llm_server import FakeCall, FakeLlm, Reply
+from testkit.cluster import Cluster, Partition, until
+from testkit.llm_server import FakeCall, FakeLlm, Reply
+from testkit.settings import ADMIN_TOKEN, make_settings
 from tests.cli_helpers import table
-from tests.cluster_helpers import (
-    Cluster,
-    Partition,
-    cluster,
-    devices,
-    start_device,
-    until,
-)
-from tests.helpers import ADMIN_TOKEN, make_settings, run_cli
+from tests.cluster_helpers import cluster, devices, start_device
+from tests.helpers import run_cli
 from tests.mcp_helpers import VOLUME as MCP_VOLUME
 from tests.mcp_helpers import mcp_session
 from tests.stream_helpers import open_stream, stream_state

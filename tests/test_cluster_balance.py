@@ -23,18 +23,12 @@ from backend.devices.registry import DeviceState
 from backend.server import Bridge
 from backend.transports.mqtt_credentials import BridgeAccount
 from simulator import SimulatedDevice
-from tests.cluster_helpers import (
-    FAST_LEASES,
-    Cluster,
-    devices,
-    running_cluster,
-    start_device,
-    until,
-)
-from tests.haproxy import ADMIN_PORT, OTA_PORT, WS_PORT, HAProxy, InstancePorts, haproxy_binary
-from tests.helpers import DEVICE_TOKEN, make_settings
-from tests.mosquitto import Mosquitto
-from tests.ports import reserve_port
+from testkit.cluster import FAST_LEASES, Cluster, running_cluster, until
+from testkit.haproxy import ADMIN_PORT, OTA_PORT, WS_PORT, HAProxy, InstancePorts, haproxy_binary
+from testkit.mosquitto import Mosquitto
+from testkit.ports import reserve_port
+from testkit.settings import DEVICE_TOKEN, make_settings
+from tests.cluster_helpers import devices, start_device
 
 # Fixtures shared by the cluster tests (tests/cluster_helpers.py).
 __all__ = ["devices"]

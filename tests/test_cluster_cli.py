@@ -7,11 +7,13 @@ from pathlib import Path
 from backend.server import Bridge
 from backend.transports.mqtt_credentials import BridgeAccount
 from simulator import SimulatedDevice
+from testkit.cluster import Cluster, until
+from testkit.cluster_processes import ServeInstance, instance_env
+from testkit.mosquitto import Mosquitto
+from testkit.settings import ADMIN_TOKEN
 from tests.cli_helpers import table
-from tests.cluster_helpers import Cluster, cluster, devices, start_device, until
-from tests.cluster_processes import ServeInstance, instance_env
-from tests.helpers import ADMIN_TOKEN, run_cli
-from tests.mosquitto import Mosquitto
+from tests.cluster_helpers import cluster, devices, start_device
+from tests.helpers import run_cli
 
 # Fixtures shared by the cluster tests (tests/cluster_helpers.py).
 __all__ = ["cluster", "devices"]

@@ -43,11 +43,11 @@ from backend.devices.registry import DeviceState
 from backend.server import Bridge
 from backend.transports.mqtt_credentials import BridgeAccount, emqx_acl
 from simulator import SimulatedDevice
-from tests.cluster_helpers import Cluster, cluster, until
-from tests.cluster_processes import ADMIN_TOKEN as PROCESS_ADMIN_TOKEN
-from tests.cluster_processes import DEVICE_TOKEN as PROCESS_DEVICE_TOKEN
-from tests.cluster_processes import ServeInstance, instance_env, wait_until
-from tests.haproxy import (
+from testkit.cluster import Cluster, until
+from testkit.cluster_processes import ADMIN_TOKEN as PROCESS_ADMIN_TOKEN
+from testkit.cluster_processes import DEVICE_TOKEN as PROCESS_DEVICE_TOKEN
+from testkit.cluster_processes import ServeInstance, instance_env, wait_until
+from testkit.haproxy import (
     ADMIN_PORT,
     CHECK_PORT,
     HAPROXY_CFG,
@@ -58,10 +58,11 @@ from tests.haproxy import (
     InstancePorts,
     haproxy_binary,
 )
-from tests.helpers import ADMIN_TOKEN as TEST_ADMIN_TOKEN
-from tests.helpers import DEVICE_TOKEN
-from tests.mosquitto import Mosquitto
-from tests.ports import reserve_port
+from testkit.mosquitto import Mosquitto
+from testkit.ports import reserve_port
+from testkit.settings import ADMIN_TOKEN as TEST_ADMIN_TOKEN
+from testkit.settings import DEVICE_TOKEN
+from tests.cluster_helpers import cluster
 
 # Fixtures shared by the cluster tests (tests/cluster_helpers.py).
 __all__ = ["cluster"]

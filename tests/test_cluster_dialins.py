@@ -4,7 +4,8 @@ others while its presence is up; a malformed entry from a peer is skipped, not a
 
 from backend.cluster import wire
 from backend.mcp_dialin.endpoint import server_name
-from tests.cluster_helpers import Cluster, cluster, until
+from testkit.cluster import Cluster, until
+from tests.cluster_helpers import cluster
 from tests.dialin_helpers import RawPipe
 from tests.helpers import create_key
 

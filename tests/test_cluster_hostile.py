@@ -14,8 +14,8 @@ from paho.mqtt.properties import Properties
 
 from backend.cluster import wire
 from simulator import SimulatedDevice
-from tests.cluster_helpers import Cluster, running_cluster, until
-from tests.helpers import DEVICE_TOKEN
+from testkit.cluster import Cluster, running_cluster, until
+from testkit.settings import DEVICE_TOKEN
 
 EVIL_KEY = "evil-device"
 EVIL_PASSWORD = "evil-device-password-0123456789"

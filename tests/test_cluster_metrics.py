@@ -12,8 +12,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from backend import metrics
 from backend.server import Bridge
 from simulator import SimulatedDevice
-from tests.cluster_helpers import FAST_LEASES, Cluster, cluster, devices, until
-from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN
+from testkit.cluster import FAST_LEASES, Cluster, until
+from testkit.settings import ADMIN_TOKEN, DEVICE_TOKEN
+from tests.cluster_helpers import cluster, devices
 
 # Fixtures shared by the cluster tests (tests/cluster_helpers.py).
 __all__ = ["cluster", "devices"]

@@ -14,9 +14,9 @@ from backend.transports.mqtt_credentials import BridgeAccount, DerivedCredential
 from backend.transports.mqtt_topics import TopicScheme, device_key
 from simulator import MqttOptions, SimulatedDevice
 from simulator.fleet import device_id_for
-from tests.cluster_helpers import FAST_LEASES, until
-from tests.helpers import make_settings
-from tests.mosquitto import Mosquitto
+from testkit.cluster import FAST_LEASES, until
+from testkit.mosquitto import Mosquitto
+from testkit.settings import make_settings
 
 SHARDS = 4
 SCHEME = TopicScheme("xiaozhi", SHARDS)

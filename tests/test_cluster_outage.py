@@ -23,16 +23,9 @@ from backend.devices.registry import DeviceEvent, EventKind
 from backend.server import Bridge
 from backend.storage import Database
 from simulator import SimulatedDevice
-from tests.cluster_helpers import (
-    Cluster,
-    Partition,
-    cluster,
-    database_proxy,
-    devices,
-    start_device,
-    until,
-)
-from tests.helpers import DEVICE_TOKEN
+from testkit.cluster import Cluster, Partition, until
+from testkit.settings import DEVICE_TOKEN
+from tests.cluster_helpers import cluster, database_proxy, devices, start_device
 
 # Fixtures shared by the cluster tests (tests/cluster_helpers.py).
 __all__ = ["cluster", "database_proxy", "devices"]

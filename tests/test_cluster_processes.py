@@ -18,15 +18,15 @@ import pytest
 
 from backend.transports.mqtt_credentials import BridgeAccount
 from simulator import SimulatedDevice
-from tests.cluster_helpers import Balancer
-from tests.cluster_processes import (
+from testkit.cluster import Balancer
+from testkit.cluster_processes import (
     ADMIN_TOKEN,
     DEVICE_TOKEN,
     ServeInstance,
     instance_env,
     wait_until,
 )
-from tests.mosquitto import Mosquitto
+from testkit.mosquitto import Mosquitto
 
 pytestmark = pytest.mark.serial  # three bridge processes and 24 devices: timing matters
 

@@ -18,8 +18,9 @@ from backend.auth import ensure_tokens, token_matches
 from backend.config import ConfigError, load_settings
 from backend.logs import configure_logging
 from backend.server import Bridge
+from testkit.settings import ADMIN_TOKEN
 from tests.console_helpers import console_page
-from tests.helpers import ADMIN_TOKEN, run_cli, start_cli
+from tests.helpers import run_cli, start_cli
 
 
 def test_defaults_are_secure(tmp_path, monkeypatch):

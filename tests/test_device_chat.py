@@ -11,9 +11,10 @@ from structlog.testing import capture_logs
 from backend.chat import MAX_QUERY_CHARS
 from backend.dialogue.device_chat import SentenceStream
 from backend.server import Bridge
-from simulator.llm_server import FakeCall, Reply
-from tests.helpers import DEVICE_TOKEN, eventually, wait_state
-from tests.stock_device import WireDevice, answer_when, answer_with, stock_error, stock_tools
+from testkit.llm_server import FakeCall, Reply
+from testkit.settings import DEVICE_TOKEN
+from testkit.stock_device import WireDevice, answer_when, answer_with, stock_error, stock_tools
+from tests.helpers import eventually, wait_state
 
 QUESTION = "How long should I brush my teeth?"
 

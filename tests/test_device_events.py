@@ -6,8 +6,9 @@ import asyncio
 from backend.auth import Tokens
 from backend.devices import DeviceEvent, DeviceState, EventKind
 from backend.server import Bridge
-from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, eventually, make_settings, wait_state
-from tests.stock_device import WireDevice, answer_with, hang_and_signal, ok
+from testkit.settings import ADMIN_TOKEN, DEVICE_TOKEN, make_settings
+from testkit.stock_device import WireDevice, answer_with, hang_and_signal, ok
+from tests.helpers import eventually, wait_state
 
 Recorded = list[tuple[EventKind, str, dict]]
 

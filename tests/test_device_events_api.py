@@ -14,7 +14,8 @@ from backend.devices import DeviceRegistry
 from backend.keys import Principal, Scope
 from backend.server import Bridge
 from simulator.fleet import device_id_for
-from tests.helpers import ADMIN_TOKEN, create_key, eventually
+from testkit.settings import ADMIN_TOKEN
+from tests.helpers import create_key, eventually
 from tests.stream_helpers import EVENTS, open_stream, stream_ready, stream_state
 
 # ---- the stream -----------------------------------------------------------------------------

@@ -21,7 +21,8 @@ from backend.provisioning import service as provisioning_service
 from backend.server import Bridge
 from backend.vision import service as vision_service
 from backend.vision.service import VISION_PATH
-from simulator.camera_upload import (
+from simulator.stock_ota import stock_headers, system_info
+from testkit.camera_upload import (
     HttpAnswer,
     chunked,
     fake_jpeg,
@@ -29,9 +30,8 @@ from simulator.camera_upload import (
     stock_head,
     stock_parts,
 )
-from simulator.stock_ota import stock_headers, system_info
+from testkit.stock_device import CLIENT_ID
 from tests.helpers import can_bind, eventually
-from tests.stock_device import CLIENT_ID
 
 ATTACKER = "127.0.0.2"
 DEVICE_ADDRESS = "127.0.0.3"

@@ -26,8 +26,8 @@ from backend.chat.offline import IntentDetector
 from backend.chat.tools import DeviceToolBox
 from backend.mcp_session import CallResult
 from backend.storage import Database
-from simulator.in_process import FirmwareDevice
-from tests.asr_helpers import device_functions
+from testkit.asr_helpers import device_functions
+from testkit.in_process import FirmwareDevice
 
 STATUS = "self.get_device_status"
 # The stock xiaozhi-esp32 status of a battery board (WifiBoard::GetDeviceStatusJson's shape).

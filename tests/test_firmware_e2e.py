@@ -16,11 +16,11 @@ import httpx
 import pytest
 
 from backend.server import Bridge
-from simulator.processes import WatchedProcess
+from testkit.ports import reserve_port
+from testkit.processes import WatchedProcess
+from testkit.settings import ADMIN_TOKEN, DEVICE_TOKEN
 from tests.firmware_helpers import needs_micropython, running_firmware
 from tests.fw.fw_support import MODEL_TOOLS, USER_TOOLS
-from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN
-from tests.ports import reserve_port
 
 REPO = Path(__file__).resolve().parents[1]
 FIRMWARE = REPO / "firmware"

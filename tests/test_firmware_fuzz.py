@@ -4,8 +4,8 @@
 error reply (or no reply), every reply is strict JSON that carries the request's id when the
 request had a usable one, and a valid call right after still works. `handle_message` gets the
 same treatment with hostile parsed values. On CPython the server runs in this process; for the
-MicroPython unix port a corpus generated here is fed to simulator/firmware_fuzz_corpus.py. The
-strategies and checks are `simulator.firmware_fuzzing`, shared with bench/fuzz.py (which runs
+MicroPython unix port a corpus generated here is fed to testkit/firmware_fuzz_corpus.py. The
+strategies and checks are `testkit.firmware_fuzzing`, shared with bench/fuzz.py (which runs
 100,000 inputs on each runtime).
 
 A few hundred examples per test by default, fast; the environment scales it up:
@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 
 from backend.firmware import find_tool
-from simulator.firmware_fuzzing import (
+from testkit.firmware_fuzzing import (
     DeepValue,
     check_bytes,
     check_message,
@@ -97,7 +97,7 @@ def test_tools_call_with_random_arguments(message: dict[str, Any]) -> None:
 @pytest.mark.skipif(find_tool("micropython") is None, reason="MicroPython unix port not installed")
 def test_micropython_never_raises_on_a_generated_corpus(tmp_path: Path) -> None:
     # The unix port works through the corpus while hypothesis is still generating it; the file
-    # keeps it for a rerun: micropython simulator/firmware_fuzz_corpus.py CORPUS
+    # keeps it for a rerun: micropython testkit/firmware_fuzz_corpus.py CORPUS
     run = run_micropython_corpus(CORPUS_SIZE, tmp_path / "corpus.txt")
     assert run.summary, f"{run.corpus}:\n{run.output[-4000:]}"
     assert run.clean, f"{run.corpus}: {run.describe()}\n{run.output}"

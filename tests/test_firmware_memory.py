@@ -1,7 +1,7 @@
 """The firmware on a device-sized heap: firmware/main.py under `micropython -X heapsize=180K`
 (~1.8 x an ESP32's ~100 KB Python heap, as objects are 64-bit here), connected to a real bridge,
 answers 1,000 tool calls without running out of memory. The scenario is
-simulator/firmware_memory.py; bench/firmware_memory.py reports its figures in docs/benchmarks.md."""
+testkit/firmware_memory.py; bench/firmware_memory.py reports its figures in docs/benchmarks.md."""
 
 import os
 import subprocess
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from backend.firmware import find_tool
-from simulator.firmware_memory import HEAP_KB, QUICK_CALLS, run_scenario
+from testkit.firmware_memory import HEAP_KB, QUICK_CALLS, run_scenario
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -20,9 +20,10 @@ from backend.firmware.build import build
 from backend.provisioning.bundle import make_bundle, read_manifest
 from backend.server import Bridge
 from simulator.firmware import firmware_module
-from simulator.processes import WatchedProcess
+from testkit.processes import WatchedProcess
+from testkit.settings import ADMIN_TOKEN
 from tests.firmware_helpers import needs_micropython
-from tests.helpers import ADMIN_TOKEN, run_cli
+from tests.helpers import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 BOARD = "ota-board"

@@ -14,7 +14,7 @@ import pytest
 
 from backend.provisioning.tokens import SECRET_FILE
 from backend.server import Bridge
-from tests.helpers import ADMIN_TOKEN
+from testkit.settings import ADMIN_TOKEN
 
 BOARD = "bread-compact-wifi"
 IMAGE = bytes([0xE9]) + bytes(range(256)) * 64

@@ -12,8 +12,9 @@ import httpx
 import pytest
 
 from backend.server import Bridge
-from tests.helpers import ADMIN_TOKEN, run_cli
-from tests.stock_device import CLIENT_ID
+from testkit.settings import ADMIN_TOKEN
+from testkit.stock_device import CLIENT_ID
+from tests.helpers import run_cli
 from tests.storage_helpers import bridge_database_url
 
 __all__ = ["bridge_database_url"]  # the fixture: releases are stored on both engines
@@ -170,7 +171,7 @@ async def test_releases_survive_a_restart(
     bridge_database_url: str | None,
 ) -> None:
     from backend.auth import Tokens
-    from tests.helpers import DEVICE_TOKEN, make_settings
+    from testkit.settings import DEVICE_TOKEN, make_settings
 
     settings = make_settings(tmp_path / "kept", database_url=bridge_database_url)
     async with Bridge(settings, Tokens(ADMIN_TOKEN, DEVICE_TOKEN)) as bridge:

@@ -10,7 +10,7 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 
-from simulator.fuzzing import (
+from testkit.fuzzing import (
     api_bodies,
     audio_frames,
     check_api_body,

@@ -8,8 +8,9 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from tests.helpers import DEVICE_TOKEN, wait_state
-from tests.stock_device import STOCK_HELLO, WireDevice
+from testkit.settings import DEVICE_TOKEN
+from testkit.stock_device import STOCK_HELLO, WireDevice
+from tests.helpers import wait_state
 
 HEADERS = {"Protocol-Version": "1", "Device-Id": "a4:cf:12:34:56:78", "Client-Id": "c-1"}
 

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from backend.config import DEFAULT_RATE_LIMITS
-from simulator.siege import Attack, Siege, SiegeResult, escaped_errors
+from testkit.siege import Attack, Siege, SiegeResult, escaped_errors
 
 # RSS growth and starvation latency bounds: alone on the CPU (scripts/test)
 pytestmark = [pytest.mark.slow, pytest.mark.serial]

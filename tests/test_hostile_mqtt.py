@@ -8,7 +8,7 @@ fail by a control that really does speak as the victim (with its own login).
 
 import pytest
 
-from simulator.hostile_mqtt import MqttSiege, MqttSiegeResult, mqtt_attack
+from testkit.hostile_mqtt import MqttSiege, MqttSiegeResult, mqtt_attack
 
 # RSS growth and starvation latency bounds: alone on the CPU (scripts/test)
 pytestmark = [pytest.mark.slow, pytest.mark.serial]

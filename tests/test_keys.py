@@ -8,8 +8,8 @@ import pytest
 from backend.keys import KEYS_MIGRATIONS, InvalidKey, KeyStore, Scope, UnknownKey
 from backend.keys.store import KEY_REFRESH_S, admin_principal, hash_token
 from backend.storage import Database
+from testkit.postgres import postgres_available
 from tests.helpers import eventually
-from tests.postgres import postgres_available
 from tests.storage_helpers import database_target
 
 __all__ = ["database_target"]  # the fixture: every test here runs on SQLite and PostgreSQL

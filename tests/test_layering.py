@@ -1,6 +1,7 @@
 """The package layering of docs/interfaces.md ("Package layering") is the code's: the graph built
-from every import of backend/, simulator/ and firmware/ equals the page's table, its circles are
-exactly the page's, and the bridge process never loads the simulator."""
+from every import of backend/, simulator/, firmware/ and testkit/ equals the page's table, its
+circles are exactly the page's, the bridge process never loads the simulator, and nothing that
+ships imports the test harness."""
 
 import ast
 import re
@@ -8,7 +9,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SCANNED = ("backend", "simulator", "firmware")
+SCANNED = ("backend", "simulator", "firmware", "testkit")
 DOC = ROOT / "docs" / "interfaces.md"
 
 Graph = dict[str, set[str]]
@@ -18,7 +19,7 @@ def package_of(module: str) -> str | None:
     """The layering node of a dotted module name; None outside the scanned trees (the standard
     library, third parties, and the firmware's own `lib` modules imported by bare name)."""
     parts = module.split(".")
-    if parts[0] in ("simulator", "firmware"):
+    if parts[0] in ("simulator", "firmware", "testkit"):
         return parts[0]
     if parts[0] != "backend":
         return None
@@ -179,7 +180,14 @@ def test_the_bridge_process_never_loads_the_simulator() -> None:
     assert {name for name, targets in graph.items() if "simulator" in targets} <= {
         "backend.cli",
         "simulator",
+        "testkit",
     }
+
+
+def test_nothing_that_ships_imports_the_test_harness() -> None:
+    # testkit (the fake LLM, hostile clients, throwaway brokers) is not in the wheel.
+    graph = code_graph()
+    assert {name for name, targets in graph.items() if "testkit" in targets} == set()
 
 
 def test_a_new_import_would_be_caught() -> None:

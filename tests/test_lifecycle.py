@@ -15,8 +15,8 @@ import psutil
 import pytest
 
 from backend.runtime import read_runtime_file, remove_runtime_file, write_runtime_file
+from testkit.stock_device import CLIENT_ID, WireDevice, hang_and_signal
 from tests.helpers import can_bind, eventually, run_cli, start_cli
-from tests.stock_device import CLIENT_ID, WireDevice, hang_and_signal
 
 
 async def enrolled_token(runtime: dict, admin: str) -> str:

@@ -21,9 +21,10 @@ import pytest
 from backend.mcp_dialin.endpoint import server_name
 from backend.server import Bridge
 from simulator import SimulatedDevice
-from simulator.llm_server import FakeCall, FakeLlm, Reply
+from testkit.llm_server import FakeCall, FakeLlm, Reply
+from testkit.settings import ADMIN_TOKEN
 from tests.dialin_helpers import wait_for
-from tests.helpers import ADMIN_TOKEN, create_key, sse_events
+from tests.helpers import create_key, sse_events
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS_VENV = ROOT / ".venv-tools" / "mcp2xiaozhi"

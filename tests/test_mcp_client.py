@@ -21,9 +21,9 @@ from backend.mcp_session import (
     TimeoutPolicy,
 )
 from backend.mcp_session.client import MAX_LIST_PAGES
+from testkit.stock_device import StockMcp, stock_tools, text_result
+from testkit.stock_device import ok as result
 from tests.fakes.mcp_link import Link, feed_json, running_device
-from tests.stock_device import StockMcp, stock_tools, text_result
-from tests.stock_device import ok as result
 
 
 def StockDevice(tools: list | None = None, page_size: int = 3) -> StockMcp:

@@ -10,8 +10,8 @@ from structlog.testing import capture_logs
 
 from backend.mcp_session import DeviceError, McpClient
 from backend.mcp_session.client import MAX_DEVICE_REQUESTS, MAX_ERROR_CHARS
+from testkit.stock_device import StockMcp, ok
 from tests.fakes.mcp_link import Link, feed_json, running_device
-from tests.stock_device import StockMcp, ok
 
 HUGE = 60_000
 LINE_CHARS = 1000  # no log line about one device message is longer than this

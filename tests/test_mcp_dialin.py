@@ -21,7 +21,9 @@ from backend.keys import Scope
 from backend.mcp_dialin.endpoint import REPLACED, DialInLimits, server_name
 from backend.mcp_servers.hub import CallTimedOut, McpServerError, ServerState
 from backend.server import Bridge
-from simulator.llm_server import FakeCall, FakeLlm, Reply
+from testkit.llm_server import FakeCall, FakeLlm, Reply
+from testkit.settings import ADMIN_TOKEN, DEVICE_TOKEN
+from testkit.stock_device import WireDevice
 from tests.dialin_helpers import (
     EndpointHost,
     RawPipe,
@@ -29,8 +31,7 @@ from tests.dialin_helpers import (
     wait_for,
     write_stdio_server,
 )
-from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, create_key, run_cli, sse_events
-from tests.stock_device import WireDevice
+from tests.helpers import create_key, run_cli, sse_events
 
 TOKEN = "esk_0123456789ab_secret"
 NAME = server_name("0123456789ab")

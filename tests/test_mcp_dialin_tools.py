@@ -20,8 +20,9 @@ from backend.keys import Principal, Scope
 from backend.keys.store import parse_scopes
 from backend.mcp_dialin.endpoint import DialInLimits, server_name
 from backend.server import Bridge
+from testkit.settings import ADMIN_TOKEN
 from tests.dialin_helpers import ECHO_TOOL, RawPipe, wait_for, write_stdio_server
-from tests.helpers import ADMIN_TOKEN, create_key, run_cli
+from tests.helpers import create_key, run_cli
 from tests.mcp_helpers import mcp_session
 
 LENT_TO = "aa:bb:cc:dd:ee:01"  # the device the dial-in key is bound to (it need not be connected)

@@ -14,8 +14,9 @@ from mcp.shared.exceptions import MCPError
 from backend.api.mcp_endpoint import safe_device_ids
 from backend.chat.search import SearchResult
 from backend.server import Bridge
+from testkit.settings import ADMIN_TOKEN
 from tests.fakes.search import FakeWebSearch
-from tests.helpers import ADMIN_TOKEN, create_key, sse_events, wait_state
+from tests.helpers import create_key, sse_events, wait_state
 from tests.mcp_helpers import VOLUME, mcp_session
 
 

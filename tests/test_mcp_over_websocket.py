@@ -7,8 +7,7 @@ import time
 import pytest
 
 from backend.devices import DeviceState
-from tests.helpers import eventually, wait_state
-from tests.stock_device import (
+from testkit.stock_device import (
     STATUS_TOOL,
     VOLUME_TOOL,
     answer_with,
@@ -18,6 +17,7 @@ from tests.stock_device import (
     stock_error,
     text_result,
 )
+from tests.helpers import eventually, wait_state
 
 
 def many_tools(count: int) -> list[dict]:
@@ -317,7 +317,7 @@ async def test_vision_capability_sent_but_token_never_logged(bridge_factory, cap
     vision_bridge = await bridge_factory(
         vision_url="http://10.0.0.2:8003/vision", vision_token="v-secret-1"
     )
-    from tests.stock_device import WireDevice
+    from testkit.stock_device import WireDevice
 
     device = WireDevice(vision_bridge.ws_url, "device-secret-token-for-tests")
     with capture_logs() as logs:

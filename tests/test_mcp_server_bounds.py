@@ -2,7 +2,7 @@
 charset, schema size and depth, bytes of declarations, tools/list pages, re-list rate, result
 size, and the memory a server leaves behind.
 
-The hostile server (simulator/hostile_mcp_server.py) dials in over a real WebSocket: to the
+The hostile server (testkit/hostile_mcp_server.py) dials in over a real WebSocket: to the
 endpoint alone on loopback (tests/dialin_helpers.py), and to a whole bridge with a simulated
 device whose tool is called through the admin API during the flood.
 """
@@ -31,10 +31,11 @@ from backend.mcp_servers.hub import (
 )
 from backend.mcp_servers.settings import McpServerSettings
 from backend.server import Bridge
-from simulator import mcp_server_fuzzing
-from simulator.hostile_mcp_server import HostileServer
+from testkit import mcp_server_fuzzing
+from testkit.hostile_mcp_server import HostileServer
+from testkit.settings import ADMIN_TOKEN
 from tests.dialin_helpers import EndpointHost, wait_for
-from tests.helpers import ADMIN_TOKEN, create_key
+from tests.helpers import create_key
 
 TOKEN = "esk_0123456789ab_secret"
 NAME = server_name("0123456789ab")

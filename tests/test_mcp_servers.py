@@ -37,8 +37,10 @@ from backend.mcp_servers.hub import (
 from backend.mcp_servers.settings import McpServerSettings
 from backend.mcp_session import Tool
 from backend.server import Bridge
-from simulator.llm_server import FakeCall, FakeLlm, Reply
-from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, create_key, run_cli, sse_events, wait_state
+from testkit.llm_server import FakeCall, FakeLlm, Reply
+from testkit.settings import ADMIN_TOKEN, DEVICE_TOKEN
+from testkit.stock_device import WireDevice
+from tests.helpers import create_key, run_cli, sse_events, wait_state
 from tests.mcp_servers_helpers import (
     http_mcp_server,
     server_of,
@@ -46,7 +48,6 @@ from tests.mcp_servers_helpers import (
     wait_ready,
     wait_until,
 )
-from tests.stock_device import WireDevice
 
 VOLUME_LLM = "self_audio_speaker_set_volume"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}

@@ -24,16 +24,9 @@ from backend.auth import Tokens
 from backend.errors import ListenError
 from backend.server import Bridge
 from simulator import stock_ota
-from tests.helpers import (
-    ADMIN_TOKEN,
-    DEVICE_TOKEN,
-    can_bind,
-    create_key,
-    eventually,
-    make_settings,
-    wait_state,
-)
-from tests.stock_device import CLIENT_ID, WireDevice
+from testkit.settings import ADMIN_TOKEN, DEVICE_TOKEN, make_settings
+from testkit.stock_device import CLIENT_ID, WireDevice
+from tests.helpers import can_bind, create_key, eventually, wait_state
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}

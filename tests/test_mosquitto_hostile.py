@@ -18,7 +18,7 @@ import pytest
 
 from backend.transports.mqtt_credentials import BrokerLimits
 from backend.transports.mqtt_topics import TopicScheme
-from tests.mosquitto import Mosquitto, mosquitto_available
+from testkit.mosquitto import Mosquitto, mosquitto_available
 from tests.mqtt_wire import CONNACK, CONNECT, PUBLISH, MqttRefused, Publish, RawMqttClient, packet
 
 pytestmark = pytest.mark.skipif(not mosquitto_available(), reason="mosquitto not installed")

@@ -23,17 +23,9 @@ from backend.server import Bridge
 from backend.transports.mqtt_credentials import DerivedCredentials
 from backend.transports.mqtt_topics import TopicScheme
 from simulator import MqttOptions, SimulatedDevice
-from tests.helpers import (
-    ADMIN_TOKEN,
-    CLI,
-    DEVICE_TOKEN,
-    STARTED,
-    eventually,
-    make_settings,
-    run_cli,
-    start_cli,
-)
-from tests.mosquitto import Mosquitto
+from testkit.mosquitto import Mosquitto
+from testkit.settings import ADMIN_TOKEN, DEVICE_TOKEN, make_settings
+from tests.helpers import CLI, STARTED, eventually, run_cli, start_cli
 from tests.mqtt_wire import MqttRefused, RawMqttClient
 
 SECRET = "mqtt-secret-for-the-tests-0123456789"

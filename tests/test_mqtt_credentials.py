@@ -20,7 +20,7 @@ from backend.transports.mqtt_credentials import (
     mosquitto_hash_matches,
     write_mosquitto_password_file,
 )
-from tests.mosquitto import Mosquitto, mosquitto_available, running_mosquitto
+from testkit.mosquitto import Mosquitto, mosquitto_available, running_mosquitto
 from tests.mqtt_wire import MqttRefused, RawMqttClient
 
 needs_mosquitto = pytest.mark.skipif(not mosquitto_available(), reason="mosquitto not installed")

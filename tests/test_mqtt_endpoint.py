@@ -23,7 +23,7 @@ from backend.transports.errors import LinkClosed
 from backend.transports.mqtt_endpoint import DeviceLogin, EndpointSettings, MqttEndpoint
 from backend.transports.throttle import ConnectionGuard, ExemptNetworks, KeyedLimiter
 from backend.transports.udp import UdpAudioChannel
-from tests.helpers import make_settings
+from testkit.settings import make_settings
 from tests.mqtt_helpers import (
     DEVICE_A,
     DEVICE_B,

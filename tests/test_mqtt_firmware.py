@@ -19,8 +19,9 @@ from backend.firmware.source import firmware_dir
 from backend.firmware.tools import find_tool, micropython_argv, micropython_env
 from backend.server import Bridge
 from backend.transports.mqtt_credentials import DerivedCredentials
-from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, eventually, make_settings
-from tests.mosquitto import Mosquitto, mosquitto_available
+from testkit.mosquitto import Mosquitto, mosquitto_available
+from testkit.settings import ADMIN_TOKEN, DEVICE_TOKEN, make_settings
+from tests.helpers import eventually
 
 SECRET = "firmware-mqtt-secret-0123456789abcdef"
 DEVICE_ID = "02:aa:bb:cc:dd:01"

@@ -36,8 +36,8 @@ from backend.transports.mqtt_topics import DeviceTopic, TopicKind, TopicScheme, 
 from simulator import MqttOptions, SimulatedDevice
 from simulator.firmware import firmware_module
 from simulator.fleet import device_id_for, mqtt_firmware_module
-from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, make_settings
-from tests.mosquitto import Mosquitto, mosquitto_available
+from testkit.mosquitto import Mosquitto, mosquitto_available
+from testkit.settings import ADMIN_TOKEN, DEVICE_TOKEN, make_settings
 from tests.mqtt_helpers import RecordingAcceptor, eventually, transport_settings
 from tests.mqtt_wire import Publish, RawMqttClient
 

@@ -29,8 +29,8 @@ from backend.transports.mqtt import (
     BrokerVouched,
     MqttTransport,
 )
-from tests.helpers import make_settings
-from tests.mosquitto import Mosquitto, mosquitto_available
+from testkit.mosquitto import Mosquitto, mosquitto_available
+from testkit.settings import make_settings
 from tests.mqtt_helpers import (
     DEVICE_A,
     DEVICE_B,

@@ -14,8 +14,9 @@ import pytest
 
 from backend.chat.tokens import count_tokens
 from backend.server import Bridge
-from simulator.llm_server import FakeLlm, Reply
-from tests.helpers import ADMIN_TOKEN, create_key
+from testkit.llm_server import FakeLlm, Reply
+from testkit.settings import ADMIN_TOKEN
+from tests.helpers import create_key
 
 MODEL = "dental-duckduckgo"
 QUESTION = "How often should I floss?"

@@ -11,14 +11,9 @@ from backend.api.app import create_app
 from backend.devices import DeviceRegistry
 from backend.server import Bridge
 from simulator import SimulatedDevice
-from tests.cluster_helpers import (
-    Cluster,
-    Partition,
-    cluster,
-    database_proxy,
-    until,
-)
-from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN
+from testkit.cluster import Cluster, Partition, until
+from testkit.settings import ADMIN_TOKEN, DEVICE_TOKEN
+from tests.cluster_helpers import cluster, database_proxy
 
 # Fixtures shared by the cluster tests (tests/cluster_helpers.py).
 __all__ = ["cluster", "database_proxy"]

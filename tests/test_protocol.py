@@ -20,7 +20,7 @@ from backend.protocol import (
     parse_device_message,
 )
 from backend.protocol.messages import Alert, Goodbye, Llm, Stt, System, mcp_envelope
-from tests.stock_device import STOCK_HELLO
+from testkit.stock_device import STOCK_HELLO
 
 
 def test_stock_hello_parses_with_features_and_audio_params():

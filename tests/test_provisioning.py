@@ -17,16 +17,9 @@ from websockets.exceptions import InvalidMessage
 
 from backend.cli.runs import auth_warnings
 from backend.server import Bridge
-from tests.helpers import (
-    ADMIN_TOKEN,
-    DEVICE_TOKEN,
-    ManualClock,
-    can_bind,
-    eventually,
-    make_settings,
-    run_cli,
-    wait_state,
-)
+from testkit.settings import ADMIN_TOKEN, DEVICE_TOKEN, make_settings
+from testkit.stock_device import CLIENT_ID, WireDevice
+from tests.helpers import ManualClock, can_bind, eventually, run_cli, wait_state
 from tests.provisioning_helpers import (
     MAC,
     OTHER_CLIENT,
@@ -38,7 +31,6 @@ from tests.provisioning_helpers import (
     stock_headers,
     system_info,
 )
-from tests.stock_device import CLIENT_ID, WireDevice
 
 # Another address of this machine, for limits per IP (Linux routes all of 127.0.0.0/8 to lo).
 OTHER_ADDRESS = "127.0.0.2"

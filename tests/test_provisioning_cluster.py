@@ -23,10 +23,11 @@ from backend.provisioning.tokens import derive_token
 from backend.server import Bridge
 from backend.storage import Database
 from simulator.fleet import SimulatedDevice
-from tests.helpers import ADMIN_TOKEN, make_settings, wait_state
-from tests.postgres import postgres_available
+from testkit.postgres import postgres_available
+from testkit.settings import ADMIN_TOKEN, make_settings
+from testkit.stock_device import CLIENT_ID, WireDevice
+from tests.helpers import wait_state
 from tests.provisioning_helpers import MAC, OTHER_CLIENT, StockOta, handshake_status
-from tests.stock_device import CLIENT_ID, WireDevice
 from tests.storage_helpers import database_target
 
 __all__ = ["database_target"]

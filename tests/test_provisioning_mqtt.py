@@ -14,8 +14,9 @@ import pytest
 
 from backend.server import Bridge
 from backend.transports.mqtt_credentials import mosquitto_hash
-from tests.helpers import ADMIN_TOKEN, run_cli
-from tests.mosquitto import Mosquitto, mosquitto_available
+from testkit.mosquitto import Mosquitto, mosquitto_available
+from testkit.settings import ADMIN_TOKEN
+from tests.helpers import run_cli
 from tests.mqtt_wire import MqttRefused, RawMqttClient
 
 A, B = "a4:cf:12:34:56:78", "a4:cf:00:00:00:02"

@@ -23,9 +23,10 @@ from backend.chat import (
 )
 from backend.chat.llm import OpenAiProvider, Usage
 from backend.server import Bridge
-from simulator.llm_server import FakeCall, FakeLlm, Reply
-from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, run_cli, wait_state
-from tests.stock_device import STATUS_TOOL, VOLUME_TOOL, WireDevice
+from testkit.llm_server import FakeCall, FakeLlm, Reply
+from testkit.settings import ADMIN_TOKEN, DEVICE_TOKEN
+from testkit.stock_device import STATUS_TOOL, VOLUME_TOOL, WireDevice
+from tests.helpers import run_cli, wait_state
 
 MAC = "a4:cf:12:34:56:78"
 UPGRADE = "self.firmware.upgrade"

@@ -33,7 +33,7 @@ from backend.chat.llm import OpenAiProvider, Usage
 from backend.chat.search import DEFAULT_KB_MIN_SCORE, MAX_CONTENT_CHARS, MAX_TITLE_CHARS
 from backend.config import ConfigError, Settings, load_settings
 from backend.storage import Database
-from simulator.llm_server import FakeLlm, Reply
+from testkit.llm_server import FakeLlm, Reply
 from tests.fakes.search import FakeWebSearch
 from tests.fakes.search_apis import (
     Answer,

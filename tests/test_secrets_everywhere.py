@@ -43,10 +43,11 @@ from backend.logs import (
 )
 from backend.mcp_servers.hub import ServerState
 from backend.server import Bridge
-from simulator.llm_server import FakeCall, FakeLlm, Reply
+from testkit.llm_server import FakeCall, FakeLlm, Reply
+from testkit.settings import ADMIN_TOKEN, DEVICE_TOKEN
 from tests.fakes.mcp_server import build_server
 from tests.fakes.search_apis import Answer, FakeSearchApi, google_items, google_page
-from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, create_key, run_cli, sse_events
+from tests.helpers import create_key, run_cli, sse_events
 from tests.mcp_servers_helpers import server_of, wait_ready, wait_until
 
 # ---- the rule ---------------------------------------------------------------------------------

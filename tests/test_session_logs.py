@@ -7,8 +7,8 @@ from typing import Any
 from structlog.testing import capture_logs
 
 from backend.devices import DeviceState
+from testkit.stock_device import answer_with, stock_error
 from tests.helpers import eventually, wait_state
-from tests.stock_device import answer_with, stock_error
 
 HUGE = 60_000
 LINE_CHARS = 1000  # no log line about one device message is longer than this

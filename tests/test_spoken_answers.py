@@ -26,10 +26,11 @@ from backend.chat.tools import AskBeforeChanging, DeviceToolBox
 from backend.server import Bridge
 from backend.storage import Database
 from backend.voice.tts import speakable
-from simulator.in_process import FirmwareDevice
 from simulator.voice_client import VoiceDevice, VoiceReply
-from tests.helpers import DEVICE_TOKEN, wait_state
-from tests.stock_device import WireDevice
+from testkit.in_process import FirmwareDevice
+from testkit.settings import DEVICE_TOKEN
+from testkit.stock_device import WireDevice
+from tests.helpers import wait_state
 
 FLOSS = "how often should I floss"
 

@@ -17,8 +17,8 @@ from backend.config import ConfigError, load_settings
 from backend.storage import Database, DatabaseError, Migration
 from backend.storage.database import DATABASE_FILE
 from backend.storage.dialect import describe_url, expand_tokens, to_pyformat
+from testkit.postgres import PostgresServer, postgres_available, running_postgres
 from tests.helpers import create_key
-from tests.postgres import PostgresServer, postgres_available, running_postgres
 from tests.storage_helpers import database_target
 
 __all__ = ["database_target"]

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from backend.mcp_session import Tool, ToolNameMap, UnknownToolName, llm_functions
-from tests.stock_device import stock_tools
+from testkit.stock_device import stock_tools
 
 LLM_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 

@@ -1,6 +1,6 @@
 """The bridge's vision endpoint: a camera board's photo upload, over real sockets on loopback.
 
-Uploads are sent byte for byte as stock firmware sends them (`simulator.camera_upload`: chunked
+Uploads are sent byte for byte as stock firmware sends them (`testkit.camera_upload`: chunked
 multipart with its boundary) to `POST /vision/explain` on the device HTTP listener; the model is
 `FakeVisionModel`, an OpenAI-compatible server on loopback that records the image it got.
 """
@@ -16,7 +16,8 @@ import pytest
 from backend.server import Bridge
 from backend.vision import http as vision_http
 from backend.vision.service import MODEL_FAILED, NO_MODEL, VISION_PATH
-from simulator.camera_upload import (
+from simulator.stock_ota import stock_headers, system_info
+from testkit.camera_upload import (
     HttpAnswer,
     chunked,
     fake_jpeg,
@@ -25,10 +26,10 @@ from simulator.camera_upload import (
     stock_parts,
     stock_upload,
 )
-from simulator.stock_ota import stock_headers, system_info
-from simulator.vision_model import FakeVisionModel, VisionReply
-from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, ManualClock, wait_state
-from tests.stock_device import CLIENT_ID, WireDevice, ok, text_result
+from testkit.settings import ADMIN_TOKEN, DEVICE_TOKEN
+from testkit.stock_device import CLIENT_ID, WireDevice, ok, text_result
+from testkit.vision_model import FakeVisionModel, VisionReply
+from tests.helpers import ManualClock, wait_state
 
 MAC = "a4:cf:12:34:56:78"
 OTHER = "a4:cf:12:34:56:79"

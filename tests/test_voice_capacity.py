@@ -15,7 +15,8 @@ from backend.voice.service import ONE_MOMENT, TOO_BUSY
 from backend.voice.tts import render
 from simulator.device_mcp import VOLUME_TOOL
 from simulator.voice_client import VoiceDevice, speak_turn
-from tests.helpers import DEVICE_TOKEN, eventually, wait_state
+from testkit.settings import DEVICE_TOKEN
+from tests.helpers import eventually, wait_state
 
 pytestmark = pytest.mark.slow
 

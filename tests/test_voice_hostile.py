@@ -11,8 +11,9 @@ from backend.server import Bridge
 from backend.voice.audio import Clip
 from backend.voice.service import BUSY
 from simulator.voice_client import VoiceDevice, speak_turn
-from tests.asr_helpers import render_fresh
-from tests.helpers import DEVICE_TOKEN, eventually, wait_state
+from testkit.asr_helpers import render_fresh
+from testkit.settings import DEVICE_TOKEN
+from tests.helpers import eventually, wait_state
 from tests.voice_helpers import spoken
 
 pytestmark = pytest.mark.slow

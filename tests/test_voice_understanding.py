@@ -7,7 +7,7 @@ import pytest
 
 from backend.voice.recognition import Transcript
 from backend.voice.understanding import AGREEMENT_FLOOR, DeviceWords, Understanding
-from simulator.in_process import FirmwareDevice
+from testkit.in_process import FirmwareDevice
 
 
 @pytest.fixture(scope="module")

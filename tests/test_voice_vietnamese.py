@@ -34,7 +34,8 @@ from backend.voice.audio import Clip
 from backend.voice.tts import render
 from simulator.device_mcp import VOLUME_TOOL
 from simulator.voice_client import VoiceDevice, VoiceReply, speak_turn
-from tests.helpers import ADMIN_TOKEN, DEVICE_TOKEN, eventually, wait_state
+from testkit.settings import ADMIN_TOKEN, DEVICE_TOKEN
+from tests.helpers import eventually, wait_state
 
 pytest.importorskip("vietasr", reason="the voice-vi extra (viet-asr) is not installed")
 

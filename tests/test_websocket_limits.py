@@ -15,8 +15,9 @@ from websockets.exceptions import ConnectionClosed
 from backend.mcp_session.client import MAX_DEVICE_REQUESTS
 from backend.protocol.audio import encode_audio
 from backend.transports.errors import LinkClosed
-from tests.helpers import DEVICE_TOKEN, eventually, wait_state
-from tests.stock_device import WireDevice
+from testkit.settings import DEVICE_TOKEN
+from testkit.stock_device import WireDevice
+from tests.helpers import eventually, wait_state
 
 # Frames that break each framing version (v1 has no framing: every frame is an Opus packet).
 UNDECODABLE = {

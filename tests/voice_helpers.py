@@ -7,7 +7,7 @@ not eSpeak's raw spectrum. (The recognizer before Whisper, pocketsphinx, misreco
 eSpeak audio outright; Whisper tiny.en hears both, but the tests keep the device's path.)
 
 Numbers the voice tests speak: ten, twenty, thirty, forty, seventy and ninety. The spoken
-recognition set (tests/recognition_set.py, used by tests/test_voice_recognition.py and
+recognition set (testkit/recognition_set.py, used by tests/test_voice_recognition.py and
 bench/voice_recognition.py) has the rest.
 """
 

@@ -3,7 +3,7 @@ the other.
 
 Payloads cross the link through `json.dumps`/`json.loads`, as they would on the wire, so a payload
 the client cannot serialise fails here too, and the device never shares objects with the client.
-The device is usually `tests.stock_device.StockMcp(...).handle`.
+The device is usually `testkit.stock_device.StockMcp(...).handle`.
 """
 
 import asyncio

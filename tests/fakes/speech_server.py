@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
-from simulator.loopback_http import LoopbackHttpServer
+from testkit.loopback_http import LoopbackHttpServer
 
 
 @dataclass

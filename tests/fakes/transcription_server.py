@@ -14,7 +14,7 @@ from email.parser import BytesParser
 from email.policy import HTTP
 from http.server import BaseHTTPRequestHandler
 
-from simulator.loopback_http import LoopbackHttpServer
+from testkit.loopback_http import LoopbackHttpServer
 
 
 @dataclass
