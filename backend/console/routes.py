@@ -1,33 +1,47 @@
-"""Routes that serve the console: one HTML file per page, and `/console/<file>` assets.
+"""Routes that serve the console: one HTML shell per page (its module builds the rest), and
+`/console/<file>` assets.
 
 Every response carries a strict Content-Security-Policy: scripts, styles and connections only
 from the bridge's own origin, no inline script, no framing. A page that could be made to run
 someone else's script would run it with the operator's key.
 """
 
+import hashlib
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from starlette.requests import Request
-from starlette.responses import FileResponse, Response
+from starlette.responses import Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 STATIC_DIR = Path(__file__).parent / "static"
 CONSOLE_PREFIX = "/console/"
-# Path → file: the chat page is the front page, as the seed's index.html was.
-PAGES: dict[str, str] = {
-    "/": "index.html",
-    "/settings": "settings.html",
-    "/devices": "devices.html",
-    "/talk": "talk.html",
-    "/keys": "keys.html",
-    "/activations": "activations.html",
-    "/audit": "audit.html",
-    "/firmware": "firmware.html",
-    "/mcp-servers": "mcp-servers.html",
-    "/conversations": "conversations.html",
+
+
+@dataclass(frozen=True, slots=True)
+class Page:
+    """One console page: its module (which builds everything, title included, in the reader's
+    language) and the style sheets beside style.css."""
+
+    script: str
+    styles: tuple[str, ...] = ()
+
+
+# Path → page: the chat page is the front page.
+PAGES: dict[str, Page] = {
+    "/": Page("chat.js", ("chat.css",)),
+    "/conversations": Page("conversations.js", ("admin.css", "conversations.css")),
+    "/settings": Page("settings.js", ("settings.css",)),
+    "/devices": Page("devices.js", ("devices.css",)),
+    "/talk": Page("talk.js", ("talk.css",)),
+    "/mcp-servers": Page("mcp-servers.js", ("admin.css", "fleet.css")),
+    "/firmware": Page("firmware.js", ("admin.css", "fleet.css")),
+    "/activations": Page("activations.js", ("admin.css",)),
+    "/keys": Page("keys.js", ("admin.css",)),
+    "/audit": Page("audit.js", ("admin.css",)),
 }
 CONTENT_SECURITY_POLICY = "; ".join(
     (
@@ -59,20 +73,50 @@ SECURITY_HEADERS: dict[str, str] = {
 def console_routes() -> list[BaseRoute]:
     """The pages and the asset mount, in the order the app should try them."""
     pages: list[BaseRoute] = [
-        Route(path, _page(name), methods=["GET", "HEAD"]) for path, name in PAGES.items()
+        Route(path, _page(page), methods=["GET", "HEAD"]) for path, page in PAGES.items()
     ]
     assets = _SecurityHeaders(StaticFiles(directory=STATIC_DIR))
     return [*pages, Mount(CONSOLE_PREFIX.rstrip("/"), app=assets, name="console")]
 
 
-def _page(name: str) -> Callable[[Request], Awaitable[Response]]:
-    """One HTML page, with the security headers."""
-    path = STATIC_DIR / name
+def page_html(page: Page) -> str:
+    """Every page's shell: the same head, a header and a main for the module to fill."""
+    styles = "".join(
+        f'<link rel="stylesheet" href="{CONSOLE_PREFIX}{name}">\n'
+        for name in ("style.css", *page.styles)
+    )
+    return (
+        "<!doctype html>\n"
+        '<html lang="en">\n'
+        "<head>\n"
+        '<meta charset="utf-8">\n'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+        "<title>esp32-mcp-bridge</title>\n"
+        '<link rel="icon" href="data:,">\n'
+        f"{styles}"
+        f'<link rel="modulepreload" href="{CONSOLE_PREFIX}common.js">\n'
+        f'<script type="module" src="{CONSOLE_PREFIX}{page.script}"></script>\n'
+        "</head>\n"
+        "<body>\n"
+        '<header id="top"></header>\n'
+        '<main id="main" tabindex="-1"></main>\n'
+        "</body>\n"
+        "</html>\n"
+    )
 
-    async def page(request: Request) -> Response:
-        return FileResponse(path, media_type="text/html", headers=SECURITY_HEADERS)
 
-    return page
+def _page(page: Page) -> Callable[[Request], Awaitable[Response]]:
+    """One page's shell, with the security headers and an ETag (revalidated on every load)."""
+    body = page_html(page).encode()
+    etag = f'"{hashlib.sha256(body).hexdigest()[:16]}"'
+    headers = {**SECURITY_HEADERS, "ETag": etag}
+
+    async def serve(request: Request) -> Response:
+        if request.headers.get("if-none-match") == etag:
+            return Response(status_code=304, headers=headers)
+        return Response(body, media_type="text/html; charset=utf-8", headers=headers)
+
+    return serve
 
 
 class _SecurityHeaders:

@@ -1,4 +1,4 @@
-// The chat page (the seed's index.html): conversations, answers streamed from
+// The chat page (the front page): conversations, answers streamed from
 // POST /api/chat/stream, device tool events inline, sources, a risky tool's confirmation.
 import {
   ApiError,

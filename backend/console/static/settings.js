@@ -1,4 +1,4 @@
-// The settings page (the seed's config.html): the chat and guardrail models this browser's
+// The settings page: the chat and guardrail models this browser's
 // requests ask for, chosen from what the bridge's model provider lists. Kept in localStorage
 // ("bridge.settings"); the chat page sends them with every turn (null: the server's default).
 import { announce, api, can, el, lacksScope, saveSettings, settings, startPage } from "/console/common.js";
