@@ -31,6 +31,7 @@ from backend.runtime import (
     tune_gc_for_many_devices,
 )
 from backend.server import Bridge, stop_on_signals
+from backend.transports.mqtt_setup import check_mqtt_settings
 
 if TYPE_CHECKING:
     from backend.cli.voice import VoiceLink
@@ -46,6 +47,8 @@ async def run_bridge(settings: Settings) -> None:
         data_dir_lock(settings.data_dir),
         data_dir_errors(settings.data_dir),
     ):
+        if settings.mqtt_url:
+            check_mqtt_settings(settings)  # a settings mistake is named before a port is probed
         check_ports(settings)  # a port in use fails here, before any secret file is written
         bridge = Bridge(settings)
         for path in [*bridge.tokens.created, *bridge.secrets_created]:

@@ -77,6 +77,19 @@ def device_credentials(settings: Settings, created: list[Path] | None = None) ->
     return DerivedCredentials(mqtt_secret(settings, created))
 
 
+def check_mqtt_settings(settings: Settings) -> BrokerAddress | None:
+    """The MQTT settings' own mistakes, as MqttConfigError, before anything is bound or written;
+    the broker's address (None for the embedded endpoint)."""
+    if not settings.udp_public_host and settings.udp_host in WILDCARD_HOSTS:
+        raise MqttConfigError(
+            "udp_public_host must be set when udp_host binds every interface: it is the "
+            "address devices send audio to (--udp-public-host or BRIDGE_UDP_PUBLIC_HOST)"
+        )
+    if not settings.mqtt_url or settings.mqtt_url == EMBEDDED:
+        return None
+    return BrokerAddress.parse(settings.mqtt_url)  # MqttConfigError for a bad URL
+
+
 class MqttService:
     """The `Transport` the bridge starts: the embedded endpoint, or a client of a broker."""
 
@@ -104,20 +117,10 @@ class MqttService:
             providers.append(self.credentials)
         self._logins = EitherCredentials(*providers)
         self.embedded = url == EMBEDDED
-        self._address: BrokerAddress | None = None
-        if not self.embedded:
-            self._address = BrokerAddress.parse(url)  # MqttConfigError for a bad URL, now
-        self._check_udp()
+        self._address = check_mqtt_settings(settings)
         self.endpoint: MqttEndpoint | None = None
         self.transport: MqttTransport | None = None
         self._shards: frozenset[int] | None = None  # what set_shards asked for before start
-
-    def _check_udp(self) -> None:
-        if not self.settings.udp_public_host and self.settings.udp_host in WILDCARD_HOSTS:
-            raise MqttConfigError(
-                "udp_public_host must be set when udp_host binds every interface: it is the "
-                "address devices send audio to (--udp-public-host or BRIDGE_UDP_PUBLIC_HOST)"
-            )
 
     def _transport_settings(self, broker_url: str) -> MqttSettings:
         settings = self.settings
