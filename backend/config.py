@@ -1,7 +1,8 @@
 """Bridge settings: one TOML file plus `BRIDGE_*` environment overrides.
 
 Precedence, highest first: command-line flags, environment (`BRIDGE_WS_PORT=9000`), the TOML
-file (`--config` or `BRIDGE_CONFIG`), the defaults below. Every default is listed in the README.
+file (`--config` or `BRIDGE_CONFIG`), the defaults below. Every default is listed in
+docs/configuration.md (tests/test_docs.py keeps it whole).
 """
 
 import json
