@@ -141,6 +141,14 @@ def test_bundled_knowledge_base_is_bilingual_and_sourced(kb: KnowledgeBase) -> N
         ("my gums bleed when I brush", "en", "gum-bleeding"),
         ("is teeth whitening safe", "en", "whitening"),
         ("a tooth got knocked out", "en", "knocked-out"),
+        # The form of a question is not its topic: "how long" is not the brushing entry's,
+        # "bad" not bad breath's, and "get rid of" must not drown the one telling word.
+        ("how long does a filling last", "en", "fillings"),
+        ("how long do braces take", "en", "braces-care"),
+        ("what foods are bad for my teeth", "en", "diet"),
+        ("how do I get rid of plaque", "en", "tartar"),
+        ("what causes bad breath", "en", "bad-breath"),
+        ("how long should I brush", "en", "brushing"),
     ],
 )
 def test_knowledge_base_ranks_the_right_entry_first(

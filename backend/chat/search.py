@@ -562,10 +562,17 @@ class _KbFile(BaseModel):
 _STOPWORDS = wordset(
     "the a an is are to of and or in on for with how what why when should can do does i my me "
     "you your it this that be at by as from much many often tell please know want need la cua va "
+    "which who where "
     "hoac trong tren cho "
     "voi the nao gi tai sao khi nen co the toi ban khong bao nhieu duoc mot nhung cac "
     "bi"  # bị, the passive marker ("răng bị rơi", "bị chảy máu"), not a topic
 )
+# Words that say little alone but something beside a telling word ("bad breath"): no term of
+# their own, and no pair with a stop word. "How long does a filling last" is about fillings,
+# not the brushing entry's "how long"; "what foods are bad for my teeth" not about bad breath.
+_WEAK = wordset("bad good get rid take last")
+# A question word makes no pair: "how long" is every duration question, not the brushing entry.
+_QUESTION_WORDS = wordset("how what why when which who where")
 _K1 = 1.2
 _B = 0.75
 
@@ -574,13 +581,17 @@ def kb_terms(text: str) -> list[str]:
     """Index terms: folded words without stop words, plus folded bigrams (Vietnamese words
     are often two syllables: "đánh răng" → "danh_rang")."""
     tokens = [_stem(token) for token in folded_words(text)]
-    terms = [token for token in tokens if token not in _STOPWORDS]
+    terms = [token for token in tokens if token not in _STOPWORDS and token not in _WEAK]
     terms += [
         f"{a}_{b}"
         for a, b in itertools.pairwise(tokens)
-        if a not in _STOPWORDS or b not in _STOPWORDS
+        if (_telling(a) or _telling(b)) and a not in _QUESTION_WORDS
     ]
     return terms
+
+
+def _telling(token: str) -> bool:
+    return token not in _STOPWORDS and token not in _WEAK
 
 
 def _stem(token: str) -> str:
@@ -597,6 +608,10 @@ def _stem(token: str) -> str:
                 return token[:-1]
             return stem
     return token
+
+
+# Stop words are compared with stemmed tokens: "does" is "doe" by then.
+_STOPWORDS = _STOPWORDS | {_stem(word) for word in _STOPWORDS}
 
 
 class KnowledgeBase:
@@ -668,7 +683,7 @@ class KnowledgeBase:
         return self._relevance(query, self.scores(query))
 
     def _relevance(self, query: str, scores: list[float]) -> list[float]:
-        words = {_stem(token) for token in folded_words(query)} - _STOPWORDS
+        words = {_stem(token) for token in folded_words(query)} - _STOPWORDS - _WEAK
         weights = {word: self._idf.get(word, self._unseen_idf) for word in words}
         total = sum(weights.values())
         if not total:
