@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
 from playwright.async_api import (
     Browser,
@@ -28,6 +29,7 @@ from playwright.async_api import (
 )
 
 from backend.server import Bridge
+from testkit.settings import ADMIN_TOKEN
 
 ROOT = Path(__file__).resolve().parent.parent
 AXE_SCRIPT = ROOT / "tools" / "axe" / "node_modules" / "axe-core" / "axe.min.js"
@@ -200,3 +202,31 @@ async def save_screenshot(page: Page, name: str) -> Path:
     target = SCREENSHOTS / f"{name}.png"
     await page.screenshot(path=str(target), full_page=False)
     return target
+
+
+# ---- what the console page tests share ---------------------------------------------------------
+
+SIZES = [pytest.param(DESKTOP, id="desktop"), pytest.param(PHONE, id="phone")]
+
+
+def http(bridge: Bridge, token: str | None = ADMIN_TOKEN) -> httpx.AsyncClient:
+    """A client of the bridge's admin API with `token` (None: none at all)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.AsyncClient(base_url=bridge.api_url, headers=headers, timeout=30)
+
+
+@pytest.fixture
+async def admin(bridge: Bridge) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of the admin API with the admin token."""
+    async with http(bridge) as client:
+        yield client
+
+
+async def tab_to(page: Page, selector: str, limit: int = 150) -> None:
+    """Press Tab until the element `selector` has the focus (keyboard only, as a person would)."""
+    target = page.locator(selector)
+    for _ in range(limit):
+        if await target.evaluate("node => node === document.activeElement"):
+            return
+        await page.keyboard.press("Tab")
+    raise AssertionError(f"{selector} never got the focus by Tab")

@@ -5,7 +5,7 @@ each at desktop and phone sizes, by keyboard, with axe, and a key without the sc
 action disabled while the API refuses it. Then the API routes those pages added, with bad input.
 A real bridge on loopback; real simulated devices and a stock device's OTA requests."""
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -17,13 +17,24 @@ from backend.keys import Scope
 from backend.server import Bridge
 from testkit.settings import ADMIN_TOKEN
 from testkit.stock_device import CLIENT_ID
-from tests.console_helpers import DESKTOP, PHONE, assert_accessible, console_page
+from tests.console_helpers import (
+    DESKTOP,
+    PHONE,
+    SIZES,
+    admin,
+    assert_accessible,
+    console_page,
+    http,
+    tab_to,
+)
 from tests.helpers import create_key
 from tests.provisioning_helpers import MAC, StockOta
 
+# The admin API client fixture (tests/console_helpers.py).
+__all__ = ["admin"]
+
 pytestmark = pytest.mark.timeout(180)
 
-SIZES = [pytest.param(DESKTOP, id="desktop"), pytest.param(PHONE, id="phone")]
 SET_VOLUME = "self.audio_speaker.set_volume"
 REBOOT = "self.reboot"
 OTHER_MAC = "a4:cf:12:34:56:99"
@@ -35,27 +46,6 @@ YESTERDAY = """() => {
   const day = `${d.getFullYear()}-${p(d.getMonth() + 1)}-${p(d.getDate())}`;
   return `${day}T${p(d.getHours())}:${p(d.getMinutes())}`;
 }"""
-
-
-def http(bridge: Bridge, token: str | None = ADMIN_TOKEN) -> httpx.AsyncClient:
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    return httpx.AsyncClient(base_url=bridge.api_url, headers=headers, timeout=30)
-
-
-@pytest.fixture
-async def admin(bridge: Bridge) -> AsyncIterator[httpx.AsyncClient]:
-    async with http(bridge) as client:
-        yield client
-
-
-async def tab_to(page: Page, selector: str, limit: int = 60) -> None:
-    """Press Tab until the element `selector` has the focus (keyboard only, as a person would)."""
-    target = page.locator(selector)
-    for _ in range(limit):
-        if await target.evaluate("node => node === document.activeElement"):
-            return
-        await page.keyboard.press("Tab")
-    raise AssertionError(f"{selector} never got the focus by Tab")
 
 
 def key_row(page: Page, key_id: str) -> Any:

@@ -7,7 +7,6 @@ page added (`q` on `GET /v1/conversations`, `PATCH /v1/conversations/{id}`), wit
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -17,25 +16,24 @@ from playwright.async_api import Download, Page, expect
 
 from backend.server import Bridge
 from testkit.settings import ADMIN_TOKEN
-from tests.console_helpers import DESKTOP, PHONE, assert_accessible, console_page
+from tests.console_helpers import (
+    PHONE,
+    SIZES,
+    admin,
+    assert_accessible,
+    console_page,
+    http,
+    tab_to,
+)
 from tests.helpers import create_key
+
+# The admin API client fixture (tests/console_helpers.py).
+__all__ = ["admin"]
 
 pytestmark = pytest.mark.timeout(180)
 
-SIZES = [pytest.param(DESKTOP, id="desktop"), pytest.param(PHONE, id="phone")]
 HOSTILE_TITLE = "<img src=x onerror=alert(1)> *bold* [link](javascript:alert(2))"
 HOSTILE_ANSWER = "# Heading\n    code?\n1. item\n- bullet\n<script>alert(3)</script> &amp; `tick`"
-
-
-def http(bridge: Bridge, token: str | None = ADMIN_TOKEN) -> httpx.AsyncClient:
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    return httpx.AsyncClient(base_url=bridge.api_url, headers=headers, timeout=30)
-
-
-@pytest.fixture
-async def admin(bridge: Bridge) -> AsyncIterator[httpx.AsyncClient]:
-    async with http(bridge) as client:
-        yield client
 
 
 async def stored(bridge: Bridge, conversation_id: str, user: str, assistant: str) -> None:
@@ -61,16 +59,6 @@ async def downloaded(page: Page, button: Any) -> tuple[str, str]:
     path = await download.path()
     text = await asyncio.to_thread(Path(path).read_text, encoding="utf-8")
     return download.suggested_filename, text
-
-
-async def tab_to(page: Page, selector: str, limit: int = 150) -> None:
-    """Press Tab until the element `selector` has the focus (keyboard only, as a person would)."""
-    target = page.locator(selector)
-    for _ in range(limit):
-        if await target.evaluate("node => node === document.activeElement"):
-            return
-        await page.keyboard.press("Tab")
-    raise AssertionError(f"{selector} never got the focus by Tab")
 
 
 # ---- the page -----------------------------------------------------------------------------------

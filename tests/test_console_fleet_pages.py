@@ -20,7 +20,16 @@ from backend.server import Bridge
 from simulator.stock_ota import BOARD
 from testkit.settings import ADMIN_TOKEN
 from testkit.stock_device import CLIENT_ID
-from tests.console_helpers import DESKTOP, PHONE, ConsolePage, assert_accessible, console_page
+from tests.console_helpers import (
+    DESKTOP,
+    PHONE,
+    SIZES,
+    ConsolePage,
+    assert_accessible,
+    console_page,
+    http,
+    tab_to,
+)
 from tests.dialin_helpers import RawPipe
 from tests.helpers import create_key
 from tests.mcp_servers_helpers import stdio_entry, wait_ready, wait_until
@@ -28,23 +37,7 @@ from tests.provisioning_helpers import MAC, StockOta
 
 pytestmark = pytest.mark.timeout(180)
 
-SIZES = [pytest.param(DESKTOP, id="desktop"), pytest.param(PHONE, id="phone")]
 DIALIN_DEVICE = "aa:bb:cc:dd:ee:01"
-
-
-def http(bridge: Bridge, token: str | None = ADMIN_TOKEN) -> httpx.AsyncClient:
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    return httpx.AsyncClient(base_url=bridge.api_url, headers=headers, timeout=30)
-
-
-async def tab_to(page: Page, selector: str, limit: int = 60) -> None:
-    """Press Tab until the element `selector` has the focus (keyboard only, as a person would)."""
-    target = page.locator(selector)
-    for _ in range(limit):
-        if await target.evaluate("node => node === document.activeElement"):
-            return
-        await page.keyboard.press("Tab")
-    raise AssertionError(f"{selector} never got the focus by Tab")
 
 
 def image(folder: Path, size: int = 150_000) -> Path:

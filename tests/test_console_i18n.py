@@ -20,12 +20,9 @@ from backend.server import Bridge
 from testkit.llm_server import FakeCall, FakeLlm, Reply
 from testkit.settings import ADMIN_TOKEN
 from tests.console_helpers import (
-    _LOGIN_SCRIPT,
-    DESKTOP,
     PHONE,
     ConsolePage,
     assert_accessible,
-    chromium,
     console_page,
 )
 from tests.helpers import create_key
@@ -233,21 +230,8 @@ async def localized_page(
     viewport: dict[str, int] | None = None,
 ) -> AsyncIterator[ConsolePage]:
     """console_page in a browser whose language is `locale`."""
-    async with chromium() as browser:
-        context = await browser.new_context(viewport=viewport or DESKTOP, locale=locale)  # type: ignore[arg-type]
-        try:
-            await context.add_init_script(_LOGIN_SCRIPT % json.dumps(key))
-            page = await context.new_page()
-            watched = ConsolePage(page, bridge.api_url)
-            page.on("console", watched._on_console)
-            page.on("pageerror", watched._on_page_error)
-            page.on("request", watched._on_request)
-            page.on("requestfailed", watched._on_request_failed)
-            page.on("response", watched._on_response)
-            await page.goto(watched.url(path))
-            yield watched
-        finally:
-            await context.close()
+    async with console_page(bridge, path, key, viewport=viewport, locale=locale) as console:
+        yield console
 
 
 async def test_a_vietnamese_browser_gets_the_login_form_in_vietnamese(bridge: Bridge) -> None:

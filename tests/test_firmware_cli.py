@@ -428,7 +428,8 @@ async def test_run_host_updates_a_temporary_copy_and_runs_it_again(tmp_path: Pat
     assert completed.returncode == 0, completed.stderr
     async with Bridge(settings) as bridge:
         headers = {"Authorization": f"Bearer {bridge.tokens.admin}"}
-        async with httpx.AsyncClient(base_url=bridge.api_url, headers=headers) as api:
+        # httpx's 5 s default is short for the upload on a loaded 2-core CI machine.
+        async with httpx.AsyncClient(base_url=bridge.api_url, headers=headers, timeout=30) as api:
             published = await api.put(
                 "/api/firmware/run-host-board/0.2.0", content=(tmp_path / "b.bin").read_bytes()
             )

@@ -150,8 +150,11 @@ def create_app(
 ) -> FastAPI:
     """The HTTP API; every route but the open ones sits behind `AdminGate`, which resolves
     the admin token and (with `resolve_key`) API keys to principals. With `cors_origins`, a
-    browser page from those origins may call it (the preflight needs no key; the call does)."""
+    browser page from those origins may call it (the preflight needs no key; the call does).
+    `health` says why the bridge should get no new devices (None: ready)."""
     app = FastAPI(title="esp32-mcp-bridge admin API", version=__version__)
+    app.state.registry = registry
+    app.state.health = health
     _install_error_handlers(app)
     app.add_middleware(
         AdminGate, admin_token=admin_token, max_body_bytes=max_body_bytes, resolve_key=resolve_key
@@ -166,172 +169,207 @@ def create_app(
             expose_headers=["X-Conversation-Id", "Retry-After"],
         )
     _describe(app)
-
-    @app.get("/livez")
-    async def livez() -> dict[str, str]:
-        # Liveness: answered on the event loop, so a 200 says the process and its loop work.
-        # Never 503 for the database or the broker: a Kubernetes liveness probe would restart
-        # every instance at once during a database outage (docs/cluster.md).
-        return {"status": "ok"}
-
-    async def readiness() -> dict[str, Any] | JSONResponse:
-        # Readiness, a load balancer's check: a 503 (draining, or a cluster instance fenced)
-        # sends new devices to another instance (docs/cluster.md).
-        problem = health()
-        if problem is not None:
-            return JSONResponse(error_body(503, "unavailable", problem), status_code=503)
-        return {"status": "ok", "devices": len(registry), "known_devices": registry.known_count}
-
-    @app.get("/readyz", responses=errors(503), response_model=None)
-    async def readyz() -> dict[str, Any] | JSONResponse:
-        return await readiness()
-
-    @app.get("/healthz", responses=errors(503), response_model=None)
-    async def healthz() -> dict[str, Any] | JSONResponse:
-        # The alias of /readyz that balancers configured before it still check.
-        return await readiness()
-
-    @app.get("/api/devices")
-    async def list_devices(
-        principal: Reader,
-        state: Annotated[list[DeviceState] | None, Query(description="only these states")] = None,
-        online: Annotated[bool | None, Query(description="only live (or offline) ones")] = None,
-        limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 1000,
-        cursor: Annotated[str | None, Query(description="next_cursor of the page before")] = None,
-    ) -> DeviceList:
-        states = frozenset(state) if state else None
-        if online is not None:
-            wanted = LIVE_STATES if online else frozenset({DeviceState.OFFLINE})
-            states = wanted if states is None else states & wanted
-        if principal.device_ids is not None and not principal.is_admin:
-            return _limited_listing(registry, principal.device_ids, states, cursor, limit)
-        page = registry.listing(states=states, after=cursor, limit=limit)
-        return DeviceList(devices=page.devices, next_cursor=page.next_cursor, total=page.total)
-
+    # A plain Starlette route, first in the list: no dependency solving and no generic body and
+    # response handling on the path every tool call takes (it halved the API's own overhead).
+    # The FastAPI declaration in `router` only documents it in the OpenAPI schema.
+    app.router.routes.append(Route(CALL_PATH, call_tool, methods=["POST"]))
+    app.include_router(router)
     # The console's live fleet and whoami (backend/api/device_events.py).
     streams = device_streams if device_streams is not None else DeviceStreams(registry)
     app.state.device_streams = streams
     app.include_router(streams.router())
-
-    @app.get("/api/devices/{device_id}", responses=errors(404))
-    async def get_device(device_id: str, principal: Reader) -> dict[str, Any]:
-        principal.require_read(device_id)
-        return registry.summary(device_id)
-
-    @app.delete("/api/devices/{device_id}", status_code=204, responses=errors(404, 409, 503))
-    async def forget_device(device_id: str, _admin: Admin) -> Response:
-        registry.forget(device_id)
-        return Response(status_code=204)
-
-    @app.put("/api/devices/{device_id}/notes", responses=errors(404))
-    async def annotate_device(device_id: str, body: DeviceNotes, _admin: Admin) -> dict[str, Any]:
-        """Set the device's display name and notes (shown in its row); answers the row."""
-        given = body.model_fields_set
-        registry.annotate(
-            device_id,
-            name=_device_name(body.name) if "name" in given else UNSET,
-            notes=_device_notes(body.notes) if "notes" in given else UNSET,
-        )
-        log.info("device annotated", device_id=device_id, fields=sorted(given))
-        return registry.summary(device_id)
-
-    @app.get("/api/devices/{device_id}/tools", responses=errors(404))
-    async def list_tools(
-        device_id: str,
-        principal: Reader,
-        user: Annotated[bool, Query(description="include user-only tools")] = True,
-    ) -> ToolList:
-        principal.require_read(device_id)
-        device = registry.get(device_id)
-        if device is not None:
-            record = registry.record(device_id)
-            return ToolList(
-                device_id=device_id,
-                state=device.state.value,
-                cached=False,
-                read_at=iso_time(record.tools_read_at if record else None),
-                tools=[
-                    _tool_json(t, registry.confirmation.reason(device_id, t))
-                    for t in device.tool_list(include_user_only=user)
-                ],
-            )
-        record = registry.require_record(device_id)
-        tools = [t for t in record.tools.tools if user or not is_user_only(t)]
-        return ToolList(
-            device_id=device_id,
-            state=DeviceState.OFFLINE.value,
-            cached=True,
-            read_at=iso_time(record.tools_read_at),
-            tools=[_tool_json(t, registry.confirmation.reason(device_id, t)) for t in tools],
-        )
-
-    async def call_tool(request: Request) -> Response:
-        """`POST /api/devices/{device_id}/tools/call`, the hot path of the admin API."""
-        device_id = request.path_params["device_id"]
-        principal = principal_of(request)
-        actor = actor_of(principal)
-        try:
-            principal.require_call(device_id)  # before the body is read
-        except BridgeError as exc:  # audited without the call, which nobody read
-            registry.refuse_call(device_id, "", None, actor=actor, error=type(exc).__name__)
-            raise
-        try:
-            call = _CALL_REQUEST.validate_json(await request.body())
-        except ValidationError as exc:  # names no call: not audited, answered 422
-            first = exc.errors(include_url=False)[0]
-            raise ApiError(
-                422, "invalid_request", _first_error(exc), param=param_of(first["loc"])
-            ) from None
-        try:
-            device = await registry.require_ready(device_id)  # waits while it moves instance
-        except BridgeError as exc:
-            registry.refuse_call(
-                device_id,
-                call.name,
-                call.arguments,
-                actor=actor,
-                error=type(exc).__name__,
-                confirmed=call.confirm,
-            )
-            raise
-        started = time.perf_counter()
-        result = await device.call_tool(
-            call.name,
-            call.arguments,
-            timeout_s=call.timeout_s,
-            confirmed=call.confirm,
-            actor=actor,
-        )
-        answer = {
-            "content": result.content,
-            "isError": result.is_error,
-            "duration_ms": round((time.perf_counter() - started) * 1000, 3),
-        }
-        return Response(_JSON.encode(answer), media_type="application/json")
-
-    # A plain Starlette route, first in the list: no dependency solving and no generic body and
-    # response handling on the path every tool call takes (it halved the API's own overhead).
-    # The FastAPI declaration below only documents it in the OpenAPI schema; it is never reached.
-    app.router.routes.insert(0, Route(CALL_PATH, call_tool, methods=["POST"]))
-
-    @app.post(
-        CALL_PATH,
-        response_model=ToolCallResponse,
-        responses=errors(404, 409, 422, 428, 429, 502, 503, 504),
-        openapi_extra={
-            "requestBody": {
-                "required": True,
-                "content": {"application/json": {"schema": _CALL_SCHEMA}},
-            }
-        },
-    )
-    async def call_tool_documented(device_id: str, request: Request) -> Response:
-        return await call_tool(request)
-
-    for router in routers:
-        app.include_router(router)
+    for extra in routers:
+        app.include_router(extra)
     app.router.routes.extend(routes)
     return app
+
+
+# ---- the routes: each takes the registry from the app (`create_app` puts it there) -------------
+
+router = APIRouter()
+
+
+def registry_of(request: Request) -> DeviceRegistry:
+    """The registry of the app serving the request."""
+    registry: DeviceRegistry = request.app.state.registry
+    return registry
+
+
+Registry = Annotated[DeviceRegistry, Depends(registry_of)]
+
+
+@router.get("/livez")
+async def livez() -> dict[str, str]:
+    """Liveness: answered on the event loop, so a 200 says the process and its loop work."""
+    # Never 503 for the database or the broker: a Kubernetes liveness probe would restart every
+    # instance at once during a database outage (docs/cluster.md).
+    return {"status": "ok"}
+
+
+def _readiness(request: Request) -> dict[str, Any] | JSONResponse:
+    # Readiness, a load balancer's check: a 503 (draining, or a cluster instance fenced) sends
+    # new devices to another instance (docs/cluster.md).
+    problem = request.app.state.health()
+    if problem is not None:
+        return JSONResponse(error_body(503, "unavailable", problem), status_code=503)
+    registry = registry_of(request)
+    return {"status": "ok", "devices": len(registry), "known_devices": registry.known_count}
+
+
+@router.get("/readyz", responses=errors(503), response_model=None)
+async def readyz(request: Request) -> dict[str, Any] | JSONResponse:
+    """Readiness: 503 while the bridge should get no new devices (draining, fenced)."""
+    return _readiness(request)
+
+
+@router.get("/healthz", responses=errors(503), response_model=None)
+async def healthz(request: Request) -> dict[str, Any] | JSONResponse:
+    """The alias of /readyz that balancers configured before it still check."""
+    return _readiness(request)
+
+
+@router.get("/api/devices")
+async def list_devices(
+    principal: Reader,
+    registry: Registry,
+    state: Annotated[list[DeviceState] | None, Query(description="only these states")] = None,
+    online: Annotated[bool | None, Query(description="only live (or offline) ones")] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 1000,
+    cursor: Annotated[str | None, Query(description="next_cursor of the page before")] = None,
+) -> DeviceList:
+    """Devices, live and remembered, a page at a time (a device-limited key sees its own)."""
+    states = frozenset(state) if state else None
+    if online is not None:
+        wanted = LIVE_STATES if online else frozenset({DeviceState.OFFLINE})
+        states = wanted if states is None else states & wanted
+    if principal.device_ids is not None and not principal.is_admin:
+        return _limited_listing(registry, principal.device_ids, states, cursor, limit)
+    page = registry.listing(states=states, after=cursor, limit=limit)
+    return DeviceList(devices=page.devices, next_cursor=page.next_cursor, total=page.total)
+
+
+@router.get("/api/devices/{device_id}", responses=errors(404))
+async def get_device(device_id: str, principal: Reader, registry: Registry) -> dict[str, Any]:
+    """One device's row."""
+    principal.require_read(device_id)
+    return registry.summary(device_id)
+
+
+@router.delete("/api/devices/{device_id}", status_code=204, responses=errors(404, 409, 503))
+async def forget_device(device_id: str, _admin: Admin, registry: Registry) -> Response:
+    """Forget an offline device and its cached tools (409 while it is connected)."""
+    registry.forget(device_id)
+    return Response(status_code=204)
+
+
+@router.put("/api/devices/{device_id}/notes", responses=errors(404))
+async def annotate_device(
+    device_id: str, body: DeviceNotes, _admin: Admin, registry: Registry
+) -> dict[str, Any]:
+    """Set the device's display name and notes (shown in its row); answers the row."""
+    given = body.model_fields_set
+    registry.annotate(
+        device_id,
+        name=_device_name(body.name) if "name" in given else UNSET,
+        notes=_device_notes(body.notes) if "notes" in given else UNSET,
+    )
+    log.info("device annotated", device_id=device_id, fields=sorted(given))
+    return registry.summary(device_id)
+
+
+@router.get("/api/devices/{device_id}/tools", responses=errors(404))
+async def list_tools(
+    device_id: str,
+    principal: Reader,
+    registry: Registry,
+    user: Annotated[bool, Query(description="include user-only tools")] = True,
+) -> ToolList:
+    """A device's tools; an offline device's last ones read, marked `cached`."""
+    principal.require_read(device_id)
+    device = registry.get(device_id)
+    if device is not None:
+        record = registry.record(device_id)
+        return ToolList(
+            device_id=device_id,
+            state=device.state.value,
+            cached=False,
+            read_at=iso_time(record.tools_read_at if record else None),
+            tools=[
+                _tool_json(t, registry.confirmation.reason(device_id, t))
+                for t in device.tool_list(include_user_only=user)
+            ],
+        )
+    record = registry.require_record(device_id)
+    tools = [t for t in record.tools.tools if user or not is_user_only(t)]
+    return ToolList(
+        device_id=device_id,
+        state=DeviceState.OFFLINE.value,
+        cached=True,
+        read_at=iso_time(record.tools_read_at),
+        tools=[_tool_json(t, registry.confirmation.reason(device_id, t)) for t in tools],
+    )
+
+
+async def call_tool(request: Request) -> Response:
+    """`POST /api/devices/{device_id}/tools/call`, the hot path of the admin API."""
+    registry = registry_of(request)
+    device_id = request.path_params["device_id"]
+    principal = principal_of(request)
+    actor = actor_of(principal)
+    try:
+        principal.require_call(device_id)  # before the body is read
+    except BridgeError as exc:  # audited without the call, which nobody read
+        registry.refuse_call(device_id, "", None, actor=actor, error=type(exc).__name__)
+        raise
+    try:
+        call = _CALL_REQUEST.validate_json(await request.body())
+    except ValidationError as exc:  # names no call: not audited, answered 422
+        first = exc.errors(include_url=False)[0]
+        raise ApiError(
+            422, "invalid_request", _first_error(exc), param=param_of(first["loc"])
+        ) from None
+    try:
+        device = await registry.require_ready(device_id)  # waits while it moves instance
+    except BridgeError as exc:
+        registry.refuse_call(
+            device_id,
+            call.name,
+            call.arguments,
+            actor=actor,
+            error=type(exc).__name__,
+            confirmed=call.confirm,
+        )
+        raise
+    started = time.perf_counter()
+    result = await device.call_tool(
+        call.name,
+        call.arguments,
+        timeout_s=call.timeout_s,
+        confirmed=call.confirm,
+        actor=actor,
+    )
+    answer = {
+        "content": result.content,
+        "isError": result.is_error,
+        "duration_ms": round((time.perf_counter() - started) * 1000, 3),
+    }
+    return Response(_JSON.encode(answer), media_type="application/json")
+
+
+@router.post(
+    CALL_PATH,
+    response_model=ToolCallResponse,
+    responses=errors(404, 409, 422, 428, 429, 502, 503, 504),
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": _CALL_SCHEMA}},
+        }
+    },
+)
+async def call_tool_documented(device_id: str, request: Request) -> Response:
+    """Never reached: the plain route `create_app` puts first answers; this documents it."""
+    return await call_tool(request)
 
 
 def _limited_listing(

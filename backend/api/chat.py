@@ -410,37 +410,74 @@ def chat_router(
     allowed: frozenset[str] | None = None,
 ) -> APIRouter:
     """The chat routes; `allowed`: the models a request may ask for (None: any)."""
-    front = ChatFront(chat, registry, servers)
-    router = APIRouter(tags=["chat"])
+    return ChatRoutes(chat, ChatFront(chat, registry, servers), allowed).router()
 
-    # ---- OpenAI-compatible --------------------------------------------------------------------
 
-    @router.get("/v1/models")
-    async def list_models(_chatter: Chatter) -> dict[str, Any]:
+class ChatRoutes:
+    """The chat routes' handlers: the OpenAI-compatible API, conversations and the SSE stream."""
+
+    def __init__(self, chat: ChatService, front: ChatFront, allowed: frozenset[str] | None) -> None:
+        self.chat = chat
+        self.front = front
+        self.allowed = allowed
+
+    def router(self) -> APIRouter:
+        """The routes, each on its handler below."""
+        router = APIRouter(tags=["chat"])
+        add = router.add_api_route
+        add("/v1/models", self.list_models, methods=["GET"])
+        add("/api/chat/models", self.chat_models, methods=["GET"], response_model=ChatModels)
+        add("/v1/models/{model}", self.get_model, methods=["GET"], responses=errors(404))
+        add(
+            "/v1/chat/completions",
+            self.completions,
+            methods=["POST"],
+            response_model=None,
+            responses=streamed(404, 503, json_too=True),
+        )
+        add("/v1/conversations", self.list_conversations, methods=["GET"], responses=errors(503))
+        one = "/v1/conversations/{conversation_id}"
+        add(one, self.get_conversation, methods=["GET"], responses=errors(404, 503))
+        add(one, self.rename_conversation, methods=["PATCH"], responses=errors(404, 503))
+        add(
+            one,
+            self.delete_conversation,
+            methods=["DELETE"],
+            status_code=204,
+            responses=errors(404, 503),
+        )
+        add(
+            "/api/chat/stream",
+            self.stream,
+            methods=["POST"],
+            response_model=None,
+            responses=streamed(404, 503),
+        )
+        return router
+
+    async def list_models(self, _chatter: Chatter) -> dict[str, Any]:
+        """The one model this bridge serves."""
         return {"object": "list", "data": [_model()]}
 
-    @router.get("/api/chat/models", response_model=ChatModels)
-    async def chat_models(_chatter: Chatter) -> ChatModels:
+    async def chat_models(self, _chatter: Chatter) -> ChatModels:
         """What the configured provider offers, for the console's settings page."""
-        return await provider_models(chat, allowed)
+        return await provider_models(self.chat, self.allowed)
 
-    @router.get("/v1/models/{model}", responses=errors(404))
-    async def get_model(model: str, _chatter: Chatter) -> dict[str, Any]:
+    async def get_model(self, model: str, _chatter: Chatter) -> dict[str, Any]:
+        """The model by its id (404 for any other)."""
         if model != MODEL_ID:
             raise unknown_model(model)
         return _model()
 
-    @router.post(
-        "/v1/chat/completions", response_model=None, responses=streamed(404, 503, json_too=True)
-    )
     async def completions(
-        body: CompletionRequest, principal: Chatter, http_request: Request
+        self, body: CompletionRequest, principal: Chatter, http_request: Request
     ) -> Response:
+        """OpenAI's chat completions, streamed or whole (docs/chat.md)."""
         check_openai_body(body, body.model)
         check_supported(body)
-        check_models_allowed((body.chat_model, body.guardrail_model), allowed)
+        check_models_allowed((body.chat_model, body.guardrail_model), self.allowed)
         client_context = body.chat_id is None
-        prepared = await front.prepare(
+        prepared = await self.front.prepare(
             principal,
             messages=body.messages,
             conversation_id=body.chat_id,
@@ -453,7 +490,7 @@ def chat_router(
         conversation_id = prepared.request.conversation_id
         headers = {CONVERSATION_HEADER: conversation_id} if conversation_id else {}
         shape = CompletionShape(conversation_id)
-        events = front.events(prepared, principal, "openai")
+        events = self.front.events(prepared, principal, "openai")
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(
@@ -476,10 +513,8 @@ def chat_router(
             headers=headers,
         )
 
-    # ---- conversations ------------------------------------------------------------------------
-
-    @router.get("/v1/conversations", responses=errors(503))
     async def list_conversations(
+        self,
         _chatter: Chatter,
         limit: Annotated[int, Query(ge=1, le=500)] = 50,
         offset: Annotated[int, Query(ge=0, le=1_000_000_000)] = 0,
@@ -492,7 +527,8 @@ def chat_router(
             ),
         ] = None,
     ) -> dict[str, Any]:
-        page = await chat.memory.list_conversations(
+        """Stored conversations, newest first, a page at a time; `q` searches them."""
+        page = await self.chat.memory.list_conversations(
             limit=limit, offset=offset, device_id=device_id, query=q
         )
         end = offset + len(page.items)
@@ -505,17 +541,17 @@ def chat_router(
             "next_offset": end if end < page.total else None,
         }
 
-    @router.get("/v1/conversations/{conversation_id}", responses=errors(404, 503))
     async def get_conversation(
-        conversation_id: ConversationIdPath, _chatter: Chatter
+        self, conversation_id: ConversationIdPath, _chatter: Chatter
     ) -> dict[str, Any]:
-        found = await chat.memory.get(conversation_id, with_messages=True)
+        """One conversation with its messages and summary."""
+        found = await self.chat.memory.get(conversation_id, with_messages=True)
         return conversation_json(found, with_messages=True)
 
-    @router.patch("/v1/conversations/{conversation_id}", responses=errors(404, 503))
     async def rename_conversation(
-        conversation_id: ConversationIdPath, body: ConversationPatch, _chatter: Chatter
+        self, conversation_id: ConversationIdPath, body: ConversationPatch, _chatter: Chatter
     ) -> dict[str, Any]:
+        """Give a conversation a title (its `updated_at` is kept)."""
         check_text(body.model_dump())
         title = " ".join(body.title.split())
         if not title or any(unicodedata.category(char) == "Cc" for char in body.title):
@@ -525,40 +561,34 @@ def chat_router(
                 "title: one line of visible text (no control characters, not only spaces)",
                 param="title",
             )
-        return conversation_json(await chat.memory.rename(conversation_id, title))
+        return conversation_json(await self.chat.memory.rename(conversation_id, title))
 
-    @router.delete(
-        "/v1/conversations/{conversation_id}", status_code=204, responses=errors(404, 503)
-    )
     async def delete_conversation(
-        conversation_id: ConversationIdPath, _chatter: Chatter
+        self, conversation_id: ConversationIdPath, _chatter: Chatter
     ) -> Response:
-        if not await chat.memory.delete(conversation_id):
+        """Delete a conversation and its messages."""
+        if not await self.chat.memory.delete(conversation_id):
             raise ConversationNotFound(conversation_id)
         return Response(status_code=204)
 
-    # ---- the chat integration design: SSE ----------------------------------------------------
-
-    @router.post("/api/chat/stream", response_model=None, responses=streamed(404, 503))
-    async def stream(body: StreamRequest, principal: Chatter) -> StreamingResponse:
+    async def stream(self, body: StreamRequest, principal: Chatter) -> StreamingResponse:
+        """One chat turn as server-sent events (the chat integration design's API)."""
         check_text(body.model_dump())
-        check_models_allowed((body.chat_model, body.guardrail_model), allowed)
-        prepared = await front.prepare(
+        check_models_allowed((body.chat_model, body.guardrail_model), self.allowed)
+        prepared = await self.front.prepare(
             principal,
             text=body.message,
             conversation_id=body.conversation_id,
             device_id=body.device_id,
             models=(body.chat_model, body.guardrail_model),
         )
-        events = front.events(prepared, principal, "sse")
+        events = self.front.events(prepared, principal, "sse")
         conversation_id = prepared.request.conversation_id
         return StreamingResponse(
             _seed_stream(events),
             media_type="text/event-stream",
             headers={CONVERSATION_HEADER: conversation_id or "", **SSE_HEADERS},
         )
-
-    return router
 
 
 def _model() -> dict[str, Any]:

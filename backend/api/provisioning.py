@@ -156,120 +156,208 @@ def audit_page(entries: list[AuditEntry], limit: int) -> AuditPage:
 
 def provisioning_router(service: Provisioning, audit: AuditLog) -> APIRouter:
     """Admin routes of provisioning: requests, devices, enrollment codes, serial keys, releases."""
-    router = APIRouter()
-    store = service.store
+    return ProvisioningRoutes(service, audit).router()
 
-    @router.get("/api/provisioning/pending")
-    async def pending(_admin: Admin) -> dict[str, Any]:
-        return {"pending": store.pending_json()}
 
-    @router.post("/api/provisioning/approve", responses=errors(404, 409, 503))
-    async def approve(body: ApproveRequest, principal: Admin) -> dict[str, Any]:
-        device = await service.approve(
+class ProvisioningRoutes:
+    """The handlers of provisioning's admin routes, and of the audit log's."""
+
+    def __init__(self, service: Provisioning, audit: AuditLog) -> None:
+        self.service = service
+        self.store = service.store
+        self.audit = audit
+
+    def router(self) -> APIRouter:
+        """The routes, each on its handler below."""
+        router = APIRouter()
+        add = router.add_api_route
+        add("/api/provisioning/pending", self.pending, methods=["GET"])
+        add(
+            "/api/provisioning/approve",
+            self.approve,
+            methods=["POST"],
+            responses=errors(404, 409, 503),
+        )
+        add(
+            "/api/provisioning/pending/{code}",
+            self.reject,
+            methods=["DELETE"],
+            responses=errors(404, 503),
+        )
+        add("/api/provisioning/devices", self.devices, methods=["GET"])
+        add(
+            "/api/provisioning/devices/{device_id}/revoke",
+            self.revoke,
+            methods=["POST"],
+            responses=errors(404, 503),
+        )
+        add(
+            "/api/provisioning/devices/{device_id}/transport",
+            self.set_transport,
+            methods=["PUT"],
+            responses=errors(404, 503),
+        )
+        add(
+            "/api/provisioning/enrollment-codes",
+            self.create_enrollment,
+            methods=["POST"],
+            status_code=201,
+            responses=errors(503),
+        )
+        add("/api/provisioning/enrollment-codes", self.enrollments, methods=["GET"])
+        add(
+            "/api/provisioning/enrollment-codes/{enrollment_id}",
+            self.revoke_enrollment,
+            methods=["DELETE"],
+            responses=errors(404, 503),
+        )
+        add("/api/provisioning/serial-keys", self.serial_keys, methods=["GET"])
+        add(
+            "/api/provisioning/serial-keys/{serial}",
+            self.set_serial_key,
+            methods=["PUT"],
+            status_code=204,
+            responses=errors(503),
+        )
+        add(
+            "/api/provisioning/serial-keys/{serial}",
+            self.remove_serial_key,
+            methods=["DELETE"],
+            status_code=204,
+            responses=errors(404, 503),
+        )
+        add(
+            "/api/provisioning/mosquitto-passwd",
+            self.mosquitto_passwd,
+            methods=["GET"],
+            response_class=PlainTextResponse,
+        )
+        add("/api/firmware", self.publish, methods=["POST"], status_code=201, responses=errors(422))
+        add(
+            "/api/firmware/{board}/{version}",
+            self.upload,
+            methods=["PUT"],
+            status_code=201,
+            responses=errors(422),
+            openapi_extra={
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/octet-stream": {
+                            "schema": {"type": "string", "format": "binary", "minLength": 1}
+                        }
+                    },
+                }
+            },
+        )
+        add("/api/firmware", self.releases, methods=["GET"])
+        add(
+            "/api/firmware/{board}/{version}",
+            self.unpublish,
+            methods=["DELETE"],
+            responses=errors(404),
+        )
+        add("/api/audit", self.audit_entries, methods=["GET"], responses=errors(503))
+        return router
+
+    async def pending(self, _admin: Admin) -> dict[str, Any]:
+        """Activation requests waiting for an operator."""
+        return {"pending": self.store.pending_json()}
+
+    async def approve(self, body: ApproveRequest, principal: Admin) -> dict[str, Any]:
+        """Approve a device by the code it shows (or its id when one request names it)."""
+        device = await self.service.approve(
             body.target, by=actor_of(principal), transport=body.transport
         )
         return device.to_json()
 
-    @router.delete("/api/provisioning/pending/{code}", responses=errors(404, 503))
     async def reject(
+        self,
         code: Annotated[str, PathParam(pattern=CODE_PATTERN, description="the code it shows")],
         principal: Admin,
     ) -> dict[str, Any]:
-        request = await store.reject(code, by=actor_of(principal))
+        """Reject (forget) the waiting request with this code."""
+        request = await self.store.reject(code, by=actor_of(principal))
         return request.to_json(key_registered=False)
 
-    @router.get("/api/provisioning/devices")
-    async def devices(_admin: Admin) -> dict[str, Any]:
-        return {"devices": [device.to_json() for device in store.devices()]}
+    async def devices(self, _admin: Admin) -> dict[str, Any]:
+        """Approved and revoked devices."""
+        return {"devices": [device.to_json() for device in self.store.devices()]}
 
-    @router.post("/api/provisioning/devices/{device_id}/revoke", responses=errors(404, 503))
-    async def revoke(device_id: str, principal: Admin) -> dict[str, Any]:
-        return (await service.revoke(device_id, by=actor_of(principal))).to_json()
+    async def revoke(self, device_id: str, principal: Admin) -> dict[str, Any]:
+        """Revoke a device: its token stops working, its live link is closed."""
+        return (await self.service.revoke(device_id, by=actor_of(principal))).to_json()
 
-    @router.put("/api/provisioning/devices/{device_id}/transport", responses=errors(404, 503))
     async def set_transport(
-        device_id: str, body: TransportRequest, _admin: Admin
+        self, device_id: str, body: TransportRequest, _admin: Admin
     ) -> dict[str, Any]:
-        return (await store.set_transport(device_id, body.transport)).to_json()
+        """The transport a device's next OTA answer hands it."""
+        return (await self.store.set_transport(device_id, body.transport)).to_json()
 
-    @router.post("/api/provisioning/enrollment-codes", status_code=201, responses=errors(503))
-    async def create_enrollment(body: EnrollmentRequest, _admin: Admin) -> dict[str, Any]:
-        enrollment, code = await store.create_enrollment(
+    async def create_enrollment(self, body: EnrollmentRequest, _admin: Admin) -> dict[str, Any]:
+        """An enrollment code that approves up to `uses` devices by itself."""
+        enrollment, code = await self.store.create_enrollment(
             body.name, uses=body.uses, ttl_s=body.ttl_s, transport=body.transport
         )
-        return {**enrollment.to_json(), "code": code, "ota_url": service.enrollment_url(code)}
+        return {**enrollment.to_json(), "code": code, "ota_url": self.service.enrollment_url(code)}
 
-    @router.get("/api/provisioning/enrollment-codes")
-    async def enrollments(_admin: Admin) -> dict[str, Any]:
-        return {"enrollment_codes": [e.to_json() for e in store.enrollments()]}
+    async def enrollments(self, _admin: Admin) -> dict[str, Any]:
+        """The enrollment codes (never the codes themselves)."""
+        return {"enrollment_codes": [e.to_json() for e in self.store.enrollments()]}
 
-    @router.delete("/api/provisioning/enrollment-codes/{enrollment_id}", responses=errors(404, 503))
-    async def revoke_enrollment(enrollment_id: str, _admin: Admin) -> dict[str, Any]:
-        return (await store.revoke_enrollment(enrollment_id)).to_json()
+    async def revoke_enrollment(self, enrollment_id: str, _admin: Admin) -> dict[str, Any]:
+        """Revoke an enrollment code."""
+        return (await self.store.revoke_enrollment(enrollment_id)).to_json()
 
-    @router.get("/api/provisioning/serial-keys")
-    async def serial_keys(_admin: Admin) -> dict[str, Any]:
-        return {"serial_numbers": store.serial_numbers()}
+    async def serial_keys(self, _admin: Admin) -> dict[str, Any]:
+        """The serial numbers with a registered HMAC key (never the keys)."""
+        return {"serial_numbers": self.store.serial_numbers()}
 
-    @router.put("/api/provisioning/serial-keys/{serial}", status_code=204, responses=errors(503))
-    async def set_serial_key(serial: Serial, body: SerialKeyRequest, _admin: Admin) -> Response:
+    async def set_serial_key(
+        self, serial: Serial, body: SerialKeyRequest, _admin: Admin
+    ) -> Response:
+        """Register the HMAC key of an eFuse serial number."""
         if len(body.key) % 2:
             raise InvalidInput("the key must be an even number of hex digits")
-        await store.set_serial_key(serial, bytes.fromhex(body.key))
+        await self.store.set_serial_key(serial, bytes.fromhex(body.key))
         return Response(status_code=204)
 
-    @router.delete(
-        "/api/provisioning/serial-keys/{serial}", status_code=204, responses=errors(404, 503)
-    )
-    async def remove_serial_key(serial: Serial, _admin: Admin) -> Response:
-        await store.remove_serial_key(serial)
+    async def remove_serial_key(self, serial: Serial, _admin: Admin) -> Response:
+        """Remove a serial number's HMAC key."""
+        await self.store.remove_serial_key(serial)
         return Response(status_code=204)
 
-    @router.get("/api/provisioning/mosquitto-passwd", response_class=PlainTextResponse)
-    async def mosquitto_passwd(_admin: Admin) -> Response:
-        logins = store.broker_logins()
+    async def mosquitto_passwd(self, _admin: Admin) -> Response:
+        """A Mosquitto password file with every approved device's broker login."""
+        logins = self.store.broker_logins()
         text = mosquitto_password_file(logins) if logins else ""
         return Response(text, media_type="text/plain")
 
-    @router.post("/api/firmware", status_code=201, responses=errors(422))
-    async def publish(body: PublishRequest, _admin: Admin) -> dict[str, Any]:
+    async def publish(self, body: PublishRequest, _admin: Admin) -> dict[str, Any]:
+        """Publish a firmware file from the data directory's firmware folder."""
         if "\x00" in body.path:
             raise InvalidRelease("the path contains a NUL character")
-        release = await service.releases.publish(body.board, body.version, Path(body.path))
+        release = await self.service.releases.publish(body.board, body.version, Path(body.path))
         return release.to_json()
 
-    @router.put(
-        "/api/firmware/{board}/{version}",
-        status_code=201,
-        responses=errors(422),
-        openapi_extra={
-            "requestBody": {
-                "required": True,
-                "content": {
-                    "application/octet-stream": {
-                        "schema": {"type": "string", "format": "binary", "minLength": 1}
-                    }
-                },
-            }
-        },
-    )
     async def upload(
-        board: Board, version: Version, request: Request, _admin: Admin
+        self, board: Board, version: Version, request: Request, _admin: Admin
     ) -> dict[str, Any]:
+        """Publish a firmware image sent as the body."""
         # The gate lets an admin's body here reach 32 MiB; the store streams it to disk.
-        release = await service.releases.upload(board, version, request.stream())
+        release = await self.service.releases.upload(board, version, request.stream())
         return release.to_json()
 
-    @router.get("/api/firmware")
-    async def releases(_admin: Admin) -> dict[str, Any]:
-        return {"releases": [release.to_json() for release in service.releases.releases()]}
+    async def releases(self, _admin: Admin) -> dict[str, Any]:
+        """The published firmware releases."""
+        return {"releases": [release.to_json() for release in self.service.releases.releases()]}
 
-    @router.delete("/api/firmware/{board}/{version}", responses=errors(404))
-    async def unpublish(board: Board, version: Version, _admin: Admin) -> dict[str, Any]:
-        return (await service.releases.unpublish(board, version)).to_json()
+    async def unpublish(self, board: Board, version: Version, _admin: Admin) -> dict[str, Any]:
+        """Stop offering a firmware release."""
+        return (await self.service.releases.unpublish(board, version)).to_json()
 
-    @router.get("/api/audit", responses=errors(503))
     async def audit_entries(
+        self,
         request: Request,
         device_id: Annotated[str | None, Query(min_length=1, max_length=128)] = None,
         tool: Annotated[str | None, Query(min_length=1, max_length=256)] = None,
@@ -280,12 +368,13 @@ def provisioning_router(service: Provisioning, audit: AuditLog) -> APIRouter:
         before: Annotated[int | None, Query(ge=1, le=2**62)] = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> AuditPage:
+        """The audit log of tool calls, newest first, filtered and paged."""
         principal = principal_of(request)
         if device_id is None:
             principal.require(Scope.ADMIN)
         else:  # admin, or devices:read covering this device
             principal.require_read(device_id)
-        entries = await audit.entries(
+        entries = await self.audit.entries(
             device_id=device_id,
             tool=tool,
             actor=actor,
@@ -296,5 +385,3 @@ def provisioning_router(service: Provisioning, audit: AuditLog) -> APIRouter:
             limit=limit,
         )
         return audit_page(entries, limit)
-
-    return router
