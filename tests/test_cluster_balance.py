@@ -23,7 +23,7 @@ from backend.devices.registry import DeviceState
 from backend.server import Bridge
 from backend.transports.mqtt_credentials import BridgeAccount
 from simulator import SimulatedDevice
-from testkit.cluster import FAST_LEASES, Cluster, running_cluster, until
+from testkit.cluster import DEFAULT_LEASES, FAST_LEASES, Cluster, running_cluster, until
 from testkit.haproxy import ADMIN_PORT, OTA_PORT, WS_PORT, HAProxy, InstancePorts, haproxy_binary
 from testkit.mosquitto import Mosquitto
 from testkit.ports import reserve_port
@@ -33,7 +33,6 @@ from tests.cluster_helpers import devices, start_device
 # Fixtures shared by the cluster tests (tests/cluster_helpers.py).
 __all__ = ["devices"]
 
-DEFAULT_LEASE = {"lease_ttl_s": 6.0, "lease_renew_s": 2.0}
 VOLUME = "self.audio_speaker.set_volume"
 FLEET = int(os.environ.get("BALANCE_TEST_FLEET", "12"))  # the HAProxy drain test's devices
 
@@ -133,13 +132,13 @@ async def test_a_drain_under_calls_every_20_ms_fails_none_and_moves_the_device(
 ) -> None:
     # The default lease (and so a 3 s broker keepalive): on a loaded machine a 2 s keepalive can
     # drop the broker link mid-test, and a call across it fails whatever the drain does.
-    a = await cluster.start("a", drain_notice_s=0.5, **DEFAULT_LEASE)
+    a = await cluster.start("a", drain_notice_s=0.5, **DEFAULT_LEASES)
     # The firmware's own reconnect pause (1 s): the device is away that long while it moves.
     device = SimulatedDevice(cluster.balancer.url, DEVICE_TOKEN, index=20, extra_tools=1)
     devices.append(device)
     device.start()
     await a.registry.wait_for_state(device.device_id)
-    b = await cluster.start("b", **DEFAULT_LEASE)
+    b = await cluster.start("b", **DEFAULT_LEASES)
     await until(
         lambda: b.registry.remote(device.device_id) is not None, what="the device in b's view"
     )
