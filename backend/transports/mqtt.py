@@ -323,6 +323,9 @@ class MqttTransport:
         self._runner: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._connected = asyncio.Event()
+        # Done when the current broker connection is lost: a publish waiting for its PUBACK then
+        # fails at once (aiomqtt would wait out its timeout), and so does the call behind it.
+        self._connection_gone: asyncio.Future[None] | None = None
         self._stopping = False
         self._draining: set[_Device] = set()
         self._workers: set[asyncio.Task[None]] = set()
@@ -399,8 +402,21 @@ class MqttTransport:
         client = self._client
         if client is None or not self._connected.is_set():
             raise LinkClosed(BROKER_LOST)
+        gone = self._connection_gone
+        publishing = asyncio.ensure_future(
+            client.publish(topic, data, qos=1, timeout=self.settings.publish_timeout_s)
+        )
+        if gone is not None:
+            try:
+                await asyncio.wait((publishing, gone), return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                publishing.cancel()
+                raise
+            if not publishing.done():
+                publishing.cancel()
+                raise LinkClosed(BROKER_LOST)
         try:
-            await client.publish(topic, data, qos=1, timeout=self.settings.publish_timeout_s)
+            await publishing
         except aiomqtt.MqttError as exc:
             raise LinkClosed(f"publish failed: {exc}") from None
         self.count("published")
@@ -427,6 +443,7 @@ class MqttTransport:
                         self._subscribed = []
                         await self._subscribe(client, self._wanted_filters())
                         self._client = client
+                    self._connection_gone = asyncio.get_running_loop().create_future()
                     self._connected.set()
                     backoff.reset()
                     self.count("broker_connects")
@@ -514,6 +531,9 @@ class MqttTransport:
         was_connected = self._connected.is_set()
         self._client = None
         self._connected.clear()
+        gone, self._connection_gone = self._connection_gone, None
+        if gone is not None and not gone.done():
+            gone.set_result(None)
         if error is not None:
             if was_connected:
                 self.count("broker_losses")
