@@ -63,7 +63,7 @@ def second() -> Iterator[FakeSearchApi]:
     server.close()
 
 
-def google(api: FakeSearchApi, timeout_s: float = 3.0, **kwargs: int) -> GoogleSearch:
+def google(api: FakeSearchApi, timeout_s: float = 30.0, **kwargs: int) -> GoogleSearch:
     return GoogleSearch(KEY, CX, url=api.google_url, timeout_s=timeout_s, **kwargs)
 
 
