@@ -1,14 +1,16 @@
 """Small helpers that several packages share: times for JSON, text clipped for logs and people,
 the address a local client uses to reach a listener, the listening socket of an HTTP server, and
-the bounded table (`Lru`) of per-device or per-key state, and the waits between reconnects
-(`Backoff`).
+the bounded table (`Lru`) of per-device or per-key state, token buckets (`TokenBucket`, and
+`KeyedBuckets` of them per key), and the waits between reconnects (`Backoff`).
 
 Standard library only, and nothing of `backend` imported: every package may use it.
 """
 
 import random
 import socket
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import TypeVar
 
@@ -94,6 +96,79 @@ class Lru(OrderedDict[K, V]):
         self.move_to_end(key)
         while len(self) > self.limit:
             self.popitem(last=False)
+
+
+class TokenBucket:
+    """`rate` tokens a second, at most `burst` held (full at the start); `take` spends one.
+    `missed` counts the takes refused since the last one that succeeded."""
+
+    __slots__ = ("burst", "missed", "rate", "stamp", "tokens")
+
+    def __init__(self, rate: float, burst: float, now: float) -> None:
+        self.rate = rate
+        self.burst = float(burst)
+        self.tokens = float(burst)
+        self.stamp = now
+        self.missed = 0
+
+    def refill(self, now: float) -> float:
+        """The tokens held at `now` (a clock that goes back adds none)."""
+        if now > self.stamp:
+            self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+            self.stamp = now
+        return self.tokens
+
+    def take(self, now: float) -> bool:
+        """Spend a token; False (and one more `missed`) when there is none."""
+        if self.refill(now) >= 1.0:
+            self.tokens -= 1.0
+            return True
+        self.missed += 1
+        return False
+
+
+class KeyedBuckets:
+    """A `TokenBucket` per key (an address, a device), made full on first use; the `limit`
+    most recently used are kept, so keys that strangers invent cost bounded memory (a key
+    evicted comes back with a full bucket: the bound is on memory, not on a stranger)."""
+
+    def __init__(
+        self,
+        rate: float,
+        burst: float,
+        *,
+        limit: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.rate = rate
+        self.burst = float(burst)
+        self.clock = clock
+        self._buckets: Lru[str, TokenBucket] = Lru(limit)
+        self.evicted = 0
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+    def bucket(self, key: str, now: float | None = None) -> TokenBucket:
+        """The key's bucket, made the most recently used (and full, at `now` or the clock's
+        time, when new)."""
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = TokenBucket(self.rate, self.burst, self.clock() if now is None else now)
+            before = len(self._buckets)
+            self._buckets.put(key, bucket)
+            self.evicted += before + 1 - len(self._buckets)
+        else:
+            self._buckets.move_to_end(key)
+        return bucket
+
+    def peek(self, key: str) -> TokenBucket | None:
+        """The key's bucket if it has one, left where it is."""
+        return self._buckets.get(key)
+
+    def take(self, key: str) -> bool:
+        """Spend one of the key's tokens; False when it has none."""
+        return self.bucket(key).take(self.clock())
 
 
 class Backoff:

@@ -20,6 +20,8 @@ from urllib.parse import unquote
 
 import structlog
 
+from backend.common import KeyedBuckets
+
 # Words that name a secret in a field's name (`token`, `admin_token`, `api_key`, `password`),
 # and last words that make the field a measure of one instead (`first_token_ms`, `token_source`):
 # matched by whole words, so a timing or a count is never masked as if it were a secret.
@@ -518,7 +520,7 @@ class LineRate:
     number left out since the last one written (for its `suppressed` field). At most
     `max_keys` keys are kept, the least recently used go."""
 
-    __slots__ = ("_burst", "_clock", "_keys", "_max_keys", "_per_s")
+    __slots__ = ("_buckets",)
 
     def __init__(
         self,
@@ -528,28 +530,17 @@ class LineRate:
         max_keys: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._burst = float(burst)
-        self._per_s = per_minute / 60.0
-        self._max_keys = max_keys
-        self._clock = clock
-        self._keys: OrderedDict[str, list[float]] = OrderedDict()  # key -> [tokens, at, left out]
+        self._buckets = KeyedBuckets(per_minute / 60.0, burst, limit=max_keys, clock=clock)
+
+    def __len__(self) -> int:
+        return len(self._buckets)
 
     def allow(self, key: str) -> int | None:
         """None to leave the line out, else how many were left out since the last one written."""
-        now = self._clock()
-        state = self._keys.pop(key, None)
-        if state is None:
-            state = [self._burst, now, 0.0]
-            while len(self._keys) >= self._max_keys:
-                self._keys.popitem(last=False)
-        self._keys[key] = state
-        state[0] = min(self._burst, state[0] + (now - state[1]) * self._per_s)
-        state[1] = now
-        if state[0] < 1.0:
-            state[2] += 1
+        bucket = self._buckets.bucket(key)
+        if not bucket.take(self._buckets.clock()):
             return None
-        state[0] -= 1.0
-        left_out, state[2] = int(state[2]), 0.0
+        left_out, bucket.missed = bucket.missed, 0
         return left_out
 
 

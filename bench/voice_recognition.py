@@ -97,8 +97,8 @@ class Judge:
     """The offline router reading the spoken text and the heard text."""
 
     def __init__(self) -> None:
+        from backend.chat.knowledge import KnowledgeBase
         from backend.chat.offline import IntentDetector, with_description_choices
-        from backend.chat.search import KnowledgeBase
         from backend.chat.tools import DeviceToolBox
         from testkit.in_process import FirmwareDevice
 

@@ -23,9 +23,9 @@ from backend.chat import (
 from backend.chat.conversation import focus, read_turn, social_kind
 from backend.chat.evaluation import evaluate_conversations, load_conversation_set
 from backend.chat.events import ChatEvent, Done
+from backend.chat.knowledge import KnowledgeBase
 from backend.chat.llm import make_provider
 from backend.chat.offline import is_dental
-from backend.chat.search import KnowledgeBase
 from backend.chat.tools import DeviceToolBox
 from backend.config import Settings
 from backend.server import Bridge

@@ -19,6 +19,7 @@ from backend.chat import (
     collect,
 )
 from backend.chat.evaluation import evaluate_offline
+from backend.chat.knowledge import KnowledgeBase, kb_terms
 from backend.chat.language import detect_language
 from backend.chat.llm import FunctionSpec
 from backend.chat.offline import (
@@ -32,7 +33,6 @@ from backend.chat.offline import (
     stepped,
     with_description_choices,
 )
-from backend.chat.search import KnowledgeBase, kb_terms
 from backend.chat.tools import DeviceToolBox
 from backend.storage import Database
 from testkit.in_process import FirmwareDevice

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
+from backend.chat.knowledge import KnowledgeBase
 from backend.chat.search import (
     DdgsSearch,
-    KnowledgeBase,
     SearchFailed,
     SearchResult,
     format_results,

@@ -5,13 +5,16 @@ import pytest
 from backend.common import (
     WILDCARD_HOSTS,
     Backoff,
+    KeyedBuckets,
     Lru,
+    TokenBucket,
     clip,
     excerpt,
     iso_time,
     reachable_host,
     url_host,
 )
+from tests.helpers import ManualClock
 
 
 def test_iso_time_is_utc_and_keeps_none() -> None:
@@ -104,3 +107,25 @@ def test_backoff_doubles_to_its_cap_with_jitter_and_starts_again_after_a_reset()
     assert backoff.attempts == 6
     backoff.reset()
     assert 0.05 <= backoff.next_wait() <= 0.1
+
+
+def test_a_token_bucket_spends_a_burst_then_refills_at_its_rate() -> None:
+    bucket = TokenBucket(2.0, 3, now=0.0)
+    assert [bucket.take(0.0) for _ in range(4)] == [True, True, True, False]
+    assert bucket.missed == 1
+    assert bucket.take(0.5) and not bucket.take(0.5)  # one token in half a second at 2/s
+    assert bucket.refill(100.0) == 3.0  # never more than the burst
+    assert bucket.refill(50.0) == 3.0  # a clock going back adds nothing
+
+
+def test_keyed_buckets_are_per_key_and_bounded() -> None:
+    clock = ManualClock()
+    buckets = KeyedBuckets(1.0, 1, limit=2, clock=clock)
+    assert buckets.take("a") and not buckets.take("a")
+    assert buckets.take("b")  # another key, its own burst
+    assert buckets.peek("c") is None and len(buckets) == 2  # peeking makes no bucket
+    assert buckets.take("c")  # "a", the least recently used, goes
+    assert len(buckets) == 2 and buckets.evicted == 1 and buckets.peek("a") is None
+    assert buckets.take("a")  # an evicted key comes back full: the bound is on memory
+    clock.advance(1.0)
+    assert buckets.take("c")

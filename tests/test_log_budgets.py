@@ -99,4 +99,4 @@ def test_line_rate_lets_a_burst_then_a_few_a_minute_through_and_counts_the_rest(
     bounded = LineRate(max_keys=2, clock=clock)
     for key in ("a", "b", "c"):
         bounded.allow(key)
-    assert len(bounded._keys) == 2
+    assert len(bounded) == 2

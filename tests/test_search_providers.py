@@ -29,8 +29,9 @@ from backend.chat import (
     collect,
     web_search_from_settings,
 )
+from backend.chat.knowledge import DEFAULT_KB_MIN_SCORE
 from backend.chat.llm import OpenAiProvider, Usage
-from backend.chat.search import DEFAULT_KB_MIN_SCORE, MAX_CONTENT_CHARS, MAX_TITLE_CHARS
+from backend.chat.search import MAX_CONTENT_CHARS, MAX_TITLE_CHARS
 from backend.config import ConfigError, Settings, load_settings
 from backend.storage import Database
 from testkit.llm_server import FakeLlm, Reply

@@ -20,6 +20,7 @@ from backend.chat.events import (
     TurnMetadata,
     parse_event,
 )
+from backend.chat.knowledge import KnowledgeBase
 from backend.chat.memory import (
     CHAT_MIGRATIONS,
     Conversation,
@@ -33,7 +34,6 @@ from backend.chat.search import (
     DdgsSearch,
     FallbackSearch,
     GoogleSearch,
-    KnowledgeBase,
     SearchFailed,
     SearchResult,
     SearxngSearch,

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from backend.chat.device_state import asked_topics, has_topic, state_reply
+from backend.chat.knowledge import kb_terms
 from backend.chat.lexicon import (
     ACTION_WORDS,
     AMBIGUOUS_DENTAL,
@@ -51,7 +52,7 @@ from backend.chat.lexicon import (
     longest_matches,
 )
 from backend.chat.llm.base import FunctionSpec
-from backend.chat.search import SearchResult, kb_terms
+from backend.chat.search import SearchResult
 from backend.chat.text import Language, sentences, wordset
 from backend.common import clip
 

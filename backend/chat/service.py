@@ -43,6 +43,7 @@ from backend.chat.events import (
 )
 from backend.chat.guardrail import GuardrailStage
 from backend.chat.history import SUMMARY_MAX_CHARS, SUMMARY_MAX_TOKENS, History
+from backend.chat.knowledge import KnowledgeBase
 from backend.chat.language import detect_language
 from backend.chat.llm.base import LlmProvider
 from backend.chat.memory import MemoryStore
@@ -56,7 +57,7 @@ from backend.chat.offline import (
 )
 from backend.chat.offline_answer import OfflineAnswer, rules_answer
 from backend.chat.request import TurnRequest
-from backend.chat.search import KnowledgeBase, SearchFailed, SearchResult, WebSearch
+from backend.chat.search import SearchFailed, SearchResult, WebSearch
 from backend.chat.text import replace_surrogates
 from backend.chat.tokens import count_prompt, count_tokens
 from backend.chat.tool_budget import MAX_TOOL_BYTES_PER_TURN, MAX_TOOLS_PER_TURN

@@ -7,13 +7,12 @@ checks and activation.
 import ipaddress
 import resource
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self
 
 import structlog
 
+from backend.common import KeyedBuckets
 from backend.logs import LogBudget
 from backend.metrics import record_connection_refused
 
@@ -25,13 +24,7 @@ log = structlog.get_logger("transport.throttle")
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
-@dataclass(slots=True)
-class _Bucket:
-    tokens: float
-    at: float
-
-
-class KeyedLimiter:
+class KeyedLimiter(KeyedBuckets):
     """A token bucket per key; `allow(key)` takes one token or says no. At most `max_keys`
     buckets are kept (the least recently used go), so invented keys cost bounded memory."""
 
@@ -43,27 +36,12 @@ class KeyedLimiter:
         max_keys: int = 100_000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.per_s = per_s
-        self.burst = burst
-        self.max_keys = max_keys
-        self._clock = clock
-        self._buckets: OrderedDict[str, _Bucket] = OrderedDict()
+        super().__init__(per_s, burst, limit=max_keys, clock=clock)
         self.refused = 0
 
     def allow(self, key: str) -> bool:
         """Take a token from the key's bucket; False when it is empty."""
-        now = self._clock()
-        bucket = self._buckets.get(key)
-        if bucket is None:
-            while len(self._buckets) >= self.max_keys:
-                self._buckets.popitem(last=False)
-            bucket = self._buckets[key] = _Bucket(float(self.burst), now)
-        else:
-            self._buckets.move_to_end(key)
-            bucket.tokens = min(float(self.burst), bucket.tokens + (now - bucket.at) * self.per_s)
-            bucket.at = now
-        if bucket.tokens >= 1.0:
-            bucket.tokens -= 1.0
+        if self.take(key):
             return True
         self.refused += 1
         return False
@@ -71,20 +49,8 @@ class KeyedLimiter:
     def penalize(self, key: str) -> None:
         """Empty `key`'s bucket and take a whole burst more: its next request is allowed only
         after `burst / per_s` seconds (a device cut off for breaking a bound)."""
-        tokens = min(self._refilled(key), 0.0) - float(self.burst)
-        self._buckets[key] = _Bucket(tokens, self._clock())
-        while len(self._buckets) > self.max_keys:
-            self._buckets.popitem(last=False)
-
-    def _refilled(self, key: str) -> float:
-        bucket = self._buckets.pop(key, None)
-        if bucket is None:
-            return float(self.burst)
-        elapsed = self._clock() - bucket.at
-        return min(float(self.burst), bucket.tokens + elapsed * self.per_s)
-
-    def __len__(self) -> int:
-        return len(self._buckets)
+        bucket = self.bucket(key)
+        bucket.tokens = min(bucket.refill(self.clock()), 0.0) - bucket.burst
 
 
 class ExemptNetworks:

@@ -50,6 +50,7 @@ from enum import StrEnum
 import structlog
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
+from backend.common import KeyedBuckets, TokenBucket
 from backend.errors import listen_errors
 from backend.logs import EventBudget
 from backend.protocol.audio import AudioFrame
@@ -392,7 +393,9 @@ class UdpSession:
         self.confirmed = False
         self._streak = 0  # consecutive well-formed Opus packets with one TOC from the peer
         self._streak_toc = -1
-        self._provisional = _Bucket(limits.unconfirmed_burst, -math.inf)
+        self._provisional = TokenBucket(
+            limits.unconfirmed_per_s, limits.unconfirmed_burst, -math.inf
+        )
         self._limits = limits
         self._candidates: OrderedDict[Address, _Candidate] = OrderedDict()
         self._tocs: list[int] = []  # TOC bytes of the peer's well-formed Opus packets
@@ -436,7 +439,7 @@ class UdpSession:
         dropped = self._sequence_drop(header.sequence, self.last_uplink_seq)
         if dropped is not None:
             return dropped
-        if not self.confirmed and not self._provisional_take(now):
+        if not self.confirmed and not self._provisional.take(now):
             self.drops.hit(DropReason.UNCONFIRMED_RATE, detail=f"from {source[0]}")
             return DropReason.UNCONFIRMED_RATE
         self.last_uplink_seq = header.sequence
@@ -450,19 +453,6 @@ class UdpSession:
         else:
             self._confirm_by_streak(payload)
         return [AudioFrame(payload, header.timestamp)]
-
-    def _provisional_take(self, now: float) -> bool:
-        bucket, limits = self._provisional, self._limits
-        if now > bucket.stamp:
-            elapsed = now - bucket.stamp
-            bucket.tokens = min(
-                limits.unconfirmed_burst, bucket.tokens + elapsed * limits.unconfirmed_per_s
-            )
-        bucket.stamp = now
-        if bucket.tokens < 1.0:
-            return False
-        bucket.tokens -= 1.0
-        return True
 
     def _confirm_by_streak(self, payload: bytes) -> None:
         if not opus_packet_ok(payload):
@@ -577,14 +567,6 @@ def source_key(host: str) -> str:
     return str(network)
 
 
-class _Bucket:
-    __slots__ = ("stamp", "tokens")
-
-    def __init__(self, tokens: float, stamp: float) -> None:
-        self.tokens = tokens
-        self.stamp = stamp
-
-
 class SourceBudgets:
     """A token bucket of failures per source address, in an LRU of at most `max_sources`.
 
@@ -592,42 +574,27 @@ class SourceBudgets:
     source starts again with a full bucket, which bounds memory, not the attacker's total."""
 
     def __init__(self, limits: UdpLimits) -> None:
-        self._rate = limits.source_failures_per_s
-        self._burst = limits.source_burst
-        self._cap = limits.max_sources
-        self._buckets: OrderedDict[str, _Bucket] = OrderedDict()
-        self.evicted = 0
+        self._buckets = KeyedBuckets(
+            limits.source_failures_per_s, limits.source_burst, limit=limits.max_sources
+        )
 
     def __len__(self) -> int:
         return len(self._buckets)
 
-    def _refill(self, bucket: _Bucket, now: float) -> None:
-        if now > bucket.stamp:
-            bucket.tokens = min(self._burst, bucket.tokens + (now - bucket.stamp) * self._rate)
-        bucket.stamp = now
+    @property
+    def evicted(self) -> int:
+        """Sources forgotten to make room for newer ones."""
+        return self._buckets.evicted
 
     def exhausted(self, key: str, now: float) -> bool:
         """Whether the source has no failures left to spend (its datagrams are dropped unread)."""
-        bucket = self._buckets.get(key)
-        if bucket is None:
-            return False
-        self._refill(bucket, now)
-        return bucket.tokens < 1.0
+        bucket = self._buckets.peek(key)
+        return bucket is not None and bucket.refill(now) < 1.0
 
     def charge(self, key: str, now: float) -> bool:
         """One failure of `key`; True when this one emptied its bucket."""
-        bucket = self._buckets.get(key)
-        if bucket is None:
-            while len(self._buckets) >= self._cap:
-                self._buckets.popitem(last=False)
-                self.evicted += 1
-            bucket = self._buckets[key] = _Bucket(self._burst, now)
-        else:
-            self._buckets.move_to_end(key)
-            self._refill(bucket, now)
-        had = bucket.tokens >= 1.0
-        bucket.tokens = max(0.0, bucket.tokens - 1.0)
-        return had and bucket.tokens < 1.0
+        bucket = self._buckets.bucket(key, now)
+        return bucket.take(now) and bucket.tokens < 1.0
 
 
 _SOURCE_BUDGET = f"drop_{DropReason.SOURCE_BUDGET}"
