@@ -6,6 +6,7 @@ speaking the real multipart format, the fallback to the embedded recognizer, the
 (prompt, numbers) and the transcript filters."""
 
 import asyncio
+import dataclasses
 import importlib.util
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -28,10 +29,16 @@ from backend.voice.recognition import (
     Transcript,
     recognizer_from_settings,
 )
-from backend.voice.recognition.embedded import WhisperRecognizer, without_repeats
+from backend.voice.recognition.embedded import (
+    WhisperRecognizer,
+    looped,
+    transcript_of,
+    without_repeats,
+)
 from backend.voice.recognition.pool import Decoded
 from backend.voice.recognition.remote import FallbackRecognizer, OpenAITranscriber
 from backend.voice.recognition.vocabulary import prompt_for, spoken_numbers_to_digits
+from backend.voice.recognition.whisper import beam_shares
 from simulator.voice_client import VoiceDevice
 from testkit.asr_helpers import render_fresh
 from testkit.in_process import FirmwareDevice
@@ -726,3 +733,30 @@ async def test_other_readings_are_kept_normalized_and_without_the_best() -> None
     transcript = await recognizer.recognize(b"", RecognitionHints())
     assert transcript.alternatives == ("Set the volume to 13.", "Set the volume")
     assert transcript.confidence == pytest.approx(0.819, abs=0.001)
+
+
+def test_readings_that_read_the_same_pool_their_beam_shares() -> None:
+    shares = beam_shares([-0.2, -0.3, -1.5], [5, 5, 5])
+    assert sum(shares) == pytest.approx(1.0) and shares[0] > shares[1] > shares[2]
+    decoded = Decoded(
+        "Set the volume to thirty.",
+        -0.2,
+        alternatives=("Set the volume to 30.", "Set the volume to 13."),
+        shares=shares,
+    )
+    transcript = transcript_of(decoded)
+    assert transcript.alternatives == ("Set the volume to 13.",)
+    assert transcript.shares == pytest.approx((shares[0] + shares[1], shares[2]))
+    assert transcript_of(dataclasses.replace(decoded, shares=())).shares == ()
+
+
+@pytest.mark.parametrize(
+    ("text", "loops"),
+    [
+        ("Dark and light mode, light mode, light mode, light mode", True),
+        ("turn on the LED, turn on the LED, turn on the LED", True),
+        ("Turn on the LED, then turn off the LED.", False),
+    ],
+)
+def test_a_clause_three_times_is_a_loop(text: str, loops: bool) -> None:
+    assert looped(text) is loops

@@ -104,3 +104,55 @@ def test_a_vietnamese_reading_without_tone_marks_reaches_the_router(words: Devic
     settled = understanding.settle(slipped, words)
     assert settled.text == "tang am luong len" and not settled.sure
     assert understanding.intents(settled.text, words)
+
+
+def shared(text: str, *others: tuple[str, float], confidence: float = 0.5) -> Transcript:
+    """A doubtful transcript with the beam's share of each reading (text's is what is left)."""
+    rest = 1.0 - sum(share for _, share in others)
+    return Transcript(
+        text,
+        "whisper-tiny.en",
+        "en",
+        confidence,
+        sure=False,
+        alternatives=tuple(other for other, _ in others),
+        shares=(rest, *(share for _, share in others)),
+    )
+
+
+def test_the_beams_share_that_agrees_decides(words: DeviceWords) -> None:
+    understanding = Understanding()
+    mostly = shared("louder please.", ("Louder, please.", 0.3), ("Lager please.", 0.05))
+    assert understanding.agreement(mostly, words) == pytest.approx(0.95)
+    assert understanding.settle(mostly, words).sure
+    split = shared("Set the brightness to 80", ("Set the brightness to 30", 0.35))
+    assert understanding.agreement(split, words) == pytest.approx(0.65)
+    assert not understanding.settle(split, words).sure
+    # Too low a score: agreement does not help.
+    low = shared("louder please.", ("Louder, please.", 0.3), confidence=AGREEMENT_FLOOR / 2)
+    assert not understanding.settle(low, words).sure
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Screen brightness for the 5.",  # "forty five": a value after an article
+        "Dark and light mode, light mode",  # two choices of one setting
+        "Dark mode, light mode, light mode, light mode",  # a decoder going round
+    ],
+)
+def test_a_text_that_shows_a_mishearing_is_asked_back_however_sure(
+    words: DeviceWords, text: str
+) -> None:
+    assert not Understanding().settle(heard(text, text.lower(), confidence=0.95), words).sure
+
+
+def test_the_reading_closest_to_what_the_assistant_knows_is_answered(words: DeviceWords) -> None:
+    """Both readings are dental; the knowledge base knows bleeding gums, not leading ones."""
+    settled = Understanding().settle(
+        heard("Why do my gums lead when I brush?", "Why do my gums bleed when I brush?"), words
+    )
+    assert settled.text == "Why do my gums bleed when I brush?"
+    # Speech off the topic stays as heard when no reading is closer.
+    other = heard("Tell me a joke.", "Tell me a joke!")
+    assert Understanding().settle(other, words).text == "Tell me a joke."

@@ -45,6 +45,9 @@ class Transcript:
     sure: bool = True
     fallback_reason: str | None = None  # set when the configured provider failed
     alternatives: tuple[str, ...] = ()  # other readings of the same audio, best first
+    # the engine's share of its probability for each reading: text's first, then each
+    # alternative's (empty when the engine gives none)
+    shares: tuple[float, ...] = ()
 
 
 class Recognizer(Protocol):

@@ -12,7 +12,7 @@ import math
 import re
 
 from backend.voice.recognition import RecognitionHints, Transcript
-from backend.voice.recognition.pool import DecodePool, EngineSpec
+from backend.voice.recognition.pool import Decoded, DecodePool, EngineSpec
 from backend.voice.recognition.vocabulary import normalized
 from backend.voice.recognition.whisper import model_dir
 
@@ -33,6 +33,7 @@ _HALLUCINATIONS = frozenset(
         "bye",
     ]
 )
+LOOP_REPEATS = 3
 _CLAUSE = re.compile(r"[^,.!?;]+[,.!?;]?")
 
 
@@ -46,6 +47,42 @@ def without_repeats(text: str) -> str:
         if whole and keys[period] == keys[0] and keys[(len(keys) - 1) % period].startswith(last):
             return " ".join(clauses[:period]).rstrip(",;")
     return text
+
+
+def transcript_of(decoded: Decoded) -> Transcript:
+    """What the decoding process heard, as the bridge reads it: numbers as digits, a loop said
+    once, a habitual invention on silence dropped, and readings that read the same merged
+    (their beam shares added)."""
+    text = without_repeats(decoded.text)
+    plain = re.sub(r"[^\w' ]", "", text).lower().strip()
+    if plain in _HALLUCINATIONS and decoded.no_speech_prob > NO_SPEECH / 2:
+        text = ""
+    logprob = decoded.avg_logprob if decoded.avg_logprob is not None else -10.0
+    sure = logprob >= UNSURE_LOGPROB and decoded.no_speech_prob < NO_SPEECH
+    texts = [text, *(without_repeats(other) for other in decoded.alternatives)]
+    shares = decoded.shares or (0.0,) * len(texts)
+    heard = normalized(text)
+    readings = {heard: 0.0}
+    for reading, share in zip(map(normalized, texts), shares, strict=True):
+        if reading or reading == heard:
+            readings[reading] = readings.get(reading, 0.0) + share
+    others = [reading for reading in readings if reading != heard]
+    return Transcript(
+        heard,
+        ENGINE,
+        "en",
+        confidence=round(math.exp(logprob), 3),
+        sure=sure,
+        alternatives=tuple(others),
+        shares=tuple(readings.values()) if decoded.shares else (),
+    )
+
+
+def looped(text: str) -> bool:
+    """Whether a clause comes back three times or more ("light mode, light mode, light mode")."""
+    keys = [re.sub(r"[^\w' ]", "", c).lower().strip() for c in _CLAUSE.findall(text)]
+    keys = [key for key in keys if key]
+    return any(keys.count(key) >= LOOP_REPEATS for key in set(keys))
 
 
 class WhisperRecognizer:
@@ -69,23 +106,7 @@ class WhisperRecognizer:
 
     async def recognize(self, pcm: bytes, hints: RecognitionHints) -> Transcript:
         """The text of one utterance; raises RecognizerBusy or RecognitionFailed."""
-        decoded = await self.pool.decode(pcm, hints.prompt)
-        text = without_repeats(decoded.text)
-        plain = re.sub(r"[^\w' ]", "", text).lower().strip()
-        if plain in _HALLUCINATIONS and decoded.no_speech_prob > NO_SPEECH / 2:
-            text = ""
-        logprob = decoded.avg_logprob if decoded.avg_logprob is not None else -10.0
-        sure = logprob >= UNSURE_LOGPROB and decoded.no_speech_prob < NO_SPEECH
-        heard = normalized(text)
-        others = (normalized(without_repeats(other)) for other in decoded.alternatives)
-        return Transcript(
-            heard,
-            ENGINE,
-            "en",
-            confidence=round(math.exp(logprob), 3),
-            sure=sure,
-            alternatives=tuple(dict.fromkeys(o for o in others if o and o != heard)),
-        )
+        return transcript_of(await self.pool.decode(pcm, hints.prompt))
 
     async def aclose(self) -> None:
         """Stop the decoding processes."""

@@ -43,6 +43,9 @@ class Decoded:
     no_speech_prob: float = 0.0
     cpu_s: float = 0.0
     alternatives: tuple[str, ...] = ()  # the engine's next best readings, best first
+    # each reading's share of the probability the engine gave all of them: text's, then each
+    # alternative's (empty when the engine does not say)
+    shares: tuple[float, ...] = ()
 
 
 class Engine(Protocol):

@@ -52,7 +52,8 @@ def _nouns(tool: ToolLike) -> list[str]:
     return [word for word in _words(tool.name) if word not in _VERBS]
 
 
-def _choices(prop: Mapping[str, Any], description: str) -> list[str]:
+def choices_of(prop: Mapping[str, Any], description: str) -> list[str]:
+    """A string setting's choices: its enum, or the words its description quotes."""
     options = prop.get("enum")
     if isinstance(options, list):
         return [str(option).lower() for option in options if str(option).isascii()]
@@ -80,7 +81,7 @@ def tool_terms(tool: ToolLike, shared: frozenset[str] = frozenset()) -> list[str
             thing = _spelled(next((n for n in nouns if n != subject), subject))
             terms += [f"{thing} on", f"{thing} off"]
         elif kind == "string":
-            terms += [f"{choice} {subject}" for choice in _choices(prop, tool.description)]
+            terms += [f"{choice} {subject}" for choice in choices_of(prop, tool.description)]
     if not properties and nouns:
         terms.append(_spelled(" ".join(nouns)))
     return terms

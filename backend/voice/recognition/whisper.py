@@ -15,6 +15,7 @@ repeat itself.
 import hashlib
 import importlib.metadata
 import importlib.util
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -225,7 +226,19 @@ class WhisperDecoder:
             float(result.no_speech_prob),
             time.process_time() - began,
             tuple(texts[1:]),
+            beam_shares(list(result.scores), [len(ids) for ids in result.sequences_ids]),
         )
+
+
+def beam_shares(scores: list[float], lengths: list[int]) -> tuple[float, ...]:
+    """Each reading's share of the beam's probability. A score is the mean log-probability
+    of a reading's tokens, so a reading's own log-probability is its score times its length."""
+    if not scores:
+        return ()
+    totals = [score * max(length, 1) for score, length in zip(scores, lengths, strict=True)]
+    top = max(totals)
+    weights = [math.exp(total - top) for total in totals]
+    return tuple(weight / sum(weights) for weight in weights)
 
 
 def load(folder: str, threads: int) -> WhisperDecoder:
