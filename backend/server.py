@@ -18,6 +18,7 @@ from pathlib import Path
 from types import TracebackType
 
 import structlog
+from fastapi import FastAPI
 
 from backend.api import create_app
 from backend.api.device_events import DeviceStreams
@@ -102,8 +103,6 @@ class Bridge:
             settings.database_url or settings.data_dir / DATABASE_FILE, (*MIGRATIONS, *clustered)
         )
         self.catalog = DeviceCatalog(self.database, self.registry)
-        # Several instances on one fleet (docs/cluster.md): leases, fleet events, forwarding.
-        self.cluster: ClusterNode | None = None
         self.audit = AuditLog(
             self.database,
             self.registry,
@@ -111,9 +110,51 @@ class Bridge:
             max_rows=settings.audit_max_rows,
             journal=settings.data_dir / JOURNAL_FILE,  # rows survive a kill -9
         )
-        # OTA endpoint, per-device credentials, firmware offers (docs/provisioning.md).
-        self.provisioning = Provisioning(
-            settings,
+        self.provisioning = self._provisioning(clock)
+        self.admission = Admission(self._device_credentials(), self.provisioning.handshake_limits)
+        self.gateway = DeviceGateway(
+            self.registry, self.conversations, settings, self.provisioning.vision_capability
+        )
+        self.websocket = WebSocketTransport(settings, self.admission)
+        # MQTT + UDP (docs/mqtt.md) when `mqtt_url` is set; `secrets_created` lists new files.
+        self.secrets_created: list[Path] = []
+        self.mqtt = self._mqtt_service()
+        # Several instances on one fleet (docs/cluster.md): leases, fleet events, forwarding.
+        self.cluster = self._cluster_node()
+        # External MCP servers for the chat (docs/mcp-servers.md), shared by every conversation.
+        self.mcp_servers = self._mcp_server_hub()
+        self.frontends = FrontEnds(
+            settings, self.database, self.registry, self.conversations, self.mcp_servers
+        )
+        # The talk page's browser devices (backend/transports/browser.py), with the console.
+        self.browser = self._browser_transport()
+        self.transports: list[Transport] = [
+            transport
+            for transport in (self.websocket, self.mqtt, self.browser)
+            if transport is not None
+        ]
+        # Users' MCP servers dialing in join the hub while connected (backend/mcp_dialin).
+        self.mcp_dialin = DialInEndpoint(
+            self.mcp_servers, self.frontends.keys.resolve, dialin_limits(settings)
+        )
+        # The console's live fleet; a stream ends once its key is revoked.
+        self.device_streams = DeviceStreams(self.registry, key_active=self.frontends.keys.active)
+        self.app = self._app()
+        # GET /metrics on a listener of its own too, when metrics_port is set.
+        self.metrics_listener = self._metrics_listener()
+        self._loop_lag: asyncio.Task[None] | None = None
+        self._started: list[Transport] = []
+        # The admin listener (backend/api/listener.py: head deadline, connection caps).
+        self.api_listener: HttpListener | None = None
+        self._stopped = False
+        self._running = False
+
+    # ---- the parts, built once by __init__ ---------------------------------------------------
+
+    def _provisioning(self, clock: Callable[[], float]) -> Provisioning:
+        """OTA endpoint, per-device credentials, firmware offers (docs/provisioning.md)."""
+        return Provisioning(
+            self.settings,
             self.database,
             self.registry,
             websocket_port=lambda: self.websocket.port,
@@ -124,64 +165,54 @@ class Bridge:
             clock=clock,
             audit=self.audit,  # a row per photo upload to the vision endpoint
         )
-        self.admission = Admission(self._device_credentials(), self.provisioning.handshake_limits)
-        self.gateway = DeviceGateway(
-            self.registry, self.conversations, settings, self.provisioning.vision_capability
+
+    def _mqtt_service(self) -> MqttService | None:
+        if not mqtt_enabled(self.settings):
+            return None
+        return MqttService(
+            self.settings,
+            self.secrets_created,
+            self.provisioning.store,
+            self.provisioning.handshake_limits,
         )
-        self.websocket = WebSocketTransport(settings, self.admission)
-        self.transports: list[Transport] = [self.websocket]
-        # MQTT + UDP (docs/mqtt.md) when `mqtt_url` is set; `secrets_created` lists new files.
-        self.secrets_created: list[Path] = []
-        self.mqtt = (
-            MqttService(
-                settings,
-                self.secrets_created,
-                self.provisioning.store,
-                self.provisioning.handshake_limits,
-            )
-            if mqtt_enabled(settings)
-            else None
+
+    def _cluster_node(self) -> ClusterNode | None:
+        if self.settings.cluster_url is None:
+            return None
+        return ClusterNode(
+            ClusterOptions.of(self.settings),
+            self.registry,
+            self.database,
+            mqtt=self.mqtt,
+            dialins=lambda: [s for s in self.mcp_servers.listing() if s["kind"] == "dialin"],
         )
-        if self.mqtt is not None:
-            self.transports.append(self.mqtt)
-        if settings.cluster_url is not None:
-            self.cluster = ClusterNode(
-                ClusterOptions.of(settings),
-                self.registry,
-                self.database,
-                mqtt=self.mqtt,
-                dialins=lambda: [s for s in self.mcp_servers.listing() if s["kind"] == "dialin"],
-            )
-        # External MCP servers for the chat (docs/mcp-servers.md), shared by every conversation.
-        self.mcp_servers = McpServerHub.from_settings(
-            settings.mcp_servers,
+
+    def _mcp_server_hub(self) -> McpServerHub:
+        hub = McpServerHub.from_settings(
+            self.settings.mcp_servers,
             audit=lambda device_id, **detail: self.registry.emit(
                 EventKind.TOOL_CALLED, device_id, **detail
             ),
         )
         if self.cluster is not None:  # dialed-in servers are listed by every instance
-            self.mcp_servers.subscribe(self.cluster.dialins_changed)
-        self.frontends = FrontEnds(
-            settings, self.database, self.registry, self.conversations, self.mcp_servers
+            hub.subscribe(self.cluster.dialins_changed)
+        return hub
+
+    def _browser_transport(self) -> BrowserTransport | None:
+        if not self.settings.console_enabled:
+            return None
+        return BrowserTransport(
+            self.settings,
+            self.frontends.keys.active,
+            self.provisioning.handshake_limits,
+            voice_unavailable=self._voice_unavailable,
+            subscribe=self.registry.subscribe,
         )
-        # The talk page's browser devices (backend/transports/browser.py), with the console.
-        self.browser: BrowserTransport | None = None
-        if settings.console_enabled:
-            self.browser = BrowserTransport(
-                settings,
-                self.frontends.keys.active,
-                self.provisioning.handshake_limits,
-                voice_unavailable=self._voice_unavailable,
-                subscribe=self.registry.subscribe,
-            )
-            self.transports.append(self.browser)
-        # Users' MCP servers dialing in join the hub while connected (backend/mcp_dialin).
-        self.mcp_dialin = DialInEndpoint(
-            self.mcp_servers, self.frontends.keys.resolve, dialin_limits(settings)
-        )
-        # The console's live fleet; a stream ends once its key is revoked.
-        self.device_streams = DeviceStreams(self.registry, key_active=self.frontends.keys.active)
-        self.app = create_app(
+
+    def _app(self) -> FastAPI:
+        """The admin listener's app: every API router and route of the parts above."""
+        settings, cluster, browser = self.settings, self.cluster, self.browser
+        return create_app(
             self.registry,
             self.tokens.admin,
             max_body_bytes=settings.max_http_body_bytes,
@@ -191,41 +222,35 @@ class Bridge:
                 provisioning_router(self.provisioning, self.audit),
                 mcp_servers_router(
                     self.mcp_servers,
-                    remote=self.cluster.remote_dialins if self.cluster is not None else None,
-                    instance=self.cluster.instance_id if self.cluster is not None else None,
+                    remote=cluster.remote_dialins if cluster is not None else None,
+                    instance=cluster.instance_id if cluster is not None else None,
                 ),
                 *([metrics_router()] if settings.metrics_enabled else []),
-                *([self.browser.router()] if self.browser is not None else []),
-                cluster_router(self.cluster),
+                *([browser.router()] if browser is not None else []),
+                cluster_router(cluster),
             ],
             routes=[
                 *self.frontends.routes(),
                 *self.mcp_dialin.routes,
                 # Before the console's /console mount, which would take the WebSocket too.
-                *(self.browser.routes if self.browser is not None else []),
+                *(browser.routes if browser is not None else []),
                 *(console_routes() if settings.console_enabled else []),
             ],
             cors_origins=settings.cors_origins,
             device_streams=self.device_streams,
-            health=self.cluster.health if self.cluster is not None else lambda: None,
+            health=cluster.health if cluster is not None else lambda: None,
         )
-        # GET /metrics on a listener of its own too, when metrics_port is set.
-        self.metrics_listener: MetricsListener | None = None
-        if settings.metrics_enabled and settings.metrics_port is not None:
-            self.metrics_listener = MetricsListener(
-                metrics_app(
-                    self.tokens.admin, self.frontends.keys.resolve, auth=settings.metrics_auth
-                ),
-                settings.metrics_host,
-                settings.metrics_port,
-                ListenerLimits.of(settings),
-            )
-        self._loop_lag: asyncio.Task[None] | None = None
-        self._started: list[Transport] = []
-        # The admin listener (backend/api/listener.py: head deadline, connection caps).
-        self.api_listener: HttpListener | None = None
-        self._stopped = False
-        self._running = False
+
+    def _metrics_listener(self) -> MetricsListener | None:
+        settings = self.settings
+        if not settings.metrics_enabled or settings.metrics_port is None:
+            return None
+        return MetricsListener(
+            metrics_app(self.tokens.admin, self.frontends.keys.resolve, auth=settings.metrics_auth),
+            settings.metrics_host,
+            settings.metrics_port,
+            ListenerLimits.of(settings),
+        )
 
     def _voice_unavailable(self) -> str | None:
         """Why devices get no voice on this bridge (the `VoiceUnavailableNotice` standing in for
