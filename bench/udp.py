@@ -33,9 +33,11 @@ from typing import Any
 
 from backend.protocol.audio import AudioFrame
 from backend.transports.udp import (
-    CtrKeystream,
     UdpAudioChannel,
     UdpSession,
+)
+from backend.transports.udp_packet import (
+    CtrKeystream,
     ctr_xor,
     parse_header,
     seal,

@@ -146,7 +146,7 @@ async def test_firmware_over_mqtt_serves_mcp_without_hello_and_goes_offline_when
 async def test_unix_port_aes_ctr_matches_the_bridge(tmp_path: Path) -> None:
     """The firmware's AES-128-CTR on the unix port (ECB keystream: it has no CTR mode) decrypts
     what the bridge's UDP channel encrypts, for a counter that wraps across blocks."""
-    from backend.transports.udp import ctr_xor
+    from backend.transports.udp_packet import ctr_xor
 
     key, counter = bytes(range(16)), bytes([1, 0, 0, 0xFF] + [0xFF] * 12)
     data = bytes(range(200))

@@ -19,10 +19,12 @@ from backend.logs import EventBudget
 from backend.protocol.audio import AudioFrame
 from backend.transports.errors import PacketError, UdpError
 from backend.transports.udp import (
-    CtrKeystream,
-    DropReason,
     UdpAudioChannel,
     UdpSession,
+)
+from backend.transports.udp_packet import (
+    CtrKeystream,
+    DropReason,
     build_header,
     ctr_xor,
     new_nonce,

@@ -17,6 +17,8 @@ from backend.transports.udp import (
     UdpAudioChannel,
     UdpLimits,
     UdpSession,
+)
+from backend.transports.udp_packet import (
     opus_packet_ok,
     parse_header,
 )

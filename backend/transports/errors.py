@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 from backend.errors import BridgeError
 
 if TYPE_CHECKING:
-    from backend.transports.udp import DropReason
+    from backend.transports.udp_packet import DropReason
 
 
 class PacketError(BridgeError, ValueError):

@@ -70,7 +70,8 @@ from backend.transports.mqtt_topics import (
     device_id_from_key,
     parse_presence,
 )
-from backend.transports.udp import DEFAULT_MAX_PAYLOAD, UdpAudioChannel
+from backend.transports.udp import UdpAudioChannel
+from backend.transports.udp_packet import DEFAULT_MAX_PAYLOAD
 
 POLICY_VIOLATION = 1008  # a revoked device, or one cut off for breaking a bound
 log = structlog.get_logger("transport.mqtt")
