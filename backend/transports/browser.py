@@ -7,7 +7,7 @@ travel in a URL (proxies and logs keep URLs), so the key buys a ticket instead:
 
 - random (256 bits), one use, valid `TICKET_TTL_S` seconds; kept in memory only as its SHA-256
   (a dictionary keyed by the hash: nothing to compare byte by byte, nothing usable if dumped);
-  never logged (uvicorn's line with the query is masked, backend/logs.py);
+  never logged (uvicorn's line with the query is masked, backend/logs/redaction.py);
 - bound to the key's id: the device is `browser-<key id>` (`browser-admin` for the admin
   token), so one key is one device; a second tab replaces the first, as a stock device that
   reconnects does;
