@@ -37,7 +37,8 @@ from backend.devices.catalog import DEVICE_MIGRATIONS, DeviceCatalog
 from backend.devices.confirm import ConfirmationPolicy
 from backend.devices.conversation import ConversationHub
 from backend.devices.gateway import DeviceGateway
-from backend.devices.registry import SHUTDOWN, EventKind
+from backend.devices.registry import SHUTDOWN
+from backend.devices.state import EventKind
 from backend.errors import listen_errors
 from backend.frontends import FRONTEND_MIGRATIONS, FrontEnds
 from backend.mcp_dialin.endpoint import DialInEndpoint, dialin_limits

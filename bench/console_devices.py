@@ -28,7 +28,7 @@ from contextlib import asynccontextmanager
 from playwright.async_api import Browser, Page, async_playwright
 
 from backend.devices import DeviceEvent, EventKind
-from backend.devices.registry import DeviceRecord
+from backend.devices.state import DeviceRecord
 from backend.server import Bridge
 from bench.common import (
     ADMIN_TOKEN,

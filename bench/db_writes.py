@@ -27,7 +27,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from backend.devices.catalog import DEVICE_MIGRATIONS, DeviceCatalog
-from backend.devices.registry import DeviceRecord, DeviceRegistry, ToolSet
+from backend.devices.registry import DeviceRegistry
+from backend.devices.state import DeviceRecord, ToolSet
 from backend.mcp_session.models import parse_tools
 from backend.storage import Database
 from bench.common import bench_main, quiet_logging, ratio, table, verdict

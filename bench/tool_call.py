@@ -21,7 +21,7 @@ import json
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import ServerConnection, serve
 
-from backend.devices.registry import Device
+from backend.devices.device import Device
 from backend.protocol import AudioParams, ServerHello
 from backend.protocol.messages import mcp_envelope
 from bench.common import (

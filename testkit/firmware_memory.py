@@ -19,7 +19,7 @@ from typing import Any
 from backend.auth import Tokens
 from backend.config import Settings
 from backend.devices import DeviceState
-from backend.devices.registry import Device
+from backend.devices.device import Device
 from backend.firmware.build import build
 from backend.firmware.tools import micropython_argv, micropython_env
 from backend.mcp_session import CallResult, DeviceError

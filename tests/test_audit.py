@@ -14,7 +14,7 @@ from backend.auth import Tokens
 from backend.chat import DeviceToolBox
 from backend.devices import DeviceRegistry
 from backend.devices.audit import AUDIT_MIGRATIONS, AuditLog
-from backend.devices.registry import DeviceEvent, EventKind
+from backend.devices.state import DeviceEvent, EventKind
 from backend.server import Bridge
 from backend.storage import Database, DatabaseError
 from testkit.settings import ADMIN_TOKEN, DEVICE_TOKEN, make_settings

@@ -28,7 +28,7 @@ from backend.devices.audit import (
     _insert,
     arguments_digest,
 )
-from backend.devices.registry import EventKind
+from backend.devices.state import EventKind
 from backend.storage import Database, DatabaseError
 from backend.storage.database import DATABASE_FILE
 from simulator import SimulatedDevice

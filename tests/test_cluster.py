@@ -13,7 +13,8 @@ from typing import Any
 import openai
 import pytest
 
-from backend.devices.registry import DeviceState, RemoteDevice
+from backend.devices.device import RemoteDevice
+from backend.devices.state import DeviceState
 from backend.server import Bridge
 from simulator import SimulatedDevice
 from testkit.cluster import Cluster, Partition, until

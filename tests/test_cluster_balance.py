@@ -19,7 +19,7 @@ from backend.cluster.balance import (
     serving_instances,
     shard_target,
 )
-from backend.devices.registry import DeviceState
+from backend.devices.state import DeviceState
 from backend.server import Bridge
 from backend.transports.mqtt_credentials import BridgeAccount
 from simulator import SimulatedDevice

@@ -39,7 +39,7 @@ import pytest
 import yaml
 
 from backend.config import Settings
-from backend.devices.registry import DeviceState
+from backend.devices.state import DeviceState
 from backend.server import Bridge
 from backend.transports.mqtt_credentials import BridgeAccount, emqx_acl
 from simulator import SimulatedDevice

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from backend.cluster import CLUSTER_MIGRATIONS, LeaseTable
-from backend.devices.registry import DeviceEvent, EventKind
+from backend.devices.state import DeviceEvent, EventKind
 from backend.server import Bridge
 from backend.storage import Database
 from simulator import SimulatedDevice

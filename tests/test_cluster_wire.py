@@ -17,7 +17,7 @@ from backend.devices.errors import (
     UnknownDevice,
     UnknownTool,
 )
-from backend.devices.registry import DeviceState, EventKind
+from backend.devices.state import DeviceState, EventKind
 from backend.mcp_session import (
     CallResult,
     DeviceDisconnected,

@@ -20,7 +20,7 @@ from structlog.testing import capture_logs
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from backend.devices.registry import EventKind
+from backend.devices.state import EventKind
 from backend.server import Bridge
 from backend.transports.browser import DEVICE_PATH, TalkTickets, tool_call_text
 from simulator.voice_client import VoiceDevice, _hello, speak_turn

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from playwright.async_api import Page, Route, expect
 
-from backend.devices.registry import EventKind
+from backend.devices.state import EventKind
 from backend.mcp_session.errors import DeviceError
 from backend.server import Bridge
 from backend.voice.audio import Clip, write_wav

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from structlog.testing import capture_logs
 
-from backend.devices.registry import DeviceEvent, EventKind
+from backend.devices.state import DeviceEvent, EventKind
 from backend.server import Bridge
 from backend.voice.tts import render
 from simulator.voice_client import VoiceDevice, speak_turn

@@ -42,7 +42,7 @@ from backend.api.openapi import add_checked_constraints
 from backend.api.scopes import actor_of, needs, principal_of
 from backend.common import iso_time
 from backend.devices import DeviceRegistry, DeviceState
-from backend.devices.registry import LIVE_STATES, UNSET, is_user_only
+from backend.devices.state import LIVE_STATES, UNSET, is_user_only
 from backend.errors import BridgeError
 from backend.keys import Principal, Scope
 from backend.mcp_session import Tool

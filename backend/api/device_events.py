@@ -38,7 +38,7 @@ from backend.api.openapi import streamed
 from backend.api.scopes import needs, principal_of
 from backend.devices import DeviceRegistry
 from backend.devices.errors import UnknownDevice
-from backend.devices.registry import DeviceEvent, EventKind
+from backend.devices.state import DeviceEvent, EventKind
 from backend.keys import Principal, Scope
 
 log = structlog.get_logger("api.device_events")

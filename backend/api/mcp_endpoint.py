@@ -67,7 +67,7 @@ from backend.chat import ChatService, ConversationNotFound, SearchFailed, format
 from backend.chat.language import detect_language
 from backend.common import Lru
 from backend.devices import Device, DeviceRegistry, DeviceState
-from backend.devices.registry import DeviceEvent, EventKind, is_user_only
+from backend.devices.state import DeviceEvent, EventKind, is_user_only
 from backend.errors import BridgeError
 from backend.keys import Principal
 from backend.keys import Scope as KeyScope

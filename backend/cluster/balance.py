@@ -27,7 +27,9 @@ from typing import Any
 
 import structlog
 
-from backend.devices.registry import Device, DeviceRegistry, DeviceState
+from backend.devices.device import Device
+from backend.devices.registry import DeviceRegistry
+from backend.devices.state import DeviceState
 
 log = structlog.get_logger("cluster")
 

@@ -15,7 +15,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from backend.devices.registry import ToolSet
+from backend.devices.state import ToolSet
 from backend.mcp_session.models import parse_tools
 from backend.storage import Connection, Database, Migration, Row
 

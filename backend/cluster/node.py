@@ -39,15 +39,10 @@ from backend.cluster.balance import (
 from backend.cluster.fabric import Fabric, FabricUnavailable, Inbound, Topics
 from backend.cluster.leases import InstanceRow, LeaseTable
 from backend.config import Settings
+from backend.devices.device import Device, RemoteDevice
 from backend.devices.errors import DeviceLayerError, DeviceOffline, UnknownDevice
-from backend.devices.registry import (
-    Device,
-    DeviceEvent,
-    DeviceRegistry,
-    EventKind,
-    RemoteDevice,
-    ToolSet,
-)
+from backend.devices.registry import DeviceRegistry
+from backend.devices.state import DeviceEvent, EventKind, ToolSet
 from backend.mcp_session import CallResult, DeviceDisconnected, McpError, RequestTimeout
 from backend.mcp_session.models import TimeoutPolicy
 from backend.storage import Database, DatabaseError

@@ -10,6 +10,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from backend.devices.device import Device, RemoteReport
 from backend.devices.errors import (
     ConfirmationRequired,
     DeviceBusy,
@@ -20,7 +21,7 @@ from backend.devices.errors import (
     UnknownDevice,
     UnknownTool,
 )
-from backend.devices.registry import Device, DeviceState, EventKind, RemoteReport, ToolSet
+from backend.devices.state import DeviceState, EventKind, ToolSet
 from backend.mcp_session import (
     CallResult,
     DeviceDisconnected,

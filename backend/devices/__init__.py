@@ -2,6 +2,7 @@
 transport-agnostic session, and the conversation API the pipelines use."""
 
 from backend.devices.conversation import Conversation, ConversationHub
+from backend.devices.device import Device
 from backend.devices.errors import (
     DeviceBusy,
     DeviceLayerError,
@@ -12,15 +13,8 @@ from backend.devices.errors import (
     UnknownDevice,
     UnknownTool,
 )
-from backend.devices.registry import (
-    Device,
-    DeviceEvent,
-    DeviceRecord,
-    DeviceRegistry,
-    DeviceState,
-    EventKind,
-    ToolSet,
-)
+from backend.devices.registry import DeviceRegistry
+from backend.devices.state import DeviceEvent, DeviceRecord, DeviceState, EventKind, ToolSet
 
 __all__ = [
     "Conversation",

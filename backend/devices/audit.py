@@ -45,7 +45,8 @@ from typing import Any
 import structlog
 
 from backend.common import iso_time
-from backend.devices.registry import DeviceEvent, DeviceRegistry, EventKind
+from backend.devices.registry import DeviceRegistry
+from backend.devices.state import DeviceEvent, EventKind
 from backend.storage import Connection, Database, DatabaseError, Migration, WriteBehind
 
 log = structlog.get_logger("audit")

@@ -20,13 +20,8 @@ from typing import Any
 
 import structlog
 
-from backend.devices.registry import (
-    DeviceEvent,
-    DeviceRecord,
-    DeviceRegistry,
-    EventKind,
-    ToolSet,
-)
+from backend.devices.registry import DeviceRegistry
+from backend.devices.state import DeviceEvent, DeviceRecord, EventKind, ToolSet
 from backend.mcp_session.models import parse_tools
 from backend.storage import Connection, Database, DatabaseError, Migration, Row, WriteBehind
 

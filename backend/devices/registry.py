@@ -12,37 +12,35 @@ at start and persists them, so a device that is offline now is still listed with
 
 import asyncio
 import contextlib
-import hashlib
-import json
 import time
-import weakref
 from bisect import bisect_right
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from enum import Enum, StrEnum
-from types import MappingProxyType
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
 import structlog
 
 from backend.common import iso_time
 from backend.devices.confirm import ConfirmationPolicy
 from backend.devices.conversation import Conversation
+from backend.devices.device import Device, DeviceConnection, Forward, RemoteDevice, RemoteReport
 from backend.devices.errors import (
-    ConfirmationRequired,
-    DeviceBusy,
-    DeviceElsewhere,
-    DeviceLayerError,
-    DeviceNotReady,
     DeviceOffline,
     DeviceOnline,
-    InvalidArguments,
     UnknownDevice,
-    UnknownTool,
 )
-from backend.devices.validation import argument_error
+from backend.devices.state import (
+    UNSET,
+    DeviceEvent,
+    DeviceRecord,
+    DeviceState,
+    EventKind,
+    ToolSet,
+    Unset,
+    shared_info,
+)
 from backend.logs import LineRate
-from backend.mcp_session import CallResult, McpClient, Tool
+from backend.mcp_session import Tool
 from backend.metrics import record_mcp_call
 from backend.transports.base import DeviceIdentity
 
@@ -60,488 +58,7 @@ SERVICE_RESTART = 1012  # "reconnect": the device comes back, here or on another
 # handshake, with room for a balancer's retry.
 HANDOVER_WAIT_S = 5.0
 RECONNECT_SUFFIX = ": reconnect"  # how every reason of a close 1012 ends (backend/cluster)
-
-
-class DeviceState(StrEnum):
-    """A device's state as the registry sees it; values are the API's `state` strings."""
-
-    CONNECTING = "connecting"  # link up, waiting for the device hello
-    INITIALIZING = "initializing"  # MCP initialize / tools/list in progress
-    READY = "ready"
-    FAILED = "failed"  # link up, but the MCP handshake failed (see `error`)
-    OFFLINE = "offline"  # not connected now; its last known tools are cached
-
-
-LIVE_STATES = frozenset(
-    {DeviceState.CONNECTING, DeviceState.INITIALIZING, DeviceState.READY, DeviceState.FAILED}
-)
-
-
-class EventKind(StrEnum):
-    """What a `DeviceEvent` reports; values are the event names of the API's event stream."""
-
-    CONNECTED = "connected"  # → connecting
-    INITIALIZING = "initializing"  # → initializing
-    READY = "ready"  # → ready
-    FAILED = "failed"  # → failed
-    DISCONNECTED = "disconnected"  # → offline; detail["reason"] says why (replaced, shutdown...)
-    TOOLS_CHANGED = "tools_changed"  # a ready device's tool list was read again and differs
-    FORGOTTEN = "forgotten"  # an offline device was removed from the catalogue
-    REPORTED = "reported"  # the device reported its system info (OTA check)
-    ANNOTATED = "annotated"  # an admin changed its display name or notes
-    TOOL_CALLED = "tool_called"  # not a state change: one tools/call finished or was refused
-    VOICE_TURN = "voice_turn"  # not a state change: a spoken turn ended; detail has its timings
-
-
-class Unset(Enum):
-    """The type of UNSET: a field a caller leaves as it is (None would clear it)."""
-
-    UNSET = "unset"
-
-
-UNSET = Unset.UNSET
-
 _MAX_AUDITED_ID = 256  # a refused call may name any device id or tool: kept bounded
-
-
-@dataclass(frozen=True, slots=True)
-class DeviceEvent:
-    """One registry change, delivered to every listener in order."""
-
-    kind: EventKind
-    device_id: str
-    detail: dict[str, Any] = field(default_factory=dict)
-    # The bridge instance it happened on when that is another one (a cluster's fleet view);
-    # None for this instance. The catalogue and the audit log store only their own events.
-    origin: str | None = None
-
-
-# ---- tool sets --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
-class ToolSet:
-    """An immutable tool list and its digest. Devices of one model declare identical lists,
-    so identical lists are one shared object (see `ToolSet.of`)."""
-
-    digest: str
-    tools: tuple[Tool, ...]
-    by_name: Mapping[str, Tool]
-
-    def __len__(self) -> int:
-        return len(self.tools)
-
-    @classmethod
-    def of(cls, tools: Iterable[Tool]) -> "ToolSet":
-        """The shared `ToolSet` of these tools: equal lists (by canonical JSON) are one object."""
-        tools = tuple(tools)
-        if not tools:
-            return EMPTY_TOOLS
-        wire = [tool.to_wire() for tool in tools]
-        canonical = json.dumps(wire, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-        digest = hashlib.sha256(canonical.encode()).hexdigest()[:32]
-        shared = _TOOL_SETS.get(digest)
-        if shared is None:
-            shared = cls(digest, tools, {tool.name: tool for tool in tools})
-            _TOOL_SETS[digest] = shared
-        return shared
-
-    def to_wire(self) -> list[dict[str, Any]]:
-        """The tools as MCP `tools/list` entries."""
-        return [tool.to_wire() for tool in self.tools]
-
-    @staticmethod
-    def known(digest: str) -> "ToolSet | None":
-        """The tool set with this digest if this process holds it now (else None)."""
-        return EMPTY_TOOLS if digest == "" else _TOOL_SETS.get(digest)
-
-
-EMPTY_TOOLS = ToolSet("", (), {})
-_TOOL_SETS: "weakref.WeakValueDictionary[str, ToolSet]" = weakref.WeakValueDictionary()
-
-
-_SERVER_INFOS: dict[str, Mapping[str, Any]] = {}
-
-
-def _shared_info(info: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
-    """One copy of each distinct serverInfo (a fleet of one model reports the same one)."""
-    if info is None:
-        return None
-    try:
-        key = json.dumps(info, sort_keys=True, separators=(",", ":"))
-    except (TypeError, ValueError):
-        return info
-    shared = _SERVER_INFOS.get(key)
-    if shared is None:
-        if len(_SERVER_INFOS) >= 1024:
-            _SERVER_INFOS.clear()
-        shared = _SERVER_INFOS[key] = MappingProxyType(dict(info))
-    return shared
-
-
-def is_user_only(tool: Tool) -> bool:
-    """Stock firmware marks tools meant for people, not the model, with audience ["user"]."""
-    annotations = tool.annotations or {}
-    audience = annotations.get("audience")
-    return isinstance(audience, list) and "user" in audience and "assistant" not in audience
-
-
-# ---- what is remembered -----------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class DeviceRecord:
-    """What the bridge remembers of a device it has seen (persisted by the catalogue)."""
-
-    device_id: str
-    client_id: str | None
-    transport: str
-    first_seen: float
-    last_seen: float
-    server_info: Mapping[str, Any] | None = None
-    tools: ToolSet = EMPTY_TOOLS
-    tools_read_at: float | None = None
-    # What the device reported at its last OTA check (board, chip, firmware, network, ...).
-    ota: Mapping[str, Any] | None = None
-    ota_at: float | None = None
-    # What an admin wrote about it (`DeviceRegistry.annotate`): a display name and notes.
-    name: str | None = None
-    notes: str | None = None
-
-    @property
-    def board(self) -> str | None:
-        """The board name the device reported (MCP server info, else its OTA check), if any."""
-        value = (self.server_info or {}).get("name") or (self.ota or {}).get("board_type")
-        return value if isinstance(value, str) else None
-
-    @property
-    def firmware(self) -> str | None:
-        """The firmware version the device reported (MCP server info, else its OTA check), if
-        any."""
-        value = (self.server_info or {}).get("version") or (self.ota or {}).get("firmware_version")
-        return value if isinstance(value, str) else None
-
-    def ota_summary(self) -> dict[str, Any] | None:
-        """The OTA report for the API (without the raw system info)."""
-        if self.ota is None:
-            return None
-        shown = {key: value for key, value in self.ota.items() if key != "system_info"}
-        shown["reported_at"] = iso_time(self.ota_at)
-        return shown
-
-    def summary(self) -> dict[str, Any]:
-        """The API's view of an offline device."""
-        return {
-            "device_id": self.device_id,
-            "client_id": self.client_id,
-            "transport": self.transport,
-            "state": DeviceState.OFFLINE.value,
-            "connected_at": None,
-            "last_seen": iso_time(self.last_seen),
-            "first_seen": iso_time(self.first_seen),
-            "server_info": dict(self.server_info) if self.server_info is not None else None,
-            "tool_count": len(self.tools),
-            "tools_read_at": iso_time(self.tools_read_at),
-            "error": None,
-            "ota": self.ota_summary(),
-            "name": self.name,
-            "notes": self.notes,
-        }
-
-
-# ---- live devices -----------------------------------------------------------------------------
-
-
-class DeviceConnection(Protocol):
-    """What the registry needs of the session that carries a live device."""
-
-    @property
-    def session_id(self) -> str:
-        """The session id of the link."""
-
-    @property
-    def mcp(self) -> McpClient:
-        """The MCP client speaking to the device over this link."""
-
-    @property
-    def conversation(self) -> Conversation:
-        """The conversation API over this link."""
-
-    def disconnect(self, reason: str, code: int) -> None:
-        """Fail pending calls with `reason` now and close the link in the background."""
-        ...
-
-
-class Device:
-    """A connected device. Its state is written by the registry only; read it here."""
-
-    __slots__ = (
-        "_connection",
-        "_error",
-        "_registry",
-        "_server_info",
-        "_state",
-        "_tools",
-        "client_id",
-        "connected_at",
-        "device_id",
-        "protocol_version",
-        "remote",
-        "transport",
-    )
-
-    def __init__(
-        self, identity: DeviceIdentity, connection: DeviceConnection, registry: "DeviceRegistry"
-    ) -> None:
-        self.device_id = identity.device_id
-        self.client_id = identity.client_id
-        self.transport = identity.transport
-        self.protocol_version = identity.protocol_version
-        self.remote = identity.remote
-        self.connected_at = time.time()
-        self._connection = connection
-        self._registry = registry
-        self._state = DeviceState.CONNECTING
-        self._server_info: Mapping[str, Any] | None = None
-        self._tools = EMPTY_TOOLS
-        self._error: str | None = None
-
-    @property
-    def state(self) -> DeviceState:
-        """The current state; only the registry changes it."""
-        return self._state
-
-    @property
-    def server_info(self) -> Mapping[str, Any] | None:
-        """The MCP `serverInfo` from the device's initialize result, once it is known."""
-        return self._server_info
-
-    @property
-    def tools(self) -> ToolSet:
-        """The tool list read at the handshake (or the last `list_changed` re-list)."""
-        return self._tools
-
-    @property
-    def error(self) -> str | None:
-        """Why the MCP handshake failed, in state `failed`."""
-        return self._error
-
-    @property
-    def session_id(self) -> str:
-        """The session id of the current link."""
-        return self._connection.session_id
-
-    @property
-    def mcp(self) -> McpClient:
-        """The MCP client of the current link."""
-        return self._connection.mcp
-
-    @property
-    def connection(self) -> DeviceConnection:
-        """The transport-side session this device runs over."""
-        return self._connection
-
-    @property
-    def is_live(self) -> bool:
-        """Whether the device is connected now (any state but offline)."""
-        return self._state is not DeviceState.OFFLINE
-
-    def tool_list(self, *, include_user_only: bool = True) -> list[Tool]:
-        """The tools; without the user-only ones (`include_user_only=False`) for models."""
-        return [t for t in self._tools.tools if include_user_only or not is_user_only(t)]
-
-    def summary(self) -> dict[str, Any]:
-        """The device as the API lists it: ids, transport, state, times, server info, tool count."""
-        record = self._registry.record(self.device_id)
-        return {
-            "device_id": self.device_id,
-            "client_id": self.client_id,
-            "transport": self.transport,
-            "state": self._state.value,
-            "connected_at": iso_time(self.connected_at),
-            "last_seen": None if self.is_live else iso_time(time.time()),
-            "first_seen": iso_time(record.first_seen) if record else None,
-            "server_info": dict(self._server_info) if self._server_info is not None else None,
-            "tool_count": len(self._tools),
-            "tools_read_at": iso_time(record.tools_read_at) if record else None,
-            "error": self._error,
-            "ota": record.ota_summary() if record else None,
-            "name": record.name if record else None,
-            "notes": record.notes if record else None,
-            **self._registry.placement(self.owner),
-        }
-
-    async def call_tool(
-        self,
-        name: str,
-        arguments: dict[str, Any] | None = None,
-        *,
-        timeout_s: float | None = None,
-        confirmed: bool = False,
-        actor: str | None = None,
-    ) -> CallResult:
-        """Validate and send one tools/call.
-
-        Raises DeviceNotReady, UnknownTool, InvalidArguments, ConfirmationRequired (a risky tool
-        without `confirmed`), DeviceBusy before sending, and the MCP client's errors after
-        (RequestTimeout, DeviceDisconnected, DeviceError, ProtocolViolation). A tool that
-        reports `isError` returns normally. Every call, refused ones too, ends in one
-        `tool_called` event with `actor` (who asked: a key id, a conversation), the outcome and
-        the arguments (the audit log keeps their digest).
-        """
-        arguments = arguments or {}
-        started = time.perf_counter()
-        outcome = "error"
-        error: str | None = None
-        try:
-            tool = self._checked_tool(name, arguments)
-            if not confirmed:
-                reason = self._registry.confirmation.reason(self.device_id, tool)
-                if reason is not None:
-                    raise ConfirmationRequired(self.device_id, name, reason)
-            result = await self._send(tool, arguments, timeout_s, actor)
-            outcome = "tool_error" if result.is_error else "ok"
-            return result
-        except DeviceLayerError as exc:
-            outcome, error = "refused", type(exc).__name__
-            raise
-        except Exception as exc:
-            error = type(exc).__name__
-            raise
-        finally:
-            seconds = time.perf_counter() - started
-            failure = _FAILURES.get(error or "", "other")
-            record_mcp_call(failure if outcome == "error" else outcome, seconds)
-            duration_ms = seconds * 1000
-            self._registry.emit_from(
-                self.owner,
-                EventKind.TOOL_CALLED,
-                self.device_id,
-                tool=name,
-                outcome=outcome,
-                duration_ms=round(duration_ms, 3),
-                actor=actor,
-                arguments=arguments,
-                confirmed=confirmed,
-                error=error,
-            )
-
-    @property
-    def owner(self) -> str | None:
-        """The other bridge instance this device is connected to; None: connected here."""
-        return None
-
-    async def _send(
-        self, tool: Tool, arguments: dict[str, Any], timeout_s: float | None, actor: str | None
-    ) -> CallResult:
-        mcp = self._connection.mcp
-        limit = self._registry.max_pending_calls
-        if mcp.pending_count >= limit:
-            raise DeviceBusy(self.device_id, limit)
-        return await mcp.call_tool(tool.name, arguments, timeout_s=timeout_s)
-
-    def _checked_tool(self, name: str, arguments: dict[str, Any]) -> Tool:
-        if self._state is not DeviceState.READY:
-            if self._state is DeviceState.OFFLINE:
-                raise DeviceOffline(self.device_id)
-            raise DeviceNotReady(self.device_id, self._state.value)
-        tool = self._tools.by_name.get(name)
-        if tool is None:
-            raise UnknownTool(self.device_id, name, self._tools.by_name)
-        reason = argument_error(tool.input_schema, arguments)
-        if reason is not None:
-            raise InvalidArguments(name, reason)
-        return tool
-
-
-# The metrics' outcome of a call that failed after it was sent, by the error's class.
-_FAILURES = {
-    "RequestTimeout": "timeout",
-    "DeviceDisconnected": "disconnected",
-    "DeviceError": "device_error",
-    "ProtocolViolation": "protocol_error",
-}
-
-
-# ---- devices connected to another instance of a cluster -------------------------------------
-
-# Sends one validated tools/call to the instance a remote device is connected to:
-# (device, tool name, arguments, timeout_s, actor) -> the device's result, or the same errors a
-# local call raises.
-Forward = Callable[
-    ["RemoteDevice", str, dict[str, Any], float | None, str | None], Awaitable[CallResult]
-]
-
-
-class _Elsewhere:
-    """The `connection` of a remote device: nothing here can use its link."""
-
-    __slots__ = ("_device_id", "_owner")
-
-    def __init__(self, device_id: str, owner: str) -> None:
-        self._device_id = device_id
-        self._owner = owner
-
-    @property
-    def session_id(self) -> str:
-        return ""
-
-    @property
-    def mcp(self) -> McpClient:
-        raise DeviceElsewhere(self._device_id, self._owner)
-
-    @property
-    def conversation(self) -> Conversation:
-        raise DeviceElsewhere(self._device_id, self._owner)
-
-    def disconnect(self, reason: str, code: int) -> None:
-        return None  # its link is on the owner; the owner's lease check closes it
-
-
-@dataclass(frozen=True, slots=True)
-class RemoteReport:
-    """What another instance reported about a device connected to it (a fleet event)."""
-
-    kind: EventKind
-    device_id: str
-    owner: str
-    epoch: int
-    client_id: str | None = None
-    transport: str = "websocket"
-    state: DeviceState = DeviceState.CONNECTING
-    connected_at: float | None = None
-    server_info: Mapping[str, Any] | None = None
-    tools: ToolSet | None = None
-    # A report leaves out a large tool list: the digest names it in the shared catalogue.
-    tools_digest: str | None = None
-    error: str | None = None
-    reason: str | None = None
-
-
-class RemoteDevice(Device):
-    """A device connected to another bridge instance: listed and called like a local one, its
-    calls forwarded to that instance (`owner`)."""
-
-    __slots__ = ("_forward", "_owner", "epoch")
-
-    def __init__(self, report: RemoteReport, registry: "DeviceRegistry", forward: Forward) -> None:
-        identity = DeviceIdentity(report.device_id, report.client_id, 1, report.transport)
-        super().__init__(identity, _Elsewhere(report.device_id, report.owner), registry)
-        self._owner = report.owner
-        self._forward = forward
-        self.epoch = report.epoch
-        if report.connected_at is not None:
-            self.connected_at = report.connected_at
-
-    @property
-    def owner(self) -> str:
-        """The instance the device is connected to."""
-        return self._owner
-
-    async def _send(
-        self, tool: Tool, arguments: dict[str, Any], timeout_s: float | None, actor: str | None
-    ) -> CallResult:
-        return await self._forward(self, tool.name, arguments, timeout_s, actor)
 
 
 # ---- the registry -----------------------------------------------------------------------------
@@ -749,7 +266,7 @@ class DeviceRegistry:
         if not self._is_current(device):
             return
         tool_set = ToolSet.of(tools)
-        server_info = _shared_info(server_info)
+        server_info = shared_info(server_info)
         device._state = DeviceState.READY
         device._server_info = server_info
         device._tools = tool_set
@@ -894,7 +411,7 @@ class DeviceRegistry:
         current._state = report.state
         current._error = report.error
         if report.server_info is not None:
-            current._server_info = _shared_info(report.server_info)
+            current._server_info = shared_info(report.server_info)
         if report.tools is not None:
             current._tools = report.tools
         self._remember_remote(current)

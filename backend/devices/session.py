@@ -23,8 +23,10 @@ import structlog
 from backend.common import excerpt
 from backend.config import Settings
 from backend.devices.conversation import Conversation, ConversationHub, HandlerResult
+from backend.devices.device import Device
 from backend.devices.limits import InboundLimit
-from backend.devices.registry import Device, DeviceRegistry, DeviceState
+from backend.devices.registry import DeviceRegistry
+from backend.devices.state import DeviceState
 from backend.logs import DeviceBudgets, DeviceLog, LogBudget
 from backend.mcp_session import DeviceDisconnected, McpClient, McpError, TimeoutPolicy, Tool
 from backend.mcp_session.models import ToolLimits

@@ -57,7 +57,7 @@ from backend.common import Lru
 from backend.devices import DeviceRegistry
 from backend.devices.conversation import Conversation as DeviceConversation
 from backend.devices.conversation import ConversationHub, Unsubscribe
-from backend.devices.registry import EventKind
+from backend.devices.state import EventKind
 from backend.dialogue.timings import TurnTimings
 from backend.errors import BridgeError
 from backend.logs import DeviceBudgets, LogBudget

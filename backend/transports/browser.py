@@ -82,7 +82,7 @@ POLICY = 1008
 TOO_BIG = 1009
 _BROKE_A_BOUND = (POLICY, TOO_BIG)
 SHUTDOWN = "bridge shutting down"
-# backend.devices.registry.EventKind.TOOL_CALLED (a transport does not import the registry).
+# backend.devices.state.EventKind.TOOL_CALLED (a transport does not import the registry).
 TOOL_CALLED = "tool_called"
 TOOL_CALL = "tool_call"  # the page's message for one finished tool call of its device's turn
 DEVICE_ACTOR = "device:"  # the actor of a device's own turn (backend/dialogue/device_chat.py)
@@ -94,7 +94,7 @@ VoiceUnavailable = Callable[[], str | None]
 
 
 class DeviceEventView(Protocol):
-    """What the transport reads of a registry event (`backend.devices.registry.DeviceEvent`)."""
+    """What the transport reads of a registry event (`backend.devices.state.DeviceEvent`)."""
 
     @property
     def kind(self) -> str:

@@ -25,7 +25,7 @@ from backend.storage import Database, Migration
 if TYPE_CHECKING:
     from backend.config import Settings
     from backend.devices import DeviceRegistry
-    from backend.devices.registry import DeviceEvent
+    from backend.devices.state import DeviceEvent
 
 log = structlog.get_logger("voice.language")
 
@@ -130,7 +130,7 @@ class VoiceLanguages:
         self._unsubscribe.append(registry.subscribe(self._on_event))
 
     def _on_event(self, event: "DeviceEvent") -> None:
-        from backend.devices.registry import EventKind
+        from backend.devices.state import EventKind
 
         if event.kind is not EventKind.FORGOTTEN or event.origin is not None:
             return
