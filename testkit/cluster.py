@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 
+from backend.devices import UnknownDevice
 from backend.server import Bridge
 from backend.transports.mqtt_credentials import BridgeAccount
 from testkit.mosquitto import Mosquitto
@@ -176,6 +177,15 @@ async def running_cluster(
                 await cluster.stop(name)
         await balancer.stop()
         await broker.stop()
+
+
+def fleet_state(bridge: Bridge, device_id: str) -> str | None:
+    """The device's state in this instance's fleet view; None while the instance has not heard
+    of it (another instance's report travels through the broker: not there at once)."""
+    try:
+        return str(bridge.registry.summary(device_id)["state"])
+    except UnknownDevice:
+        return None
 
 
 async def until(check: Callable[[], Any], timeout_s: float = 10.0, what: str = "") -> Any:

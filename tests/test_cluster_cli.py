@@ -7,7 +7,7 @@ from pathlib import Path
 from backend.server import Bridge
 from backend.transports.mqtt_credentials import BridgeAccount
 from simulator import SimulatedDevice
-from testkit.cluster import Cluster, until
+from testkit.cluster import Cluster, fleet_state, until
 from testkit.cluster_processes import ServeInstance, instance_env
 from testkit.mosquitto import Mosquitto
 from testkit.settings import ADMIN_TOKEN
@@ -82,8 +82,8 @@ async def test_devices_shows_the_instance_serving_each_device(
     await gone.stop()
     await until(
         lambda: (
-            a.registry.summary(on_b.device_id)["state"] == "ready"
-            and a.registry.summary(gone.device_id)["state"] == "offline"
+            fleet_state(a, on_b.device_id) == "ready"
+            and fleet_state(a, gone.device_id) == "offline"
         ),
         what="a's fleet view",
     )

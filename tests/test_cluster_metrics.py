@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from backend import metrics
 from backend.server import Bridge
 from simulator import SimulatedDevice
-from testkit.cluster import FAST_LEASES, Cluster, until
+from testkit.cluster import FAST_LEASES, Cluster, fleet_state, until
 from testkit.settings import ADMIN_TOKEN, DEVICE_TOKEN
 from tests.cluster_helpers import cluster, devices
 
@@ -71,7 +71,7 @@ async def test_cluster_metrics_of_two_instances_while_calls_are_forwarded_and_on
     devices.append(device)
     device.start()
     await b.registry.wait_for_state(device.device_id)
-    await until(lambda: a.registry.summary(device.device_id)["state"] == "ready", what="on a")
+    await until(lambda: fleet_state(a, device.device_id) == "ready", what="on a")
     async with cluster.api("a") as api:
         for volume in (31, 32, 33):
             reply = await api.post(
