@@ -19,7 +19,9 @@ from backend.logs import EventBudget
 from backend.protocol.audio import AudioFrame
 from backend.transports.errors import PacketError, UdpError
 from backend.transports.udp import (
+    SourceBudgets,
     UdpAudioChannel,
+    UdpLimits,
     UdpSession,
 )
 from backend.transports.udp_packet import (
@@ -390,3 +392,12 @@ def test_rate_limited_log_keys_are_bounded() -> None:
         for index in range(10):
             limiter.hit(f"peer-{index}")
     assert [limiter.count(f"peer-{index}") for index in range(10)] == [0] * 7 + [1] * 3
+
+
+def test_a_failure_with_no_budget_left_spends_what_had_refilled() -> None:
+    """As before the buckets were shared: a source that keeps failing stays out of budget."""
+    budgets = SourceBudgets(UdpLimits(source_failures_per_s=1.0, source_burst=1.0))
+    assert budgets.charge("10.0.0.9", 0.0)  # its one failure: the bucket is now empty
+    assert not budgets.charge("10.0.0.9", 0.5)  # half a token had refilled: spent
+    assert budgets.exhausted("10.0.0.9", 1.2)  # 0.7 s of refill since, not a whole token
+    assert not budgets.exhausted("10.0.0.9", 1.5)

@@ -378,7 +378,10 @@ class SourceBudgets:
     def charge(self, key: str, now: float) -> bool:
         """One failure of `key`; True when this one emptied its bucket."""
         bucket = self._buckets.bucket(key, now)
-        return bucket.take(now) and bucket.tokens < 1.0
+        if not bucket.take(now):
+            bucket.tokens = 0.0  # a failure with nothing left spends what had refilled since
+            return False
+        return bucket.tokens < 1.0
 
 
 _SOURCE_BUDGET = f"drop_{DropReason.SOURCE_BUDGET}"

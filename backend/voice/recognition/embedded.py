@@ -37,10 +37,15 @@ LOOP_REPEATS = 3
 _CLAUSE = re.compile(r"[^,.!?;]+[,.!?;]?")
 
 
+def _plain(text: str) -> str:
+    """Lower case, without punctuation: how readings and clauses are compared."""
+    return re.sub(r"[^\w' ]", "", text).lower()
+
+
 def without_repeats(text: str) -> str:
     """A decoder that loops ("turn on the LED, turn on the LED, turn on the") said it once."""
     clauses = [c.strip() for c in _CLAUSE.findall(text) if c.strip()]
-    keys = [re.sub(r"[^\w' ]", "", c).lower() for c in clauses]
+    keys = [_plain(c) for c in clauses]
     for period in range(1, len(keys) // 2 + 1):
         whole = all(keys[i] == keys[i % period] for i in range(len(keys) - 1))
         last = keys[-1]
@@ -54,8 +59,7 @@ def transcript_of(decoded: Decoded) -> Transcript:
     once, a habitual invention on silence dropped, and readings that read the same merged
     (their beam shares added)."""
     text = without_repeats(decoded.text)
-    plain = re.sub(r"[^\w' ]", "", text).lower().strip()
-    if plain in _HALLUCINATIONS and decoded.no_speech_prob > NO_SPEECH / 2:
+    if _plain(text).strip() in _HALLUCINATIONS and decoded.no_speech_prob > NO_SPEECH / 2:
         text = ""
     logprob = decoded.avg_logprob if decoded.avg_logprob is not None else -10.0
     sure = logprob >= UNSURE_LOGPROB and decoded.no_speech_prob < NO_SPEECH
@@ -80,8 +84,7 @@ def transcript_of(decoded: Decoded) -> Transcript:
 
 def looped(text: str) -> bool:
     """Whether a clause comes back three times or more ("light mode, light mode, light mode")."""
-    keys = [re.sub(r"[^\w' ]", "", c).lower().strip() for c in _CLAUSE.findall(text)]
-    keys = [key for key in keys if key]
+    keys = [key for key in (_plain(c).strip() for c in _CLAUSE.findall(text)) if key]
     return any(keys.count(key) >= LOOP_REPEATS for key in set(keys))
 
 
